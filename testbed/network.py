@@ -1,0 +1,523 @@
+"""The emulated network: DCs of hosts behind gateway routers, joined by shaped WAN links.
+
+How it fits: hosts and routers are Mininet nodes (unnamed network namespaces, one bash
+each), each DC's hosts hang off a Linux bridge (``LinuxBridge``, no controller), and each
+DC has one gateway router.  WAN links are veth pairs between gateways with static routes
+(shortest delay), so traffic between two DCs crosses exactly their link.  Each direction of
+a WAN link is shaped at the sending gateway:
+
+* delay and jitter: netem (``kernel.py`` finds it) or, without netem, the userspace TUN
+  delay line (``delayline.py``) that policy routing puts in the path;
+* rate and queue: HTB with a byte-limited leaf, through pyroute2 (``shaping.py``);
+* loss: netem, or an iptables ``statistic`` rule in the gateway, or the delay line.
+
+``Network`` builds all of it, records every piece in the ``Registry`` as it appears, and
+removes it on ``stop()`` (also on Ctrl-C through the context manager; after SIGKILL,
+``testbed clean`` does it from the registry).  ``WanDirection`` is the handle callers use
+at run time: change parameters in place, sample counters, define traffic classes.
+
+Addresses: DC ``i`` (1-based, in file order) is ``10.i.0.0/24``; host ``j`` is ``10.i.0.j``;
+the gateway is ``10.i.0.254``; WAN link ``n`` uses ``10.255.x.y/30``.  These exist only inside
+the testbed's namespaces; no route leads out of them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
+from .registry import PREFIX, Registry
+from .shaping import ClassCounters, Counters, EgressShaper, NetemParams
+from .spec import Direction, Topology
+
+DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)
+_TCP_MEM = "4096 131072 67108864"
+_DELAYLINE_START_TIMEOUT_S = 20.0
+
+
+class NetworkError(RuntimeError):
+    """The network could not be built or driven; the message is one line."""
+
+
+def _import_mininet():
+    mininet_on_path()
+    from mininet.log import setLogLevel
+    from mininet.net import Mininet
+    from mininet.node import Host
+    from mininet.nodelib import LinuxBridge
+
+    setLogLevel("error")
+    return Mininet, Host, LinuxBridge
+
+
+def default_queue_bytes(params: Direction, rtt_ms: float) -> int:
+    """The bottleneck queue: ~rate x max(20 ms, RTT/2), at least two GSO packets."""
+    if params.queue_bytes is not None:
+        return params.queue_bytes
+    rate_bytes = params.rate_mbps * 1e6 / 8
+    return int(max(131072, rate_bytes * max(0.020, rtt_ms / 2000.0)))
+
+
+@dataclass
+class HostInfo:
+    dc: str
+    index: int  # 0-based within its DC
+    name: str
+    ip: str
+    node: Any  # mininet.node.Host
+
+
+class _DelayLineClient:
+    """Talks to one delay-line process over its Unix datagram socket."""
+
+    def __init__(self, control_path: Path, client_path: Path):
+        import socket
+
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if client_path.exists():
+            client_path.unlink()
+        self._sock.bind(str(client_path))
+        self._sock.settimeout(2.0)
+        self._control = str(control_path)
+        self._client_path = client_path
+
+    def request(self, msg: dict) -> dict:
+        self._sock.sendto(json.dumps(msg).encode(), self._control)
+        reply = json.loads(self._sock.recv(65536))
+        if not reply.get("ok"):
+            raise NetworkError(f"delay line {self._control}: {reply.get('error')}")
+        return reply
+
+    def close(self) -> None:
+        self._sock.close()
+        try:
+            self._client_path.unlink()
+        except OSError:
+            pass
+
+
+@dataclass
+class WanDirection:
+    """One shaped direction of a WAN link: ``src`` DC -> ``dst`` DC."""
+
+    src: str
+    dst: str
+    params: Direction
+    ifname: str
+    router: Any
+    shaper: EgressShaper
+    backends: Backends
+    lane: str | None = None
+    delay_client: _DelayLineClient | None = None
+    _loss_chain: str | None = None
+    _loss_installed: bool = field(default=False, repr=False)
+
+    def set(self, **changes: float) -> Direction:
+        """Change delay_ms, jitter_ms, loss, rate_mbps or queue_bytes in place, now."""
+        merged = self.params.model_dump() | changes
+        try:
+            new = Direction(**merged)
+        except Exception as exc:  # pydantic's error, made one line
+            raise NetworkError(f"{self.src}->{self.dst}: {str(exc).splitlines()[0]}: {exc}") from None
+        old = self.params
+        if new.rate_mbps != old.rate_mbps:
+            self.shaper.set_rate(new.rate_mbps)
+        if new.queue_bytes != old.queue_bytes and new.queue_bytes is not None:
+            self.shaper.set_queue(new.queue_bytes)
+        delay_changed = (new.delay_ms, new.jitter_ms) != (old.delay_ms, old.jitter_ms)
+        if self.backends.delay == "netem":
+            if delay_changed or new.loss != old.loss:
+                self.shaper.set_netem(NetemParams(new.delay_ms, new.jitter_ms, new.loss))
+        elif delay_changed and self.delay_client is not None:
+            self.delay_client.request({"lane": self.lane, "delay_ms": new.delay_ms, "jitter_ms": new.jitter_ms})
+        if new.loss != old.loss:
+            if self.backends.loss == "delayline":
+                self.delay_client.request({"lane": self.lane, "loss": new.loss})
+            elif self.backends.loss == "iptables":
+                self._set_iptables_loss(new.loss)
+        self.params = new
+        return new
+
+    def _set_iptables_loss(self, loss: float) -> None:
+        chain = self._loss_chain
+        cmds = []
+        if not self._loss_installed:
+            cmds.append(f"iptables -w -N {chain} && iptables -w -A FORWARD -o {self.ifname} -j {chain}")
+            self._loss_installed = True
+        cmds.append(f"iptables -w -F {chain}")
+        if loss > 0:
+            cmds.append(
+                f"iptables -w -A {chain} -m statistic --mode random --probability {loss:.6f} -j DROP"
+            )
+        out = self.router.cmd(" && ".join(cmds) + " && echo gtb-ok")
+        if "gtb-ok" not in out:
+            raise NetworkError(f"{self.src}->{self.dst}: setting loss failed: {out.strip().splitlines()[-1:]}")
+
+    def counters(self) -> Counters:
+        """Bytes and packets sent on the link so far, drops, backlog, per traffic class."""
+        return self.shaper.counters()
+
+    def add_class(self, name: str, matches: list[tuple[str | None, str | None]], share: float = 0.0) -> None:
+        """Classify packets by (src, dst) host address into a class with a guaranteed share."""
+        self.shaper.add_class(name, matches, share)
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        self.shaper.set_shares(shares)
+
+    def delay_line_stats(self) -> dict | None:
+        if self.delay_client is None:
+            return None
+        return self.delay_client.request({"cmd": "stats"})["lanes"][self.lane]
+
+
+class Network:
+    """Build, run and tear down one topology.  Use as a context manager."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        delay_backend: str = "auto",
+        loss_backend: str = "auto",
+        compensation_ms: float = DEFAULT_COMPENSATION_MS,
+        realtime: bool = True,
+        caps: Capabilities | None = None,
+        progress: Callable[[str], None] | None = None,
+    ):
+        self.topo = topo
+        self.caps = caps or probe()
+        require_runtime(self.caps)
+        self.backends = choose_backends(self.caps, delay_backend, loss_backend)
+        self.compensation_ms = compensation_ms
+        self.realtime = realtime
+        self.registry = Registry()
+        self._progress = progress or (lambda msg: None)
+        self._net = None
+        self._hosts: dict[str, list[HostInfo]] = {}
+        self._routers: dict[str, Any] = {}
+        self._iprs: dict[str, Any] = {}
+        self._links: dict[tuple[str, str], WanDirection] = {}
+        self._delay_procs: dict[str, subprocess.Popen] = {}
+        self._clients: list[_DelayLineClient] = []
+        self._popened: list[subprocess.Popen] = []
+        self._index = {dc.name: i + 1 for i, dc in enumerate(topo.dcs)}
+        self._wan_addr: dict[tuple[str, str], str] = {}
+        self.started = False
+        self.startup_s = 0.0
+
+    # -- names and addresses ----------------------------------------------------------
+    def _node_name(self, dc: str, kind: str, j: int | None = None) -> str:
+        return f"{PREFIX}{self._index[dc]}{kind}{'' if j is None else j}"
+
+    def _wan_ifname(self, src: str, dst: str) -> str:
+        return f"{PREFIX}{self._index[src]}r-w{self._index[dst]}"
+
+    def _lane_name(self, src: str, dst: str) -> str:
+        return f"{PREFIX}{self._index[src]}t{self._index[dst]}"
+
+    def subnet(self, dc: str) -> str:
+        return f"10.{self._index[dc]}.0.0/24"
+
+    def gateway_ip(self, dc: str) -> str:
+        return f"10.{self._index[dc]}.0.254"
+
+    # -- public queries -------------------------------------------------------------
+    def hosts(self, dc: str | None = None) -> list[HostInfo]:
+        if dc is not None:
+            return self._hosts[dc]
+        return [h for dc_hosts in self._hosts.values() for h in dc_hosts]
+
+    def host(self, dc: str, index: int = 0) -> HostInfo:
+        try:
+            return self._hosts[dc][index]
+        except (KeyError, IndexError):
+            raise NetworkError(f"no host {index} in DC {dc!r}") from None
+
+    def router(self, dc: str) -> Any:
+        return self._routers[dc]
+
+    def link(self, src: str, dst: str) -> WanDirection:
+        try:
+            return self._links[(src, dst)]
+        except KeyError:
+            raise NetworkError(f"no WAN link {src} -> {dst}") from None
+
+    def links(self) -> list[WanDirection]:
+        return list(self._links.values())
+
+    def popen(self, host: HostInfo | Any, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """Start a process inside a host; it is recorded and ended by stop()/clean."""
+        node = host.node if isinstance(host, HostInfo) else host
+        proc = node.popen(cmd, **kwargs)
+        self.registry.process(proc.pid, f"popen:{node.name}", own_netns=False)
+        self._popened.append(proc)
+        return proc
+
+    # -- lifecycle ------------------------------------------------------------------
+    def __enter__(self) -> "Network":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "Network":
+        t0 = time.monotonic()
+        self.registry.acquire()
+        try:
+            self._build()
+        except BaseException:
+            self.stop()
+            raise
+        self.started = True
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _build(self) -> None:
+        Mininet, Host, LinuxBridge = _import_mininet()
+        topo = self.topo
+        self._progress("creating hosts")
+        net = Mininet(
+            topo=None, switch=LinuxBridge, controller=None, build=False,
+            autoSetMacs=False, autoStaticArp=False, waitConnected=False,
+        )
+        self._net = net
+        for dc in topo.dcs:
+            i = self._index[dc.name]
+            sw_name = self._node_name(dc.name, "s")
+            self.registry.link(sw_name)
+            net.addSwitch(sw_name, dpid=f"{i:016x}")
+            router = net.addHost(self._node_name(dc.name, "r"), ip=f"10.{i}.0.254/24")
+            self.registry.process(router.pid, f"router:{dc.name}")
+            self._routers[dc.name] = router
+            self._hosts[dc.name] = []
+            for j in range(1, dc.hosts + 1):
+                name = self._node_name(dc.name, "h", j)
+                node = net.addHost(name, ip=f"10.{i}.0.{j}/24")
+                self.registry.process(node.pid, f"host:{dc.name}")
+                self._hosts[dc.name].append(HostInfo(dc.name, j - 1, name, f"10.{i}.0.{j}", node))
+        self._progress("creating links")
+        for dc in topo.dcs:
+            sw = net[self._node_name(dc.name, "s")]
+            net.addLink(self._routers[dc.name], sw)
+            for h in self._hosts[dc.name]:
+                net.addLink(h.node, sw)
+        for n, link in enumerate(topo.wan):
+            base = ipaddress.ip_address("10.255.0.0") + 4 * n
+            a_ip, b_ip = f"{base + 1}", f"{base + 2}"
+            self._wan_addr[(link.a, link.b)] = b_ip  # next-hop address seen from a
+            self._wan_addr[(link.b, link.a)] = a_ip
+            net.addLink(
+                self._routers[link.a], self._routers[link.b],
+                intfName1=self._wan_ifname(link.a, link.b), intfName2=self._wan_ifname(link.b, link.a),
+                params1={"ip": f"{a_ip}/30"}, params2={"ip": f"{b_ip}/30"},
+            )
+        net.build()
+        net.start()
+        self._quiet_root_side()
+        self._progress("configuring hosts")
+        self._configure_hosts()
+        self._progress("configuring gateways")
+        self._configure_routers()
+        self._progress("shaping WAN links")
+        self._shape_links()
+
+    def _quiet_root_side(self) -> None:
+        """Our interfaces in the root namespace carry no IP: switch off IPv6 there too."""
+        for name in os.listdir("/sys/class/net"):
+            if name.startswith(PREFIX):
+                try:
+                    with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as fh:
+                        fh.write("1")
+                except OSError:
+                    pass
+
+    def _configure_hosts(self) -> None:
+        cmds = []
+        for dc in self.topo.dcs:
+            gw = self.gateway_ip(dc.name)
+            rate = self.topo.intra_dc.rate_mbps
+            for h in self._hosts[dc.name]:
+                cmd = (
+                    "sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 "
+                    "net.ipv4.tcp_congestion_control=cubic net.ipv4.tcp_no_metrics_save=1 "
+                    f"'net.ipv4.tcp_rmem={_TCP_MEM}' 'net.ipv4.tcp_wmem={_TCP_MEM}'; "
+                    f"ip route add default via {gw}"
+                )
+                if rate > 0:
+                    burst = max(32000, int(rate * 1e6 / 8 * 0.002))
+                    cmd += f"; tc qdisc add dev {h.name}-eth0 root tbf rate {rate}mbit burst {burst} latency 20ms"
+                cmds.append((h.node, cmd))
+        for node, cmd in cmds:  # in parallel: every shell works at once
+            node.sendCmd(cmd)
+        for node, _ in cmds:
+            node.waitOutput()
+
+    def _configure_routers(self) -> None:
+        from pyroute2 import IPRoute
+
+        for dc, router in self._routers.items():
+            router.sendCmd(
+                "sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0 "
+                "net.ipv4.conf.default.rp_filter=0 net.ipv6.conf.all.disable_ipv6=1 "
+                "net.ipv6.conf.default.disable_ipv6=1 net.ipv4.conf.all.send_redirects=0 "
+                "net.ipv4.conf.default.send_redirects=0; "
+                "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done"
+            )
+        for router in self._routers.values():
+            router.waitOutput()
+        for dc, router in self._routers.items():
+            self._iprs[dc] = IPRoute(netns=f"/proc/{router.pid}/ns/net", flags=0)
+        if self.backends.delay == "tun":
+            self._start_delay_lines()
+        for dc in self._routers:
+            self._install_routes(dc)
+
+    def _neighbours(self, dc: str) -> list[str]:
+        return [d for (s, d) in self._wan_addr if s == dc]
+
+    def _start_delay_lines(self) -> None:
+        state = self.registry.dir
+        for dc, router in self._routers.items():
+            lanes = []
+            for nb in self._neighbours(dc):
+                p = self.topo.direction(dc, nb)
+                lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms, "jitter_ms": p.jitter_ms,
+                              "loss": p.loss if self.backends.loss == "delayline" else 0.0})
+            if not lanes:
+                continue
+            cfg = {
+                "lanes": lanes,
+                "control_path": str(state / f"{router.name}.sock"),
+                "compensation_ms": self.compensation_ms,
+                "seed": self._index[dc],
+                "realtime": self.realtime,
+            }
+            cfg_path = state / f"{router.name}.json"
+            cfg_path.write_text(json.dumps(cfg))
+            self.registry.file(cfg_path)
+            self.registry.file(cfg["control_path"])
+            proc = router.popen(
+                [sys.executable, "-m", "testbed.delayline", str(cfg_path)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+            )
+            self.registry.process(proc.pid, f"delayline:{dc}", own_netns=False)
+            self._delay_procs[dc] = proc
+        deadline = time.monotonic() + _DELAYLINE_START_TIMEOUT_S
+        for dc, proc in self._delay_procs.items():
+            line = _readline_until(proc, deadline)
+            if line.strip() != "ready":
+                err = (proc.stderr.read() if proc.poll() is not None else "") or line or "no answer"
+                raise NetworkError(f"delay line in {dc} failed to start: {err.strip().splitlines()[-1]}")
+
+    def _install_routes(self, dc: str) -> None:
+        ipr = self._iprs[dc]
+        hops = self.topo.next_hops(dc)
+        tun = self.backends.delay == "tun"
+        if tun:
+            for n, nb in enumerate(self._neighbours(dc)):
+                lane = self._lane_name(dc, nb)
+                idx = ipr.link_lookup(ifname=lane)[0]
+                ipr.link("set", index=idx, state="up", txqlen=10000)
+                table = 1000 + n
+                ipr.route("add", dst="0.0.0.0/0", oif=idx, table=table)
+                ipr.rule("add", iifname=lane, table=254, priority=100)
+        for other in self.topo.dcs:
+            if other.name == dc:
+                continue
+            nh = hops[other.name]
+            ipr.route("add", dst=self.subnet(other.name), gateway=self._wan_addr[(dc, nh)])
+            if tun:
+                table = 1000 + self._neighbours(dc).index(nh)
+                net, plen = self.subnet(other.name).split("/")
+                ipr.rule("add", dst=net, dst_len=int(plen), table=table, priority=200)
+
+    def _shape_links(self) -> None:
+        for src, dst, params in self.topo.directions():
+            rtt = params.delay_ms + self.topo.direction(dst, src).delay_ms
+            queue = default_queue_bytes(params, rtt)
+            netem = (
+                NetemParams(params.delay_ms, params.jitter_ms, params.loss) if self.backends.delay == "netem" else None
+            )
+            shaper = EgressShaper(self._iprs[src], self._wan_ifname(src, dst), params.rate_mbps, queue, netem)
+            shaper.install()
+            wd = WanDirection(
+                src, dst, params, self._wan_ifname(src, dst), self._routers[src], shaper, self.backends,
+                _loss_chain=f"GTB-LOSS-{self._index[dst]}",
+            )
+            if self.backends.delay == "tun":
+                wd.lane = self._lane_name(src, dst)
+            if params.loss > 0 and self.backends.loss == "iptables":
+                wd._set_iptables_loss(params.loss)
+            self._links[(src, dst)] = wd
+        if self.backends.delay == "tun":
+            for dc in self._delay_procs:
+                client = _DelayLineClient(
+                    self.registry.dir / f"{self._routers[dc].name}.sock",
+                    self.registry.dir / f"client-{os.getpid()}-{self._index[dc]}.sock",
+                )
+                self.registry.file(client._client_path)
+                self._clients.append(client)
+                for nb in self._neighbours(dc):
+                    self._links[(dc, nb)].delay_client = client
+
+    def stop(self) -> None:
+        """Remove everything this network made.  Safe to call twice."""
+        for proc in self._popened:
+            _terminate(proc)
+        self._popened.clear()
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
+        for proc in self._delay_procs.values():
+            _terminate(proc)
+        self._delay_procs.clear()
+        for ipr in self._iprs.values():
+            try:
+                ipr.close()
+            except Exception:
+                pass
+        self._iprs.clear()
+        if self._net is not None:
+            try:
+                self._net.stop()
+            except Exception:
+                pass
+            self._net = None
+        from .registry import clean
+
+        clean(self.registry.dir, holding_lock=True)
+        self.registry.release()
+        self.started = False
+
+
+def _readline_until(proc: subprocess.Popen, deadline: float) -> str:
+    import select
+
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if r:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            return ""
+    return ""
+
+
+def _terminate(proc: subprocess.Popen, timeout: float = 3.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        proc.terminate()
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+    except ProcessLookupError:
+        pass

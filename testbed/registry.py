@@ -1,0 +1,246 @@
+"""What the testbed made, written down as it is made, so it can always be removed.
+
+How it fits: ``network.py`` records every process (Mininet host shells, delay lines,
+iperf3 and workers it starts), every named namespace and every root-namespace interface
+in an append-only file under ``STATE_DIR`` the moment it exists.  ``clean()`` reads that
+file and removes all of it: processes are ended by PID (checked against their start time,
+so a recycled PID is never hit), then every process still living inside one of the
+recorded network namespaces (they can only be ours), then named namespaces and
+interfaces whose names start with ``PREFIX``.  It works after the orchestrator was killed
+with SIGKILL, because nothing it needs lives in that process.
+
+Everything the testbed creates is named with ``PREFIX`` ("gtb": geo-distributed training
+testbed) so that ``testbed clean`` finds all of it and nothing else.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+PREFIX = "gtb"
+STATE_DIR = Path(os.environ.get("GTB_STATE_DIR", "/run/gtb"))
+_REGISTRY = "registry.jsonl"
+_LOCK = "lock"
+
+
+class Busy(RuntimeError):
+    """Another testbed network is running on this machine."""
+
+
+def _proc_start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # field 22 (starttime), counted after the ')' that closes the command name
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def netns_inode(pid: int | str) -> int | None:
+    path = f"/proc/{pid}/ns/net" if isinstance(pid, int) else pid
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _outside_namespaces() -> set[int]:
+    """Namespaces that are never the testbed's: this process's and init's."""
+    return {ns for ns in (netns_inode("/proc/self/ns/net"), netns_inode(1)) if ns is not None}
+
+
+class Registry:
+    """Append-only record of what one run created; also the one-run-at-a-time lock."""
+
+    def __init__(self, state_dir: Path = STATE_DIR):
+        self.dir = state_dir
+        self._lock_fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.dir / _REGISTRY
+
+    def acquire(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Busy(
+                "another testbed network is running on this machine (lock "
+                f"{self.dir / _LOCK}); wait for it, or run 'testbed clean --force'"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+        if self.path.exists():  # a crashed run left things behind
+            clean(self.dir, holding_lock=True)
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _append(self, entry: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+            fh.flush()
+
+    def process(self, pid: int, role: str, own_netns: bool = True) -> None:
+        """Record a process; ``own_netns`` when it holds one of the testbed's namespaces.
+
+        A namespace is only recorded if it differs from every namespace outside the
+        testbed (ours, init's): clean() ends every process inside a recorded namespace.
+        """
+        ns = netns_inode(pid) if own_netns else None
+        if ns in _outside_namespaces():
+            ns = None
+        self._append({"kind": "process", "pid": pid, "start": _proc_start_time(pid), "netns": ns, "role": role})
+
+    def netns(self, name: str) -> None:
+        self._append({"kind": "netns", "name": name, "inode": netns_inode(f"/run/netns/{name}")})
+
+    def link(self, name: str) -> None:
+        self._append({"kind": "link", "name": name})
+
+    def file(self, path: str | Path) -> None:
+        self._append({"kind": "file", "path": str(path)})
+
+
+def _read(state_dir: Path) -> list[dict]:
+    path = state_dir / _REGISTRY
+    entries = []
+    try:
+        for line in path.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut short by SIGKILL
+    except OSError:
+        pass
+    return entries
+
+
+def _recorded_namespaces(entries: list[dict]) -> set[int]:
+    return {e.get("netns") or e.get("inode") for e in entries} - {None} - _outside_namespaces()
+
+
+def _kill(pids: set[int], timeout: float = 2.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in list(pids):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pids.discard(pid)
+        deadline = time.monotonic() + timeout
+        while pids and time.monotonic() < deadline:
+            for pid in list(pids):
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+                if _proc_start_time(pid) is None or _is_zombie(pid):
+                    pids.discard(pid)
+            time.sleep(0.02)
+        if not pids:
+            return
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _processes_in(inodes: set[int]) -> set[int]:
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me and netns_inode(int(entry)) in inodes:
+            found.add(int(entry))
+    return found
+
+
+def leftovers(state_dir: Path = STATE_DIR) -> dict[str, list]:
+    """What a clean would remove now (for reporting and tests)."""
+    entries = _read(state_dir)
+    inodes = _recorded_namespaces(entries)
+    procs = {
+        e["pid"]
+        for e in entries
+        if e["kind"] == "process" and e.get("start") is not None and _proc_start_time(e["pid"]) == e["start"]
+    }
+    procs |= _processes_in(inodes)
+    netns = sorted(n for n in _named_netns() if n.startswith(PREFIX))
+    links = sorted(n for n in _root_links() if n.startswith(PREFIX))
+    return {"processes": sorted(procs), "netns": netns, "links": links}
+
+
+def _named_netns() -> list[str]:
+    try:
+        return os.listdir("/run/netns")
+    except OSError:
+        return []
+
+
+def _root_links() -> list[str]:
+    try:
+        return os.listdir("/sys/class/net")
+    except OSError:
+        return []
+
+
+def _delete_links(names: list[str]) -> None:
+    if not names:
+        return
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    with IPRoute() as ipr:
+        for name in names:
+            try:
+                ipr.link("del", ifname=name)
+            except NetlinkError:
+                pass  # gone with its namespace meanwhile
+
+
+def clean(state_dir: Path = STATE_DIR, holding_lock: bool = False, force: bool = False) -> dict[str, list]:
+    """Remove everything a (possibly crashed) run made; return what was removed."""
+    if not holding_lock and (state_dir / _LOCK).exists():
+        fd = os.open(state_dir / _LOCK, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not force:
+                os.close(fd)
+                holder = (state_dir / _LOCK).read_text().strip() or "?"
+                raise Busy(f"a testbed run (pid {holder}) is still running; stop it, or use --force") from None
+        os.close(fd)
+    found = leftovers(state_dir)
+    _kill(set(found["processes"]))
+    # processes that entered our namespaces while we were killing (e.g. a shell's child)
+    _kill(_processes_in(_recorded_namespaces(_read(state_dir))))
+    for name in found["netns"]:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    _delete_links(sorted(n for n in _root_links() if n.startswith(PREFIX)))
+    for entry in _read(state_dir):
+        if entry["kind"] == "file":
+            try:
+                os.unlink(entry["path"])
+            except OSError:
+                pass
+    try:
+        (state_dir / _REGISTRY).unlink()
+    except OSError:
+        pass
+    return found

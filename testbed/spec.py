@@ -1,0 +1,231 @@
+"""Topology specs: what a user writes in ``topologies/*.yaml``, validated by pydantic.
+
+How it fits: ``load_topology`` turns a YAML file into a ``Topology``; ``network.py`` builds
+that topology out of namespaces, bridges and shaped WAN links; ``fidelity.py`` measures it
+against the numbers here.  Nothing is created until a spec has passed validation, and a
+bad file raises ``SpecError`` whose message is one line: the file, the field, the problem.
+
+A WAN link joins two DCs.  Its parameters (one-way delay, jitter, loss, rate, queue) apply
+to the direction ``a -> b``; ``reverse`` overrides any of them for ``b -> a`` (asymmetric
+links), otherwise ``b -> a`` is the same.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_NAME = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
+MAX_DCS = 250
+MAX_HOSTS_PER_DC = 250
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; ``str()`` is one line naming the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HostResources(_Strict):
+    """What one worker host stands for: a share of this machine's CPUs, or one GPU."""
+
+    cpus: float = Field(0.0, ge=0.0, description="CPU cores for this host's container; 0 = unlimited")
+    gpus: int = Field(0, ge=0, le=16)
+
+
+class DataCenter(_Strict):
+    name: str
+    hosts: int = Field(ge=1, le=MAX_HOSTS_PER_DC)
+    host: HostResources = HostResources()
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be lower-case letters, digits or '-', starting with a letter, at most 24 characters")
+        return v
+
+
+class Direction(_Strict):
+    """Shaping of one direction of a WAN link."""
+
+    delay_ms: float = Field(ge=0.0, le=10_000.0, description="one-way delay")
+    jitter_ms: float = Field(0.0, ge=0.0)
+    loss: float = Field(0.0, ge=0.0, lt=1.0, description="fraction of packets dropped at random")
+    rate_mbps: float = Field(gt=0.0, le=100_000.0)
+    queue_bytes: int | None = Field(None, ge=3000, description="bottleneck queue; default ~ rate x max(20 ms, RTT/2)")
+
+    @model_validator(mode="after")
+    def _jitter_below_delay(self) -> "Direction":
+        if self.jitter_ms > self.delay_ms:
+            raise ValueError(f"jitter_ms ({self.jitter_ms}) must not exceed delay_ms ({self.delay_ms})")
+        return self
+
+
+class ReverseOverrides(_Strict):
+    delay_ms: float | None = Field(None, ge=0.0, le=10_000.0)
+    jitter_ms: float | None = Field(None, ge=0.0)
+    loss: float | None = Field(None, ge=0.0, lt=1.0)
+    rate_mbps: float | None = Field(None, gt=0.0, le=100_000.0)
+    queue_bytes: int | None = Field(None, ge=3000)
+
+
+class WanLink(Direction):
+    a: str
+    b: str
+    reverse: ReverseOverrides | None = None
+
+    def forward(self) -> Direction:
+        return Direction(**self.model_dump(include=set(Direction.model_fields)))
+
+    def backward(self) -> Direction:
+        values = self.forward().model_dump()
+        if self.reverse is not None:
+            values.update({k: v for k, v in self.reverse.model_dump().items() if v is not None})
+        return Direction(**values)
+
+
+class IntraDC(_Strict):
+    rate_mbps: float = Field(0.0, ge=0.0, description="host <-> switch link speed; 0 = unshaped")
+
+
+class Topology(_Strict):
+    name: str
+    description: str = ""
+    source: str = ""
+    dcs: list[DataCenter] = Field(min_length=1, max_length=MAX_DCS)
+    wan: list[WanLink] = []
+    intra_dc: IntraDC = IntraDC()
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> "Topology":
+        names = [dc.name for dc in self.dcs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"dcs: duplicate DC name {dupes[0]!r}")
+        seen: set[frozenset[str]] = set()
+        for i, link in enumerate(self.wan):
+            for end in (link.a, link.b):
+                if end not in names:
+                    raise ValueError(f"wan[{i}]: unknown DC {end!r} (known: {', '.join(names)})")
+            if link.a == link.b:
+                raise ValueError(f"wan[{i}]: a link needs two different DCs, got {link.a!r} twice")
+            pair = frozenset((link.a, link.b))
+            if pair in seen:
+                raise ValueError(f"wan[{i}]: a second link between {link.a!r} and {link.b!r}")
+            seen.add(pair)
+        unreachable = set(names) - set(self.next_hops(names[0]))
+        if unreachable:
+            raise ValueError(f"wan: DC {sorted(unreachable)[0]!r} cannot be reached from {names[0]!r}")
+        return self
+
+    # -- queries the network builder and the tools share ------------------------------
+    def dc(self, name: str) -> DataCenter:
+        for dc in self.dcs:
+            if dc.name == name:
+                return dc
+        raise KeyError(name)
+
+    def directions(self) -> list[tuple[str, str, Direction]]:
+        """Every shaped WAN direction as (src DC, dst DC, parameters)."""
+        out = []
+        for link in self.wan:
+            out.append((link.a, link.b, link.forward()))
+            out.append((link.b, link.a, link.backward()))
+        return out
+
+    def direction(self, src: str, dst: str) -> Direction:
+        for s, d, params in self.directions():
+            if (s, d) == (src, dst):
+                return params
+        raise KeyError(f"no WAN link {src} -> {dst}")
+
+    def next_hops(self, src: str) -> dict[str, str]:
+        """Shortest-delay routing: for each reachable DC, the neighbour to send through."""
+        adj: dict[str, list[tuple[float, str]]] = {dc.name: [] for dc in self.dcs}
+        for s, d, params in self.directions():
+            adj[s].append((params.delay_ms, d))
+        best: dict[str, float] = {src: 0.0}
+        first: dict[str, str] = {src: src}
+        heap: list[tuple[float, str, str]] = [(0.0, src, src)]
+        while heap:
+            cost, node, hop = heapq.heappop(heap)
+            if cost > best.get(node, float("inf")):
+                continue
+            for w, nxt in sorted(adj[node]):
+                c = cost + w
+                if c < best.get(nxt, float("inf")):
+                    best[nxt] = c
+                    first[nxt] = nxt if node == src else hop
+                    heapq.heappush(heap, (c, nxt, first[nxt]))
+        return first
+
+    def path(self, src: str, dst: str) -> list[str]:
+        """DCs crossed from src to dst, both included."""
+        path = [src]
+        while path[-1] != dst:
+            path.append(self.next_hops(path[-1])[dst])
+        return path
+
+    def one_way_delay_ms(self, src: str, dst: str) -> float:
+        hops = self.path(src, dst)
+        return sum(self.direction(a, b).delay_ms for a, b in zip(hops, hops[1:]))
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def parse_topology(data: Any, origin: str = "<topology>") -> Topology:
+    """Validate already-parsed YAML; raise SpecError with a one-line message."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return Topology.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = _where(tuple(p for p in err["loc"] if p not in ("function-after",)))
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SpecError(f"{origin}: {loc}: {msg}") from None
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "?"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path}: invalid YAML at {where}: {problem}") from None
+    return parse_topology(data, str(path))
+
+
+def resolve_topology(name_or_path: str | Path) -> Path:
+    """A topology given by path, or by name from the repository's ``topologies/``."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    repo = Path(__file__).resolve().parent.parent / "topologies"
+    for candidate in (repo / f"{name_or_path}.yaml", repo / str(name_or_path)):
+        if candidate.exists():
+            return candidate
+    raise SpecError(f"{name_or_path}: no such topology file (looked in ./ and {repo}/)")
