@@ -96,6 +96,11 @@ class DelayLine:
         self._control.setblocking(False)
         self._control_path = control_path
         self._running = True
+        # a signal wakes select() through this pipe (PEP 475 would otherwise resume it)
+        self._wake_r, wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
 
     def _configure(self, lane: _Lane, spec: dict) -> None:
         if "delay_ms" in spec:
@@ -163,7 +168,7 @@ class DelayLine:
 
     def run(self) -> None:
         lanes = list(self.lanes.values())
-        fds = [lane.fd for lane in lanes] + [self._control.fileno()]
+        fds = [lane.fd for lane in lanes] + [self._control.fileno(), self._wake_r]
         control_fd = self._control.fileno()
         monotonic = time.monotonic
         write = os.write
@@ -191,6 +196,8 @@ class DelayLine:
             for fd in ready:
                 if fd == control_fd:
                     self._handle_control()
+                elif fd == self._wake_r:
+                    os.read(self._wake_r, 64)
                 else:
                     self._read_lane(self._by_fd[fd], now)
         try:

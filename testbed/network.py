@@ -347,6 +347,7 @@ class Network:
                 cmd = (
                     "sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 "
                     "net.ipv4.tcp_congestion_control=cubic net.ipv4.tcp_no_metrics_save=1 "
+                    "net.core.rmem_max=67108864 net.core.wmem_max=67108864 "
                     f"'net.ipv4.tcp_rmem={_TCP_MEM}' 'net.ipv4.tcp_wmem={_TCP_MEM}'; "
                     f"ip route add default via {gw}"
                 )
@@ -470,14 +471,11 @@ class Network:
 
     def stop(self) -> None:
         """Remove everything this network made.  Safe to call twice."""
-        for proc in self._popened:
-            _terminate(proc)
-        self._popened.clear()
         for client in self._clients:
             client.close()
         self._clients.clear()
-        for proc in self._delay_procs.values():
-            _terminate(proc)
+        _terminate_all(self._popened + list(self._delay_procs.values()))
+        self._popened.clear()
         self._delay_procs.clear()
         for ipr in self._iprs.values():
             try:
@@ -510,14 +508,18 @@ def _readline_until(proc: subprocess.Popen, deadline: float) -> str:
     return ""
 
 
-def _terminate(proc: subprocess.Popen, timeout: float = 3.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        proc.terminate()
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
-    except ProcessLookupError:
-        pass
+def _terminate_all(procs: list[subprocess.Popen], timeout: float = 3.0) -> None:
+    """SIGTERM all, wait up to ``timeout`` together, then SIGKILL what is left."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        try:
+            proc.terminate()
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for proc in alive:
+        try:
+            proc.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)

@@ -121,7 +121,7 @@ class Topology(_Strict):
             if pair in seen:
                 raise ValueError(f"wan[{i}]: a second link between {link.a!r} and {link.b!r}")
             seen.add(pair)
-        unreachable = set(names) - set(self.next_hops(names[0]))
+        unreachable = set(names) - set(self._shortest_first_hops(names[0]))
         if unreachable:
             raise ValueError(f"wan: DC {sorted(unreachable)[0]!r} cannot be reached from {names[0]!r}")
         return self
@@ -148,7 +148,19 @@ class Topology(_Strict):
         raise KeyError(f"no WAN link {src} -> {dst}")
 
     def next_hops(self, src: str) -> dict[str, str]:
-        """Shortest-delay routing: for each reachable DC, the neighbour to send through."""
+        """For each reachable DC, the neighbour to send through.
+
+        A DC with a direct link is reached over that link (traffic between two DCs crosses
+        exactly their link, even where a detour would be faster); others over the
+        shortest-delay path.
+        """
+        first = self._shortest_first_hops(src)
+        for s, d, _ in self.directions():
+            if s == src:
+                first[d] = d
+        return first
+
+    def _shortest_first_hops(self, src: str) -> dict[str, str]:
         adj: dict[str, list[tuple[float, str]]] = {dc.name: [] for dc in self.dcs}
         for s, d, params in self.directions():
             adj[s].append((params.delay_ms, d))

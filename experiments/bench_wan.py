@@ -1,0 +1,174 @@
+"""Benchmark of the WAN emulator (prints figures; not a pass/fail test).
+
+    .venv/bin/python experiments/bench_wan.py [--quick] [--json OUT.json]
+
+1. TCP goodput through one link with no rate limit at 0, 10 and 50 ms one-way delay.
+2. Delay-backend CPU cost per 100 Mbit/s (cores used by the delay line while a shaped
+   100 Mbit/s link is full), and per Gbit/s unshaped.
+3. Min-RTT error at 5, 25 and 50 ms one-way.
+4. Start-up and stop time of 3 DCs x 8 hosts, 8 DCs x 8 hosts and 8 DCs x 32 hosts (full
+   WAN mesh over the measured AWS matrix), next to bare Mininet (Linux bridges, no
+   controller, the same hosts and bridges, no WAN machinery).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from testbed.awsmatrix import aws_topology, regions  # noqa: E402
+from testbed.fidelity import iperf3, ping  # noqa: E402
+from testbed.kernel import mininet_on_path, probe  # noqa: E402
+from testbed.network import Network  # noqa: E402
+from testbed.registry import PREFIX, Registry  # noqa: E402
+from testbed.spec import parse_topology  # noqa: E402
+
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _two(delay_ms: float, rate_mbps: float):
+    return parse_topology({
+        "name": "bench", "dcs": [{"name": "a", "hosts": 1}, {"name": "b", "hosts": 1}],
+        "wan": [{"a": "a", "b": "b", "delay_ms": delay_ms, "rate_mbps": rate_mbps}],
+    })
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _HZ
+
+
+def goodput_unshaped(caps, delays=(0, 10, 50), seconds=5.0) -> list[dict]:
+    rows = []
+    for d in delays:
+        with Network(_two(d, 40_000), caps=caps) as net:
+            a, b = net.host("a"), net.host("b")
+            procs = [p.pid for p in net._delay_procs.values()]
+            c0, t0 = sum(map(_cpu_seconds, procs)), time.monotonic()
+            perf = iperf3(net, a, b, seconds=seconds, omit_s=2 if d >= 25 else 1)
+            cpu = (sum(map(_cpu_seconds, procs)) - c0) / (time.monotonic() - t0)
+        gbps = perf["goodput_mbps"] / 1000
+        rows.append({"one_way_ms": d, "goodput_gbps": round(gbps, 2), "retransmits": perf["retransmits"],
+                     "delayline_cores": round(cpu, 2),
+                     "delayline_cores_per_gbps": round(cpu / gbps, 3) if gbps and procs else None})
+        print(f"  unshaped, {d:>3} ms one-way: {gbps:6.2f} Gbit/s  (delay line {cpu:.2f} cores)", flush=True)
+    return rows
+
+
+def cpu_per_100mbit(caps, seconds=5.0) -> dict:
+    with Network(_two(10, 100), caps=caps) as net:
+        procs = [p.pid for p in net._delay_procs.values()]
+        c0, t0 = sum(map(_cpu_seconds, procs)), time.monotonic()
+        perf = iperf3(net, net.host("a"), net.host("b"), seconds=seconds, omit_s=1)
+        cpu = (sum(map(_cpu_seconds, procs)) - c0) / (time.monotonic() - t0)
+    per100 = cpu / (perf["goodput_mbps"] / 100) if procs else 0.0
+    print(f"  delay line at a full 100 Mbit/s link: {cpu:.3f} cores ({per100:.3f} cores per 100 Mbit/s)", flush=True)
+    return {"goodput_mbps": round(perf["goodput_mbps"], 1), "cores": round(cpu, 3), "cores_per_100mbps": round(per100, 3)}
+
+
+def rtt_error(caps, delays=(5, 25, 50)) -> list[dict]:
+    rows = []
+    for d in delays:
+        with Network(_two(d, 100), caps=caps) as net:
+            rtts = ping(net.host("a"), net.host("b").ip, count=50, interval_s=0.02)
+        err = min(rtts) - 2 * d
+        rows.append({"one_way_ms": d, "rtt_min_ms": round(min(rtts), 3), "rtt_error_ms": round(err, 3),
+                     "rtt_median_ms": round(sorted(rtts)[len(rtts) // 2], 3)})
+        print(f"  {d:>3} ms one-way: min RTT {min(rtts):.3f} ms (error {err:+.3f} ms)", flush=True)
+    return rows
+
+
+def _bare_mininet(n_dcs: int, hosts_per_dc: int) -> tuple[float, float]:
+    mininet_on_path()
+    from mininet.log import setLogLevel
+    from mininet.net import Mininet
+    from mininet.nodelib import LinuxBridge
+
+    setLogLevel("error")
+    reg = Registry()
+    reg.acquire()
+    try:
+        t0 = time.monotonic()
+        net = Mininet(topo=None, switch=LinuxBridge, controller=None, build=False, waitConnected=False)
+        prev = None
+        for i in range(1, n_dcs + 1):
+            reg.link(f"{PREFIX}{i}s")
+            sw = net.addSwitch(f"{PREFIX}{i}s", dpid=f"{i:016x}")
+            for j in range(1, hosts_per_dc + 1):
+                h = net.addHost(f"{PREFIX}{i}h{j}", ip=f"10.{i}.0.{j}/24")
+                reg.process(h.pid, "bench")
+                net.addLink(h, sw)
+            if prev is not None:
+                net.addLink(prev, sw)
+            prev = sw
+        net.build()
+        net.start()
+        start = time.monotonic() - t0
+        t0 = time.monotonic()
+        net.stop()
+        stop = time.monotonic() - t0
+    finally:
+        from testbed.registry import clean
+
+        clean(reg.dir, holding_lock=True)
+        reg.release()
+    return start, stop
+
+
+def startup(caps, sizes) -> list[dict]:
+    names = [r for r in ["Virginia", "Ohio", "Oregon", "London", "Frankfurt", "Ireland", "Tokyo", "Seoul",
+                         "Singapore", "Sydney"] if r in regions()]
+    rows = []
+    for n_dcs, per_dc in sizes:
+        topo = parse_topology(aws_topology(f"bench-{n_dcs}x{per_dc}", names[:n_dcs], 10, per_dc))
+        net = Network(topo, caps=caps)
+        net.start()
+        t0 = time.monotonic()
+        net.stop()
+        stop = time.monotonic() - t0
+        bare_start, bare_stop = _bare_mininet(n_dcs, per_dc)
+        row = {"dcs": n_dcs, "hosts": n_dcs * per_dc, "wan_directions": len(topo.directions()),
+               "start_s": round(net.startup_s, 2), "stop_s": round(stop, 2),
+               "bare_mininet_start_s": round(bare_start, 2), "bare_mininet_stop_s": round(bare_stop, 2),
+               "start_ratio": round(net.startup_s / bare_start, 2)}
+        rows.append(row)
+        print(f"  {n_dcs} DCs x {per_dc} hosts ({row['hosts']} hosts, {row['wan_directions']} WAN directions): "
+              f"start {row['start_s']} s, stop {row['stop_s']} s; bare Mininet start {row['bare_mininet_start_s']} s, "
+              f"stop {row['bare_mininet_stop_s']} s; ratio {row['start_ratio']}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller start-up sizes, shorter runs")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args()
+    caps = probe()
+    results = {"machine": {"cores": os.cpu_count(), "kernel": os.uname().release}}
+    from testbed.kernel import choose_backends
+
+    results["backends"] = vars(choose_backends(caps))
+    print(f"backends: {results['backends']}", flush=True)
+    print("1. TCP goodput through one link, no rate limit", flush=True)
+    results["goodput_unshaped"] = goodput_unshaped(caps, seconds=3 if args.quick else 5)
+    print("2. delay-backend CPU cost", flush=True)
+    results["cpu"] = cpu_per_100mbit(caps, seconds=3 if args.quick else 5)
+    print("3. RTT error", flush=True)
+    results["rtt"] = rtt_error(caps)
+    print("4. start-up and stop", flush=True)
+    sizes = [(3, 8), (8, 8)] if args.quick else [(3, 8), (8, 8), (8, 32)]
+    results["startup"] = startup(caps, sizes)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

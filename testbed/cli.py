@@ -1,0 +1,180 @@
+"""The ``testbed`` command (typer + rich).
+
+How it fits: each sub-command is a thin layer over the library: ``doctor`` over
+``kernel.probe``, ``fidelity`` over ``network.Network`` and ``fidelity.measure_all``,
+``clean`` over ``registry.clean``, ``topology aws`` over ``awsmatrix``.  Errors the user
+can fix (a bad file, a missing kernel feature, a busy machine) print one line and exit
+non-zero; Ctrl-C and SIGTERM unwind through the network's context manager, which removes
+everything it made.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
+topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
+app.add_typer(topology_app, name="topology")
+console = Console(stderr=True)
+out = Console()
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _user_errors():
+    from .kernel import BackendUnavailable
+    from .network import NetworkError
+    from .registry import Busy
+    from .spec import SpecError
+
+    return (SpecError, BackendUnavailable, NetworkError, Busy)
+
+
+def _on_sigterm(signum, frame):  # unwind like Ctrl-C so cleanup runs
+    raise KeyboardInterrupt
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """What this kernel offers and which backend each feature will use."""
+    from .kernel import BackendUnavailable, choose_backends, probe
+
+    caps = probe()
+    try:
+        backends = choose_backends(caps)
+        chosen = {"delay": backends.delay, "loss": backends.loss, "rate": backends.rate}
+        problem = None
+    except BackendUnavailable as exc:
+        chosen, problem = None, str(exc)
+    if as_json:
+        out.print_json(json.dumps({"capabilities": caps.to_dict(), "backends": chosen, "problem": problem}))
+        return
+    table = Table(title=f"testbed {__version__}: what this machine offers")
+    table.add_column("feature")
+    table.add_column("available")
+    rows = [("root", caps.root), ("mininet + mnexec", caps.mininet), ("brctl", caps.bridge_utils),
+            ("veth", caps.veth), ("TUN (vnet hdr, offload)", caps.tun),
+            ("iptables statistic", caps.iptables_statistic), ("iperf3", caps.iperf3), ("ping", caps.ping)]
+    rows += [(f"qdisc {k}", v) for k, v in sorted(caps.qdiscs.items())]
+    rows.append(("cgroup cpu", caps.cgroup_cpu or False))
+    for name, ok in rows:
+        table.add_row(name, "[green]yes[/]" if ok is True else ("[red]no[/]" if not ok else str(ok)))
+    out.print(table)
+    if chosen:
+        out.print(f"delay: [bold]{chosen['delay']}[/]   loss: [bold]{chosen['loss']}[/]   rate: [bold]htb[/]")
+    else:
+        out.print(f"[red]cannot build networks:[/] {problem}")
+
+
+@app.command()
+def fidelity(
+    topology: str = typer.Argument(..., help="topology file or name in topologies/"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON (a list, one object per link direction)"),
+    seconds: float = typer.Option(3.0, help="iperf3 duration per direction"),
+    pings: int = typer.Option(20, help="pings per link"),
+    delay_backend: str = typer.Option("auto", help="auto, netem or tun"),
+    loss_backend: str = typer.Option("auto", help="auto, netem, iptables or delayline"),
+) -> None:
+    """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down."""
+    from .fidelity import measure_all
+    from .network import Network
+    from .spec import load_topology, resolve_topology
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        topo = load_topology(resolve_topology(topology))
+        with console.status("building the network") as status:
+            net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend,
+                          progress=lambda m: status.update(m))
+            with net:
+                console.print(f"built {topo.name} in {net.startup_s:.2f} s (delay: {net.backends.delay}, "
+                              f"loss: {net.backends.loss})")
+                reports = measure_all(net, seconds=seconds, pings=pings,
+                                      progress=lambda m: status.update(f"measuring {m}"))
+    except _user_errors() as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted; everything the testbed made was removed", 130)
+    if as_json:
+        out.print_json(json.dumps([r.to_dict() for r in reports]))
+        return
+    table = Table(title=f"{topo.name}: configured vs measured")
+    for col in ("link", "RTT conf ms", "RTT meas ms", "err ms", "rate Mbit/s", "goodput Mbit/s", "ratio", "retr"):
+        table.add_column(col, justify="right")
+    for r in reports:
+        table.add_row(f"{r.src} -> {r.dst}", f"{r.rtt_ms_configured:.2f}", f"{r.rtt_ms_measured:.2f}",
+                      f"{r.rtt_error_ms:+.2f}", f"{r.rate_mbps_configured:g}", f"{r.goodput_mbps_measured:.1f}",
+                      f"{r.goodput_ratio:.3f}", str(r.retransmits))
+    out.print(table)
+
+
+@app.command()
+def clean(force: bool = typer.Option(False, help="also when a run still holds the lock")) -> None:
+    """Remove every namespace, interface, process and file the testbed made (also after a crash)."""
+    from .registry import Busy, clean as do_clean
+
+    if not _is_root():
+        _fail("testbed clean must run as root")
+    try:
+        found = do_clean(force=force)
+    except Busy as exc:
+        _fail(str(exc))
+    out.print(
+        f"removed {len(found['processes'])} process(es), {len(found['netns'])} named namespace(s), "
+        f"{len(found['links'])} interface(s)"
+    )
+
+
+@topology_app.command("aws")
+def topology_aws(
+    regions: str = typer.Option(..., help="comma-separated AWS regions, e.g. Virginia,Ohio,Oregon"),
+    name: str = typer.Option(..., help="topology name"),
+    scale: float = typer.Option(10.0, help="divide measured bandwidths by this"),
+    hosts: int = typer.Option(2, help="worker hosts per DC"),
+    cpus: float = typer.Option(0.0, help="CPU cores per host container (0 = unlimited)"),
+    output: Optional[Path] = typer.Option(None, "--out", "-o", help="write here instead of stdout"),
+) -> None:
+    """A full-mesh topology from the measured AWS inter-region matrix."""
+    from .awsmatrix import aws_topology
+    from .spec import parse_topology
+
+    try:
+        data = aws_topology(name, [r.strip() for r in regions.split(",")], scale, hosts, cpus)
+    except ValueError as exc:
+        _fail(str(exc))
+    parse_topology(data, name)  # what we write must load
+    text = "# Generated by: testbed topology aws --regions " + regions + f" --name {name} --scale {scale:g} " \
+           f"--hosts {hosts} --cpus {cpus:g}\n" + yaml.safe_dump(data, sort_keys=False)
+    if output:
+        output.write_text(text)
+        console.print(f"wrote {output}")
+    else:
+        sys.stdout.write(text)
+
+
+def _is_root() -> bool:
+    import os
+
+    return os.geteuid() == 0
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The 3-DC mesh, traffic classes, counters, and clean-up after crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import skip_unless_network, two_dcs
+from testbed.fidelity import iperf3, ping
+from testbed.network import Network
+from testbed.registry import PREFIX, leftovers
+from testbed.spec import load_topology
+
+pytestmark = pytest.mark.network
+REPO = Path(__file__).resolve().parent.parent
+TESTBED = [sys.executable, "-m", "testbed.cli"]
+
+
+def test_each_pair_of_the_3dc_mesh_crosses_its_own_link():
+    caps = skip_unless_network()
+    topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
+    with Network(topo, caps=caps) as net:
+        for link in topo.wan:
+            rtts = ping(net.host(link.a), net.host(link.b).ip, count=10, interval_s=0.05)
+            want = 2 * link.delay_ms
+            assert rtts and abs(min(rtts) - want) <= max(0.5, 0.03 * want), (link.a, link.b, rtts)
+        # the detour virginia -> ohio -> oregon is faster (60 ms) than the direct link (67 ms):
+        # routing must still use the direct link
+        assert net.topo.path("virginia", "oregon") == ["virginia", "oregon"]
+
+
+def test_hosts_inside_a_dc_reach_each_other_without_the_wan():
+    caps = skip_unless_network()
+    with Network(two_dcs(delay_ms=20, hosts=2), caps=caps) as net:
+        a, b = net.hosts("east")
+        rtts = ping(a, b.ip, count=5, interval_s=0.05)
+    assert rtts and max(rtts) < 5.0
+
+
+def test_counters_sampled_every_10ms_add_up_to_the_transfer():
+    caps = skip_unless_network()
+    with Network(two_dcs(delay_ms=5, rate_mbps=50), caps=caps) as net:
+        link = net.link("east", "west")
+        samples = []
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                samples.append(link.counters())
+                time.sleep(0.01)
+
+        t = threading.Thread(target=sample)
+        t.start()
+        perf = iperf3(net, net.host("east"), net.host("west"), seconds=3)
+        stop.set()
+        t.join()
+    gaps = [b.time - a.time for a, b in zip(samples, samples[1:])]
+    assert len(samples) > 150 and sorted(gaps)[len(gaps) // 2] < 0.02  # median interval ~10 ms
+    sent = samples[-1].tx_bytes - samples[0].tx_bytes
+    # the link carried the transfer: 3 s at the measured goodput, plus headers (<10%)
+    expected = perf["goodput_mbps"] * 1e6 / 8 * 3
+    assert 0.9 * expected <= sent <= 1.2 * expected, (sent, expected)
+    rates = [(b.tx_bytes - a.tx_bytes) * 8 / (b.time - a.time) / 1e6 for a, b in zip(samples, samples[1:])]
+    busy = sorted(rates)[len(rates) // 2]
+    assert busy <= 50 * 1.25  # never (much) above the configured rate, in the median 10 ms window
+
+
+def test_traffic_classes_get_their_shares_under_contention():
+    caps = skip_unless_network()
+    with Network(two_dcs(delay_ms=5, rate_mbps=60, hosts=2), caps=caps) as net:
+        (e1, e2), (w1, w2) = net.hosts("east"), net.hosts("west")
+        link = net.link("east", "west")
+        link.add_class("pipe0", [(e1.ip, None)], share=0.75)
+        link.add_class("pipe1", [(e2.ip, None)], share=0.25)
+        results = {}
+
+        def run(name, src, dst, port):
+            results[name] = iperf3(net, src, dst, seconds=5, port=port, omit_s=1)["goodput_mbps"]
+
+        threads = [threading.Thread(target=run, args=("pipe0", e1, w1, 5201)),
+                   threading.Thread(target=run, args=("pipe1", e2, w2, 5202))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        counters = link.counters().classes
+        assert counters["pipe0"].bytes > 0 and counters["pipe1"].bytes > 0
+        # shares change at run time and are work-conserving: alone, pipe1 takes the link
+        link.set_shares({"pipe0": 0.9, "pipe1": 0.1})
+        alone = iperf3(net, e2, w2, seconds=3, port=5203, omit_s=1)["goodput_mbps"]
+    share0 = results["pipe0"] / (results["pipe0"] + results["pipe1"])
+    assert 0.65 <= share0 <= 0.85, results
+    assert alone >= 0.85 * 60, alone
+
+
+def _wait_for(pred, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_clean_after_sigkill_of_fidelity_leaves_nothing():
+    skip_unless_network()
+    proc = subprocess.Popen(
+        TESTBED + ["fidelity", str(REPO / "topologies" / "aws-us3.yaml"), "--seconds", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+    )
+    try:
+        # wait until the network is up and a measurement is running
+        assert _wait_for(lambda: any(n.startswith(PREFIX) for n in os.listdir("/sys/class/net")), 30)
+        assert _wait_for(lambda: len(leftovers()["processes"]) > 6, 30)
+        time.sleep(2.0)
+        made = leftovers()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        still = leftovers()
+        assert still["processes"] and still["links"]  # SIGKILL cleaned nothing by itself
+        result = subprocess.run(TESTBED + ["clean"], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert leftovers() == {"processes": [], "netns": [], "links": []}
+        for pid in made["processes"]:
+            assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
+        assert not [n for n in os.listdir("/sys/class/net") if n.startswith(PREFIX)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(TESTBED + ["clean", "--force"], capture_output=True, cwd=REPO)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_ctrl_c_cleans_up_by_itself():
+    skip_unless_network()
+    proc = subprocess.Popen(
+        TESTBED + ["fidelity", str(REPO / "topologies" / "aws-us3.yaml"), "--seconds", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+    )
+    try:
+        assert _wait_for(lambda: len(leftovers()["processes"]) > 6, 30)
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130, output
+        assert "interrupted" in output
+        assert leftovers() == {"processes": [], "netns": [], "links": []}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(TESTBED + ["clean", "--force"], capture_output=True, cwd=REPO)
+
+
+def test_fidelity_json_has_one_object_per_direction():
+    skip_unless_network()
+    topo = REPO / "tests" / "data" / "two-fast.yaml"
+    result = subprocess.run(TESTBED + ["fidelity", str(topo), "--json", "--seconds", "2"],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert {(r["src"], r["dst"]) for r in rows} == {("east", "west"), ("west", "east")}
+    for r in rows:
+        for key in ("rtt_ms_configured", "rtt_ms_measured", "rate_mbps_configured", "goodput_mbps_measured"):
+            assert isinstance(r[key], (int, float))
+        assert abs(r["rtt_ms_measured"] - r["rtt_ms_configured"]) <= 0.5
+        assert 0.85 <= r["goodput_mbps_measured"] / r["rate_mbps_configured"] <= 1.01
