@@ -11,6 +11,7 @@ everything it made.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -31,7 +32,9 @@ out = Console()
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -44,8 +47,19 @@ def _user_errors():
     return (SpecError, BackendUnavailable, NetworkError, Busy)
 
 
-def _on_sigterm(signum, frame):  # unwind like Ctrl-C so cleanup runs
-    raise KeyboardInterrupt
+_MAIN_PID = os.getpid()
+
+
+def _on_sigterm(signum, frame):
+    """Unwind like Ctrl-C so clean-up runs, but only in this process.
+
+    pyroute2 forks helper processes (to open sockets inside namespaces) and ends them
+    with SIGTERM; a fork inherits this handler, and must not unwind our stack and tear
+    the network down from inside the helper.
+    """
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @app.command()
@@ -107,8 +121,9 @@ def fidelity(
                                       progress=lambda m: status.update(f"measuring {m}"))
     except _user_errors() as exc:
         _fail(str(exc))
-    except KeyboardInterrupt:
-        _fail("interrupted; everything the testbed made was removed", 130)
+    except KeyboardInterrupt as exc:
+        by = exc.args[0] if exc.args else "SIGINT"
+        _fail(f"interrupted ({by}); everything the testbed made was removed", 130)
     if as_json:
         out.print_json(json.dumps([r.to_dict() for r in reports]))
         return
@@ -120,6 +135,50 @@ def fidelity(
                       f"{r.rtt_error_ms:+.2f}", f"{r.rate_mbps_configured:g}", f"{r.goodput_mbps_measured:.1f}",
                       f"{r.goodput_ratio:.3f}", str(r.retransmits))
     out.print(table)
+
+
+@app.command()
+def run(
+    experiment: Path = typer.Argument(..., help="experiment file (experiments/*.yaml)"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default results/NAME-TIME)"),
+    delay_backend: str = typer.Option("auto", help="auto, netem or tun"),
+) -> None:
+    """Build the topology, train across it, write metrics.json, timeline.json and plots."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .experiment import load_experiment
+    from .runner import RunError, TrainingRun
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        exp = load_experiment(experiment)
+        out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as progress:
+            task = progress.add_task(f"training {exp.name}", total=exp.training.iterations)
+            runner = TrainingRun(exp, out, delay_backend=delay_backend,
+                                 progress=lambda done, total: progress.update(task, completed=done),
+                                 log=lambda m: progress.console.print(m, highlight=False))
+            result = runner.run()
+    except _user_errors() + (RunError,) as exc:
+        _fail(str(exc), 1 if isinstance(exc, RunError) else 2)
+    except KeyboardInterrupt as exc:
+        by = exc.args[0] if exc.args else "SIGINT"
+        _fail(f"interrupted ({by}); everything the testbed made was removed", 130)
+    s = result["summary"]
+    table = Table(title=f"{exp.name} on {exp.topo.name}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("mean iteration time", f"{s['mean_iteration_time_s']:.3f} s")
+    table.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
+    table.add_row("mean busy fraction (utilization)", f"{s['mean_busy_fraction']:.1%}")
+    table.add_row("bubble fraction", f"{s['bubble_fraction']:.1%}")
+    table.add_row("loss first -> last", f"{result['iterations'][0]['loss']:.4f} -> {s['final_loss']:.4f}")
+    out.mkdir(parents=True, exist_ok=True)
+    table.add_row("results", str(out))
+    console.print(table)
 
 
 @app.command()
@@ -167,8 +226,6 @@ def topology_aws(
 
 
 def _is_root() -> bool:
-    import os
-
     return os.geteuid() == 0
 
 

@@ -211,6 +211,7 @@ class Network:
         self._wan_addr: dict[tuple[str, str], str] = {}
         self.started = False
         self.startup_s = 0.0
+        self._owner_pid: int | None = None
 
     # -- names and addresses ----------------------------------------------------------
     def _node_name(self, dc: str, kind: str, j: int | None = None) -> str:
@@ -269,6 +270,7 @@ class Network:
 
     def start(self) -> "Network":
         t0 = time.monotonic()
+        self._owner_pid = os.getpid()
         self.registry.acquire()
         try:
             self._build()
@@ -470,7 +472,17 @@ class Network:
                     self._links[(dc, nb)].delay_client = client
 
     def stop(self) -> None:
-        """Remove everything this network made.  Safe to call twice."""
+        """Remove everything this network made.  Safe to call twice.
+
+        Ctrl-C and SIGTERM are held back while it runs: an interrupted clean-up is
+        what leaves things behind.
+        """
+        if self._owner_pid not in (None, os.getpid()):
+            return  # a forked helper (pyroute2 forks to enter namespaces) must not tear down
+        with _signals_deferred():
+            self._stop()
+
+    def _stop(self) -> None:
         for client in self._clients:
             client.close()
         self._clients.clear()
@@ -484,16 +496,43 @@ class Network:
                 pass
         self._iprs.clear()
         if self._net is not None:
-            try:
-                self._net.stop()
-            except Exception:
-                pass
+            # Not Mininet's net.stop(): it drives every shell to delete interfaces one by
+            # one, and hangs on a shell whose command was interrupted.  Ending the shells
+            # removes their namespaces and veth pairs; clean() removes the bridges.
+            for node in self._net.hosts:
+                try:
+                    node.terminate()
+                except Exception:
+                    pass
             self._net = None
         from .registry import clean
 
         clean(self.registry.dir, holding_lock=True)
         self.registry.release()
         self.started = False
+
+
+class _signals_deferred:
+    """Hold SIGINT/SIGTERM until the block ends (main thread only), then re-deliver."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._saved = {}
+        self._pending = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, lambda s, f: self._pending.append(s))
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        for sig in self._pending[:1]:
+            signal.raise_signal(sig)
 
 
 def _readline_until(proc: subprocess.Popen, deadline: float) -> str:

@@ -111,6 +111,9 @@ class Registry:
     def link(self, name: str) -> None:
         self._append({"kind": "link", "name": name})
 
+    def cgroup(self, path: str | Path) -> None:
+        self._append({"kind": "cgroup", "path": str(path)})
+
     def file(self, path: str | Path) -> None:
         self._append({"kind": "file", "path": str(path)})
 
@@ -214,6 +217,19 @@ def _delete_links(names: list[str]) -> None:
                 pass  # gone with its namespace meanwhile
 
 
+def _remove_cgroups(paths: list[str]) -> None:
+    """Deepest first; a cgroup can only go once its last process has exited."""
+    for path in sorted(set(paths), key=lambda p: -p.count("/")):
+        for _ in range(50):
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
 def clean(state_dir: Path = STATE_DIR, holding_lock: bool = False, force: bool = False) -> dict[str, list]:
     """Remove everything a (possibly crashed) run made; return what was removed."""
     if not holding_lock and (state_dir / _LOCK).exists():
@@ -233,6 +249,7 @@ def clean(state_dir: Path = STATE_DIR, holding_lock: bool = False, force: bool =
     for name in found["netns"]:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     _delete_links(sorted(n for n in _root_links() if n.startswith(PREFIX)))
+    _remove_cgroups([e["path"] for e in _read(state_dir) if e["kind"] == "cgroup"])
     for entry in _read(state_dir):
         if entry["kind"] == "file":
             try:

@@ -118,8 +118,8 @@ def test_clean_after_sigkill_of_fidelity_leaves_nothing():
     )
     try:
         # wait until the network is up and a measurement is running
-        assert _wait_for(lambda: any(n.startswith(PREFIX) for n in os.listdir("/sys/class/net")), 30)
-        assert _wait_for(lambda: len(leftovers()["processes"]) > 6, 30)
+        up = _wait_for(lambda: any(n.startswith(PREFIX) for n in os.listdir("/sys/class/net")), 30)
+        assert up and _wait_for(lambda: len(leftovers()["processes"]) > 6, 30), _output_of(proc)
         time.sleep(2.0)
         made = leftovers()
         proc.send_signal(signal.SIGKILL)
@@ -136,6 +136,12 @@ def test_clean_after_sigkill_of_fidelity_leaves_nothing():
         if proc.poll() is None:
             proc.kill()
         subprocess.run(TESTBED + ["clean", "--force"], capture_output=True, cwd=REPO)
+
+
+def _output_of(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.kill()
+    return proc.communicate(timeout=10)[0]
 
 
 def _zombie(pid: int) -> bool:
@@ -178,3 +184,16 @@ def test_fidelity_json_has_one_object_per_direction():
             assert isinstance(r[key], (int, float))
         assert abs(r["rtt_ms_measured"] - r["rtt_ms_configured"]) <= 0.5
         assert 0.85 <= r["goodput_mbps_measured"] / r["rate_mbps_configured"] <= 1.01
+
+
+def test_nothing_routes_out_of_the_testbed():
+    caps = skip_unless_network()
+    with Network(two_dcs(delay_ms=1), caps=caps) as net:
+        router = net.router("east")
+        # the gateway knows only the DC subnets: anything else is unreachable (nothing is sent)
+        out = router.cmd("ip route get 192.0.2.1 2>&1")
+        assert "unreachable" in out.lower(), out
+        assert "default" not in router.cmd("ip route show")
+        # the root-namespace side of the testbed carries no IPv4 address
+        addrs = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+        assert not [ln for ln in addrs.splitlines() if f" {PREFIX}" in ln], addrs

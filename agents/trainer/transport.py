@@ -1,0 +1,278 @@
+"""Point-to-point tensor transfer between pipeline stages over N parallel TCP connections.
+
+How it fits: each worker runs one ``Endpoint``: a listening socket on its own host address
+and, per peer, a ``Channel`` of N TCP connections (N = ``connections`` for a cross-DC
+boundary, 1 inside a DC).  A message (one activation or gradient) is cut into N nearly
+equal slices, one per connection, sent concurrently by one thread per connection, and
+reassembled by one reader thread per connection on the other side.  Sends return at once
+(asynchronous, in order); ``recv`` blocks until the next message of that channel is whole.
+
+Why sockets and not torch.distributed P2P: the transfer must be striped over N real TCP
+connections whose addresses name the pipeline (host of replica d -> host of replica d), so
+tc can classify each pipeline's flows, and it must always cross the emulated links, also
+where GPUs share a machine (tensors are copied to host memory; no CUDA IPC, no NVLink).
+Socket buffers are sized from the link's bandwidth-delay product.
+
+Wire format per slice: header ``!QIQQ`` = (message seq, slice index, total bytes, slice
+bytes), then the slice.  A message's first 64 bytes hold its dtype and shape.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_HELLO = struct.Struct("!16sBBB")  # peer name, channel kind, connection index, connections
+_SLICE = struct.Struct("!QIQQ")
+_META = struct.Struct("!B7q")  # dtype code, ndim, up to 6 dims
+_META_SIZE = 64
+_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16, 3: torch.int64}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class TransportError(RuntimeError):
+    pass
+
+
+def _encode(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    shape = list(t.shape) + [0] * (6 - t.dim())
+    meta = _META.pack(_CODES[t.dtype], t.dim(), *shape).ljust(_META_SIZE, b"\0")
+    raw = t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
+    return meta + raw
+
+
+def _decode(buf: bytearray) -> torch.Tensor:
+    code, ndim, *dims = _META.unpack_from(buf, 0)
+    dtype = _DTYPES[code]
+    shape = dims[:ndim]
+    body = memoryview(buf)[_META_SIZE:]
+    if dtype == torch.bfloat16:
+        return torch.frombuffer(body, dtype=torch.uint8).view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(np.frombuffer(body, dtype=torch.empty(0, dtype=dtype).numpy().dtype).reshape(shape))
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        n = sock.recv_into(view)
+        if n == 0:
+            raise TransportError("peer closed the connection")
+        view = view[n:]
+
+
+def _recv_exact_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+@dataclass
+class TransferRecord:
+    """When one message left and when its last slice was on the wire (sender side)."""
+
+    seq: int
+    nbytes: int
+    start: float
+    end: float
+
+
+@dataclass
+class _Outgoing:
+    seq: int
+    payload: bytes
+    start: float
+    pending: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Channel:
+    """One direction of traffic to/from one peer over ``n`` connections."""
+
+    def __init__(self, socks: list[socket.socket], on_transfer=None):
+        self.socks = socks
+        self.n = len(socks)
+        self._send_queues = [queue.Queue() for _ in socks]
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._on_transfer = on_transfer
+        self._partial: dict[int, tuple[bytearray, int]] = {}
+        self._complete: dict[int, bytearray] = {}
+        self._next_recv = 0
+        self._cv = threading.Condition()
+        self._error: Exception | None = None
+        self._threads = []
+        for i, sock in enumerate(socks):
+            for target in (self._writer, self._reader):
+                t = threading.Thread(target=target, args=(i, sock), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    # -- sending ----------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor) -> _Outgoing:
+        payload = _encode(tensor)
+        with self._lock:
+            out = _Outgoing(self._seq, payload, time.monotonic(), self.n)
+            self._seq += 1
+        self._last = out
+        for q in self._send_queues:
+            q.put(out)
+        return out
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every message sent so far is on the wire."""
+        last = getattr(self, "_last", None)
+        return last is None or last.done.wait(timeout)
+
+    def _writer(self, i: int, sock: socket.socket) -> None:
+        try:
+            while True:
+                out = self._send_queues[i].get()
+                if out is None:
+                    return
+                total = len(out.payload)
+                lo, hi = total * i // self.n, total * (i + 1) // self.n
+                sock.sendall(_SLICE.pack(out.seq, i, total, hi - lo))
+                if hi > lo:
+                    sock.sendall(memoryview(out.payload)[lo:hi])
+                with self._lock:
+                    out.pending -= 1
+                    last = out.pending == 0
+                if last:
+                    out.done.set()
+                    if self._on_transfer:
+                        self._on_transfer(TransferRecord(out.seq, total, out.start, time.monotonic()))
+        except OSError as exc:
+            self._fail(exc)
+
+    # -- receiving --------------------------------------------------------------------
+    def _reader(self, i: int, sock: socket.socket) -> None:
+        try:
+            while True:
+                header = _recv_exact_bytes(sock, _SLICE.size)
+                seq, idx, total, size = _SLICE.unpack(header)
+                with self._cv:
+                    if seq not in self._partial:
+                        self._partial[seq] = (bytearray(total), self.n)
+                    buf, _ = self._partial[seq]
+                lo = total * idx // self.n
+                _recv_exact(sock, memoryview(buf)[lo:lo + size])
+                with self._cv:
+                    buf, left = self._partial[seq]
+                    left -= 1
+                    if left == 0:
+                        del self._partial[seq]
+                        self._complete[seq] = buf
+                        self._cv.notify_all()
+                    else:
+                        self._partial[seq] = (buf, left)
+        except (OSError, TransportError) as exc:
+            self._fail(exc)
+
+    def recv(self, timeout: float | None = None) -> torch.Tensor:
+        with self._cv:
+            ok = self._cv.wait_for(lambda: self._next_recv in self._complete or self._error is not None, timeout)
+            if self._next_recv in self._complete:
+                buf = self._complete.pop(self._next_recv)
+                self._next_recv += 1
+                return _decode(buf)
+            if self._error is not None:
+                raise TransportError(f"channel broken: {self._error}")
+            if not ok:
+                raise TimeoutError("no message within the timeout")
+        raise AssertionError("unreachable")
+
+    def _fail(self, exc: Exception) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = exc
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        for q in self._send_queues:
+            q.put(None)
+        for sock in self.socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def _sized(sock: socket.socket, buf_bytes: int) -> None:
+    if buf_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
+    except OSError:
+        pass
+
+
+def socket_buffer_bytes(rate_mbps: float, rtt_ms: float, connections: int) -> int:
+    """Each connection's share of 2x the bandwidth-delay product (0 = kernel autotuning)."""
+    if rate_mbps <= 0:
+        return 0
+    bdp = rate_mbps * 1e6 / 8 * rtt_ms / 1000.0
+    return int(max(256 * 1024, 2 * bdp / connections))
+
+
+class Endpoint:
+    """A worker's listening socket plus its outgoing and incoming channels."""
+
+    def __init__(self, name: str, host: str, port: int):
+        self.name = name
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(256)
+        self._accepted: dict[tuple[str, int], list[socket.socket | None]] = {}
+
+    def connect(self, peer: str, host: str, port: int, kind: int, connections: int, buf_bytes: int,
+                timeout: float = 60.0, on_transfer=None) -> Channel:
+        """Open ``connections`` TCP connections to a peer's endpoint for one channel kind."""
+        socks = []
+        for i in range(connections):
+            deadline = time.monotonic() + timeout
+            while True:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                _sized(sock, buf_bytes)
+                try:
+                    sock.connect((host, port))
+                    break
+                except OSError:
+                    sock.close()
+                    if time.monotonic() > deadline:
+                        raise TransportError(f"{self.name}: cannot connect to {peer} at {host}:{port}") from None
+                    time.sleep(0.05)
+            sock.sendall(_HELLO.pack(self.name.encode(), kind, i, connections))
+            socks.append(sock)
+        return Channel(socks, on_transfer)
+
+    def accept(self, peer: str, kind: int, connections: int, buf_bytes: int, timeout: float = 60.0) -> Channel:
+        """Wait for a peer's ``connections`` connections of one channel kind."""
+        key = (peer, kind)
+        deadline = time.monotonic() + timeout
+        self._listener.settimeout(1.0)
+        while None in self._accepted.get(key, [None]) or len(self._accepted.get(key, [])) < connections:
+            if time.monotonic() > deadline:
+                raise TransportError(f"{self.name}: {peer} did not connect within {timeout:.0f} s")
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            _sized(sock, buf_bytes)
+            name, k, i, total = _HELLO.unpack(_recv_exact_bytes(sock, _HELLO.size))
+            slot = self._accepted.setdefault((name.rstrip(b"\0").decode(), k), [None] * total)
+            slot[i] = sock
+        return Channel(self._accepted.pop(key))
+
+    def close(self) -> None:
+        self._listener.close()

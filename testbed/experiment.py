@@ -1,0 +1,179 @@
+"""Experiment specs: which model to train, how it is parallelised, where stages run.
+
+How it fits: ``load_experiment`` reads ``experiments/*.yaml`` into an ``Experiment`` and
+resolves its topology; ``Experiment.workers()`` maps every (stage, replica) onto a host of
+the topology.  ``testbed run`` (``runner.py``) launches those workers; the simulator reads
+the same file.  A placement that does not fit the topology, or a schedule that cannot run,
+fails here with one line before anything is created.
+
+Placement: ``placement: {dc: [stages...]}`` lists which DC holds which pipeline stages;
+each stage is replicated ``replicas`` times inside its DC (data parallelism), on distinct
+hosts.  Without it, stages are spread over the DCs in file order, contiguously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from .schedules import ScheduleError, check
+from .spec import SpecError, Topology, _where, load_topology, resolve_topology
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    layers: int = Field(6, ge=1, le=512)
+    hidden: int = Field(128, ge=8, le=65536)
+    heads: int = Field(4, ge=1, le=512)
+    seq_len: int = Field(64, ge=2, le=65536)
+
+
+class TrainingSpec(_Strict):
+    iterations: int = Field(10, ge=1)
+    microbatches: int = Field(4, ge=1)
+    microbatch_size: int = Field(4, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    seed: int = 0
+
+
+class ParallelSpec(_Strict):
+    stages: int = Field(2, ge=1)
+    replicas: int = Field(1, ge=1)
+    schedule: str = "1f1b"
+    extra_warmup: int = Field(0, ge=0)
+    connections: int = Field(1, ge=1, le=64, description="TCP connections per cross-DC transfer")
+
+
+class Experiment(_Strict):
+    name: str
+    topology: str
+    description: str = ""
+    model: ModelSpec = ModelSpec()
+    training: TrainingSpec = TrainingSpec()
+    parallel: ParallelSpec = ParallelSpec()
+    placement: dict[str, list[int]] | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # filled in by parse_experiment
+    _origin: str = PrivateAttr("")
+    _topo: Topology | None = PrivateAttr(None)
+    _slots: list = PrivateAttr(default_factory=list)
+
+    @property
+    def origin(self) -> str:
+        return self._origin
+
+    @property
+    def topo(self) -> Topology:
+        assert self._topo is not None, "use parse_experiment/load_experiment"
+        return self._topo
+
+    def workers(self) -> list["WorkerSlot"]:
+        return list(self._slots)
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    stage: int
+    replica: int
+    dc: str
+    host_index: int  # within the DC
+
+    @property
+    def name(self) -> str:
+        return f"s{self.stage}r{self.replica}"
+
+
+def _default_placement(topo: Topology, stages: int) -> dict[str, list[int]]:
+    dcs = [dc.name for dc in topo.dcs]
+    per = [stages // len(dcs) + (1 if i < stages % len(dcs) else 0) for i in range(len(dcs))]
+    out, s = {}, 0
+    for dc, n in zip(dcs, per):
+        if n:
+            out[dc] = list(range(s, s + n))
+            s += n
+    return out
+
+
+def _place(exp: Experiment, topo: Topology, origin: str) -> list[WorkerSlot]:
+    p = exp.parallel
+    placement = exp.placement or _default_placement(topo, p.stages)
+    names = {dc.name for dc in topo.dcs}
+    seen: dict[int, str] = {}
+    for dc, stages in placement.items():
+        if dc not in names:
+            raise SpecError(f"{origin}: placement.{dc}: no DC {dc!r} in topology {topo.name} ({', '.join(sorted(names))})")
+        for s in stages:
+            if not 0 <= s < p.stages:
+                raise SpecError(f"{origin}: placement.{dc}: stage {s} is outside 0..{p.stages - 1}")
+            if s in seen:
+                raise SpecError(f"{origin}: placement.{dc}: stage {s} is already placed in {seen[s]!r}")
+            seen[s] = dc
+        need = len(stages) * p.replicas
+        have = topo.dc(dc).hosts
+        if need > have:
+            raise SpecError(
+                f"{origin}: placement.{dc}: {len(stages)} stage(s) x {p.replicas} replica(s) = {need} workers, "
+                f"but DC {dc!r} has {have} host(s)"
+            )
+    missing = sorted(set(range(p.stages)) - set(seen))
+    if missing:
+        raise SpecError(f"{origin}: placement: stage {missing[0]} is not placed in any DC")
+    slots = []
+    for dc, stages in placement.items():
+        for k, s in enumerate(sorted(stages)):
+            for r in range(p.replicas):
+                slots.append(WorkerSlot(s, r, dc, k * p.replicas + r))
+    return sorted(slots, key=lambda w: (w.stage, w.replica))
+
+
+def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | None = None) -> Experiment:
+    if not isinstance(data, dict):
+        raise SpecError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        exp = Experiment.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise SpecError(f"{origin}: {_where(err['loc'])}: {err['msg'].removeprefix('Value error, ')}") from None
+    exp._origin = origin
+    m = exp.model
+    if m.hidden % m.heads:
+        raise SpecError(f"{origin}: model.heads: hidden ({m.hidden}) must be a multiple of heads ({m.heads})")
+    if exp.parallel.stages > m.layers:
+        raise SpecError(f"{origin}: parallel.stages: {exp.parallel.stages} stages need at least as many layers "
+                        f"(model.layers = {m.layers})")
+    try:
+        check(exp.parallel.schedule, exp.parallel.stages, exp.training.microbatches, exp.parallel.extra_warmup)
+    except ScheduleError as exc:
+        raise SpecError(f"{origin}: parallel.schedule: {exc}") from None
+    topo_path = Path(exp.topology)
+    if base_dir is not None and not topo_path.is_absolute() and (base_dir / topo_path).exists():
+        topo_path = base_dir / topo_path
+    try:
+        topo = load_topology(resolve_topology(str(topo_path)))
+    except SpecError as exc:
+        raise SpecError(f"{origin}: topology: {exc}") from None
+    exp._topo = topo
+    exp._slots = _place(exp, topo, origin)
+    return exp
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise SpecError(f"{path}: invalid YAML at line {mark.line + 1 if mark else '?'}: "
+                        f"{getattr(exc, 'problem', None) or exc}") from None
+    return parse_experiment(data, str(path), path.parent)

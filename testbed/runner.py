@@ -1,0 +1,357 @@
+"""``testbed run``: build the topology, launch the workers, train, collect, write results.
+
+How it fits: ``TrainingRun`` owns one run.  It builds the ``Network`` for the experiment's
+topology, puts each worker host in its own CPU container (cgroup CPU quota with a 5 ms CFS
+period: the stand-in for one device per worker) or gives it its own GPU, starts
+``agents.trainer.worker`` there, and listens on a Unix socket for the workers' telemetry
+(the filesystem is shared by all namespaces; the network is not, by design).  Live
+telemetry goes to subscribers (``subscribe``; BubbleTea and Atlas use it), and, when the
+run ends, ``metrics.py`` turns it into per-iteration figures, a Chrome trace and plots.
+
+A worker that dies or reports an error ends the whole run within a second or two, with an
+error naming the worker; every process, namespace and cgroup is removed in all cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .experiment import Experiment, WorkerSlot
+from .network import Network, NetworkError
+from .registry import PREFIX
+
+REPO = Path(__file__).resolve().parent.parent
+_PORT = 29400
+_DP_PORT = 29500
+_CFS_PERIOD_US = 5000
+_READY_TIMEOUT_S = 180.0
+
+
+class RunError(RuntimeError):
+    """The run failed; the message is one line naming the cause."""
+
+
+@dataclass
+class WorkerState:
+    slot: WorkerSlot
+    host: object
+    proc: subprocess.Popen | None = None
+    sock: socket.socket | None = None
+    buf: bytes = b""
+    ready: bool = False
+    done: bool = False
+    iterations_done: int = 0
+    events: list = field(default_factory=list)
+    transfers: list = field(default_factory=list)
+    iteration_end: dict = field(default_factory=dict)
+    losses: dict = field(default_factory=dict)
+    device: str = "cpu"
+
+
+def detect_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+class _CpuContainers:
+    """cgroup CPU quota per worker (v1 ``cpu`` controller or v2 ``cpu.max``)."""
+
+    def __init__(self, registry, run_name: str):
+        self.registry = registry
+        if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            self.version, root = 2, Path("/sys/fs/cgroup")
+        else:
+            self.version, root = 1, Path("/sys/fs/cgroup/cpu")
+            if not root.exists():
+                root = Path("/sys/fs/cgroup/cpu,cpuacct")
+        self.base = root / f"{PREFIX}-{run_name}-{os.getpid()}"
+        self.available = root.exists() and os.access(root, os.W_OK)
+
+    def make(self, name: str, cpus: float) -> Path | None:
+        if not self.available or cpus <= 0:
+            return None
+        if not self.base.exists():
+            self.base.mkdir()
+            self.registry.cgroup(self.base)
+            if self.version == 2:
+                try:
+                    (self.base / "cgroup.subtree_control").write_text("+cpu")
+                except OSError:
+                    pass
+        path = self.base / name
+        path.mkdir(exist_ok=True)
+        self.registry.cgroup(path)
+        quota = max(1000, int(cpus * _CFS_PERIOD_US))
+        if self.version == 1:
+            (path / "cpu.cfs_period_us").write_text(str(_CFS_PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+            burst = path / "cpu.cfs_burst_us"
+            if burst.exists():
+                burst.write_text("0")
+        else:
+            (path / "cpu.max").write_text(f"{quota} {_CFS_PERIOD_US}")
+        return path
+
+
+class TrainingRun:
+    def __init__(self, exp: Experiment, out_dir: Path, delay_backend: str = "auto",
+                 progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] | None = None):
+        self.exp = exp
+        self.out_dir = Path(out_dir)
+        self.delay_backend = delay_backend
+        self._progress = progress or (lambda done, total: None)
+        self._log = log or (lambda msg: None)
+        self._subscribers: list[Callable[[str, dict], None]] = []
+        self.workers: dict[str, WorkerState] = {}
+        self.net: Network | None = None
+        self.go_time = 0.0
+        self.log_lines: list[str] = []
+
+    def subscribe(self, fn: Callable[[str, dict], None]) -> None:
+        """``fn(worker_name, message)`` for every telemetry message, as it arrives."""
+        self._subscribers.append(fn)
+
+    def log(self, msg: str) -> None:
+        self.log_lines.append(f"{time.strftime('%H:%M:%S')} {msg}")
+        self._log(msg)
+
+    # -- the run --------------------------------------------------------------------
+    def run(self) -> dict:
+        from . import metrics
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        exp = self.exp
+        self.net = Network(exp.topo, delay_backend=self.delay_backend)
+        with self.net as net:
+            self.log(f"network {exp.topo.name} up in {net.startup_s:.2f} s (delay: {net.backends.delay})")
+            server_path = net.registry.dir / "telemetry.sock"
+            net.registry.file(server_path)
+            if server_path.exists():
+                server_path.unlink()
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(str(server_path))
+            server.listen(512)
+            try:
+                self._launch(net, server_path)
+                self._collect(server)
+            finally:
+                server.close()
+                _copy_worker_logs(net.registry.dir / "workers", self.out_dir / "worker-logs")
+                for w in self.workers.values():
+                    if w.sock is not None:
+                        w.sock.close()
+        result = metrics.summarise(self)
+        metrics.write_outputs(self, result)
+        return result
+
+    def _device_plan(self) -> list[str]:
+        slots = self.exp.workers()
+        want = self.exp.device
+        gpus = detect_gpus() if want in ("auto", "cuda") else 0
+        if want == "cuda" and gpus == 0:
+            raise RunError("device: cuda asked for, but torch sees no GPU here")
+        if gpus == 0:
+            return ["cpu"] * len(slots)
+        if gpus < len(slots):
+            self.log(f"{gpus} GPU(s) for {len(slots)} workers: GPUs are shared round-robin")
+        return [f"cuda:{i % gpus}" for i in range(len(slots))]
+
+    def _launch(self, net: Network, server_path: Path) -> None:
+        exp = self.exp
+        slots = exp.workers()
+        devices = self._device_plan()
+        by_key = {(s.stage, s.replica): s for s in slots}
+        containers = _CpuContainers(net.registry, exp.name.replace("/", "-")[:20])
+        cfg_dir = net.registry.dir / "workers"
+        cfg_dir.mkdir(exist_ok=True)
+        for slot, device in zip(slots, devices):
+            host = net.host(slot.dc, slot.host_index)
+            self.workers[slot.name] = WorkerState(slot, host, device=device)
+        for slot, device in zip(slots, devices):
+            w = self.workers[slot.name]
+            cfg = {
+                "worker": {"name": slot.name, "stage": slot.stage, "replica": slot.replica, "ip": w.host.ip},
+                "stages": exp.parallel.stages, "replicas": exp.parallel.replicas,
+                "schedule": exp.parallel.schedule, "extra_warmup": exp.parallel.extra_warmup,
+                "model": exp.model.model_dump(), "training": exp.training.model_dump(),
+                "telemetry": str(server_path), "port": _PORT, "device": device,
+            }
+            for key, peer_stage in (("next", slot.stage + 1), ("prev", slot.stage - 1)):
+                peer = by_key.get((peer_stage, slot.replica))
+                if peer is None:
+                    continue
+                cfg[key] = self._peer(net, slot, peer)
+            if exp.parallel.replicas > 1:
+                master = self.workers[by_key[(slot.stage, 0)].name].host.ip
+                group_devices = {self.workers[by_key[(slot.stage, r)].name].device for r in range(exp.parallel.replicas)}
+                nccl = device.startswith("cuda") and len(group_devices) == exp.parallel.replicas
+                cfg["dp"] = {"master": master, "port": _DP_PORT, "backend": "nccl" if nccl else "gloo"}
+            path = cfg_dir / f"{slot.name}.json"
+            path.write_text(json.dumps(cfg))
+            net.registry.file(path)
+            cpus = exp.topo.dc(slot.dc).host.cpus if device == "cpu" else 0.0
+            cgroup = containers.make(slot.name, cpus)
+            launch = f"exec {sys.executable} -m agents.trainer.worker {path}"
+            if cgroup is not None:
+                # Mininet hosts remount /sys, so the cgroup tree is not visible inside: the
+                # shell stops itself, we move it into its container from here, then let it
+                # exec the worker (which inherits the container before torch starts a thread).
+                launch = f"kill -STOP $$; {launch}"
+            env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                       GLIBC_TUNABLES="glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824")
+            # gloo/NCCL otherwise bind to what the hostname resolves to (127.0.0.1 in here)
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = f"{w.host.name}-eth0"
+            if device.startswith("cuda"):
+                env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+                cfg["device"] = "cuda:0"
+                path.write_text(json.dumps(cfg))
+            log_path = cfg_dir / f"{slot.name}.log"
+            net.registry.file(log_path)
+            with open(log_path, "w") as log:
+                w.proc = net.popen(w.host, ["sh", "-c", launch], env=env, stdout=subprocess.DEVNULL, stderr=log)
+            if cgroup is not None:
+                _enter_container(w.proc, cgroup)
+        self.log(f"launched {len(slots)} workers ({exp.parallel.stages} stages x {exp.parallel.replicas} replicas, "
+                 f"{exp.parallel.schedule}, {exp.parallel.connections} connection(s) per WAN transfer, "
+                 f"device {devices[0].split(':')[0]})")
+
+    def _peer(self, net: Network, me: WorkerSlot, peer: WorkerSlot) -> dict:
+        from agents.trainer.transport import socket_buffer_bytes
+
+        ip = self.workers[peer.name].host.ip
+        if peer.dc == me.dc:
+            return {"name": peer.name, "ip": ip, "connections": 1, "buf": 0}
+        n = self.exp.parallel.connections
+        topo = self.exp.topo
+        rate = min(topo.direction(a, b).rate_mbps for a, b in zip(topo.path(me.dc, peer.dc), topo.path(me.dc, peer.dc)[1:]))
+        rtt = topo.one_way_delay_ms(me.dc, peer.dc) + topo.one_way_delay_ms(peer.dc, me.dc)
+        return {"name": peer.name, "ip": ip, "connections": n, "buf": socket_buffer_bytes(rate, rtt, n)}
+
+    def _collect(self, server: socket.socket) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(server, selectors.EVENT_READ, None)
+        total = self.exp.training.iterations
+        bufs: dict[socket.socket, bytes] = {}
+        owner: dict[socket.socket, WorkerState] = {}
+        started = time.monotonic()
+        last_check = 0.0
+        while True:
+            for key, _ in sel.select(timeout=0.2):
+                if key.data is None:
+                    conn, _ = server.accept()
+                    bufs[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ, "conn")
+                    continue
+                conn = key.fileobj
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    sel.unregister(conn)
+                    continue
+                bufs[conn] += chunk
+                while b"\n" in bufs[conn]:
+                    line, bufs[conn] = bufs[conn].split(b"\n", 1)
+                    msg = json.loads(line)
+                    if conn not in owner:  # the first line names the worker
+                        w = owner[conn] = self.workers[msg["worker"]]
+                        w.sock = w.sock or conn  # a later connection only carries an error report
+                        continue
+                    self._handle(owner[conn], msg)
+            now = time.monotonic()
+            if now - last_check > 0.5:
+                last_check = now
+                self._check_alive()
+                if not self.go_time and now - started > _READY_TIMEOUT_S:
+                    waiting = [n for n, w in self.workers.items() if not w.ready]
+                    raise RunError(f"workers {', '.join(waiting)} not ready after {_READY_TIMEOUT_S:.0f} s")
+            if not self.go_time and all(w.ready for w in self.workers.values()):
+                self.go_time = time.monotonic()
+                for w in self.workers.values():
+                    w.sock.sendall(b'{"type":"go"}\n')
+                self.log("all workers ready: training")
+            self._progress(min(w.iterations_done for w in self.workers.values()), total)
+            if all(w.done for w in self.workers.values()):
+                for w in self.workers.values():
+                    w.sock.sendall(b'{"type":"bye"}\n')
+                break
+        for w in self.workers.values():
+            try:
+                w.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                raise RunError(f"worker {w.slot.name} did not exit after training") from None
+
+    def _handle(self, w: WorkerState, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "ready":
+            w.ready = True
+        elif kind == "events":
+            w.events.extend(msg["events"])
+            w.transfers.extend(msg.get("transfers", []))
+            if msg.get("iteration_done"):
+                w.iteration_end[msg["it"]] = msg["end"]
+                if msg.get("loss") is not None:
+                    w.losses[msg["it"]] = msg["loss"]
+                w.iterations_done = msg["it"] + 1
+        elif kind == "done":
+            w.transfers.extend(msg.get("transfers", []))
+            w.done = True
+        elif kind == "error":
+            raise RunError(f"worker {w.slot.name} (stage {w.slot.stage}, replica {w.slot.replica}, "
+                           f"{w.host.name} in {w.slot.dc}) failed: {msg['msg']}")
+        for fn in self._subscribers:
+            fn(w.slot.name, msg)
+
+    def _check_alive(self) -> None:
+        for w in self.workers.values():
+            code = w.proc.poll() if w.proc else None
+            if code is not None and (code != 0 or not w.done):
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                log = self.net.registry.dir / "workers" / f"{w.slot.name}.log"
+                tail = ""
+                try:
+                    lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+                    tail = f": {lines[-1]}" if lines else ""
+                except OSError:
+                    pass
+                raise RunError(f"worker {w.slot.name} (stage {w.slot.stage}, replica {w.slot.replica}, "
+                               f"{w.host.name} in {w.slot.dc}) died ({how}){tail}")
+
+
+def _enter_container(proc: subprocess.Popen, cgroup: Path, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _proc_state(proc.pid) != "T":
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RunError(f"worker process {proc.pid} did not reach its start point (state {_proc_state(proc.pid)})")
+        time.sleep(0.002)
+    (cgroup / "cgroup.procs").write_text(str(proc.pid))
+    os.kill(proc.pid, signal.SIGCONT)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _copy_worker_logs(src: Path, dst: Path) -> None:
+    logs = [f for f in src.glob("*.log") if f.stat().st_size] if src.exists() else []
+    if logs:
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in logs:
+            shutil.copy(f, dst / f.name)
