@@ -41,6 +41,7 @@ class TrainingSpec(_Strict):
     microbatch_size: int = Field(4, ge=1)
     lr: float = Field(1e-3, gt=0)
     seed: int = 0
+    warmup_iterations: int = Field(2, ge=0, description="left out of summary figures (allocator, TCP warm-up)")
 
 
 class ParallelSpec(_Strict):

@@ -10,11 +10,13 @@ the ``metrics.json`` content; ``write_outputs`` writes ``metrics.json``, ``timel
 Definitions (per iteration k):
 * iteration time: the moment the last worker finished iteration k minus the moment the
   last finished k-1 (the go signal for k = 0);
-* a worker's window: from its own end of k-1 to its end of k; its intervals tile it;
+* a worker's window: from its own end of k-1 (its go, for k = 0) to its end of k; its
+  intervals tile it;
 * busy fraction ("device utilization"): forward + backward + optimizer time / window;
 * bubbles: maximal runs of non-busy intervals (recv, send, allreduce, idle) >= 1 ms;
 * bubble fraction: 1 - busy fraction.  Summary figures average the steady-state
-  iterations (all but the first, which includes connection and TCP warm-up).
+  iterations: all but the first ``training.warmup_iterations`` (default 2: the first
+  ones pay for memory allocation and TCP slow start).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def summarise(run) -> dict:
     tokens = exp.parallel.replicas * exp.training.microbatches * exp.training.microbatch_size * exp.model.seq_len
     iterations = []
     prev_job_end = t0
-    prev_end = {name: t0 for name in workers}
+    # a worker's first window starts when it got the go (its first interval's start)
+    prev_end = {name: min((e[2] for e in w.events if e[4] == 0), default=t0) for name, w in workers.items()}
     for k in range(n_it):
         job_end = max(w.iteration_end[k] for w in workers.values())
         time_s = job_end - prev_job_end
@@ -85,7 +88,8 @@ def summarise(run) -> dict:
             "workers": per_worker,
         })
         prev_job_end = job_end
-    steady = iterations[1:] if len(iterations) > 1 else iterations
+    skip = min(exp.training.warmup_iterations, len(iterations) - 1)
+    steady = iterations[skip:]
     mean_time = sum(it["time_s"] for it in steady) / len(steady)
     mean_busy = sum(it["mean_busy_fraction"] for it in steady) / len(steady)
     per_worker_busy = {

@@ -260,4 +260,11 @@ def clean(state_dir: Path = STATE_DIR, holding_lock: bool = False, force: bool =
         (state_dir / _REGISTRY).unlink()
     except OSError:
         pass
+    if state_dir.exists():
+        for sub in state_dir.iterdir():  # folders emptied above (worker configs)
+            if sub.is_dir():
+                try:
+                    sub.rmdir()
+                except OSError:
+                    pass
     return found

@@ -57,6 +57,7 @@ class WorkerState:
     iteration_end: dict = field(default_factory=dict)
     losses: dict = field(default_factory=dict)
     device: str = "cpu"
+    reported_error: bool = False
 
 
 def detect_gpus() -> int:
@@ -310,25 +311,35 @@ class TrainingRun:
             w.transfers.extend(msg.get("transfers", []))
             w.done = True
         elif kind == "error":
+            w.reported_error = True
+            # a peer's death shows up first as a broken channel elsewhere: name the root cause
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                self._check_alive()
+                time.sleep(0.05)
             raise RunError(f"worker {w.slot.name} (stage {w.slot.stage}, replica {w.slot.replica}, "
                            f"{w.host.name} in {w.slot.dc}) failed: {msg['msg']}")
         for fn in self._subscribers:
             fn(w.slot.name, msg)
 
     def _check_alive(self) -> None:
-        for w in self.workers.values():
-            code = w.proc.poll() if w.proc else None
-            if code is not None and (code != 0 or not w.done):
-                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                log = self.net.registry.dir / "workers" / f"{w.slot.name}.log"
-                tail = ""
-                try:
-                    lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
-                    tail = f": {lines[-1]}" if lines else ""
-                except OSError:
-                    pass
-                raise RunError(f"worker {w.slot.name} (stage {w.slot.stage}, replica {w.slot.replica}, "
-                               f"{w.host.name} in {w.slot.dc}) died ({how}){tail}")
+        dead = [w for w in self.workers.values()
+                if w.proc and w.proc.poll() is not None and (w.proc.returncode != 0 or not w.done)]
+        if not dead:
+            return
+        # a worker that died unannounced is the cause; those that reported a broken channel follow
+        w = sorted(dead, key=lambda w: w.reported_error)[0]
+        code = w.proc.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        tail = ""
+        try:
+            log = self.net.registry.dir / "workers" / f"{w.slot.name}.log"
+            lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+            tail = f": {lines[-1]}" if lines else ""
+        except OSError:
+            pass
+        raise RunError(f"worker {w.slot.name} (stage {w.slot.stage}, replica {w.slot.replica}, "
+                       f"{w.host.name} in {w.slot.dc}) died ({how}){tail}")
 
 
 def _enter_container(proc: subprocess.Popen, cgroup: Path, timeout: float = 10.0) -> None:

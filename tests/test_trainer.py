@@ -1,0 +1,146 @@
+"""Real pipeline-parallel training across emulated DCs.
+
+Loss parity against a single-process run is the test that proves the pipeline is real:
+same model, seed and global batch, losses equal to 1e-5 relative for every iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import skip_unless_network
+from testbed.experiment import parse_experiment
+from testbed.registry import leftovers
+from testbed.runner import RunError, TrainingRun
+from testbed.schedules import ideal_bubble_fraction
+
+pytestmark = pytest.mark.network
+REPO = Path(__file__).resolve().parent.parent
+TOPO = str(REPO / "tests" / "data" / "train3.yaml")
+TINY = {"layers": 6, "hidden": 32, "heads": 2, "seq_len": 16}
+
+
+def _experiment(stages, replicas, schedule, iterations=5, microbatches=4, connections=1, model=TINY,
+                topology=TOPO, **extra):
+    return parse_experiment({
+        "name": f"p{stages}d{replicas}-{schedule}", "topology": topology, "model": model,
+        "training": {"iterations": iterations, "microbatches": microbatches, "microbatch_size": 2,
+                     "lr": 0.003, "seed": 7},
+        "parallel": {"stages": stages, "replicas": replicas, "schedule": schedule, "connections": connections},
+        **extra,
+    }, "test")
+
+
+def _run(exp, tmp_path, **kwargs):
+    run = TrainingRun(exp, tmp_path / exp.name, **kwargs)
+    return run, run.run()
+
+
+@pytest.mark.parametrize(("stages", "replicas", "schedule"), [
+    (2, 1, "gpipe"), (2, 1, "1f1b"), (3, 2, "gpipe"), (3, 2, "1f1b")])
+def test_loss_parity_with_a_single_process_run(tmp_path, stages, replicas, schedule):
+    skip_unless_network()
+    from agents.trainer.reference import reference_losses
+
+    exp = _experiment(stages, replicas, schedule, connections=2)
+    run, result = _run(exp, tmp_path)
+    assert len({w.slot.dc for w in run.workers.values()}) == stages  # every boundary crosses a DC
+    want = reference_losses(exp.model.model_dump(), exp.training.model_dump(), replicas)
+    got = [it["loss"] for it in result["iterations"]]
+    assert len(got) == len(want) >= 5
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= 1e-5 * abs(w), f"iteration {k}: pipeline {g!r} vs single process {w!r}"
+    assert got[-1] < got[0]  # it learns
+    # the typed intervals of each worker tile its iteration
+    for it in result["iterations"]:
+        for name, w in it["workers"].items():
+            assert 0.98 <= w["covered_fraction"] <= 1.02, (it["iteration"], name, w)
+    for name in ("metrics.json", "timeline.json", "loss.png", "gantt.png"):
+        assert (tmp_path / exp.name / name).stat().st_size > 0
+
+
+def test_gpipe_bubble_fraction_matches_fill_and_drain_on_a_fast_link(tmp_path):
+    skip_unless_network()
+    import yaml
+
+    data = yaml.safe_load(Path(TOPO).read_text())
+    for link in data["wan"]:
+        link.update(delay_ms=0, rate_mbps=10_000)
+    for dc in data["dcs"]:
+        dc["host"]["cpus"] = 0.5  # 3 workers x 0.5 = 1.5 of the 2 cores
+    (tmp_path / "fast.yaml").write_text(yaml.safe_dump(data))
+    model = {"layers": 6, "hidden": 256, "heads": 4, "seq_len": 64}
+    exp = _experiment(3, 1, "gpipe", iterations=7, microbatches=6, model=model, topology=str(tmp_path / "fast.yaml"))
+    exp.training.warmup_iterations = 3
+    _, result = _run(exp, tmp_path)
+    ideal = ideal_bubble_fraction(3, 6)
+    measured = result["summary"]["bubble_fraction"]
+    # measured here: 0.36-0.41 against the ideal 0.25 (compute per stage and microbatch ~28 ms).
+    # The difference is real and counted as idle: copying each tensor in and out of the TCP
+    # transport (~1-5 ms per hand-off on these CPUs), the optimizer step, stage 1 holding no
+    # embedding or LM head, and CFS quota jitter (the same op takes 5-16 ms).
+    assert ideal - 0.03 <= measured <= ideal + 0.20, (measured, ideal)
+
+
+def test_raising_wan_delay_raises_iteration_time_and_bubbles(tmp_path):
+    skip_unless_network()
+    from testbed.spec import load_topology
+    import yaml
+
+    results = {}
+    for delay in (1, 40):
+        data = yaml.safe_load(Path(TOPO).read_text())
+        for link in data["wan"]:
+            link["delay_ms"] = delay
+        path = tmp_path / f"topo-{delay}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        load_topology(path)
+        exp = _experiment(3, 1, "1f1b", iterations=4, topology=str(path))
+        results[delay] = _run(exp, tmp_path / str(delay))[1]["summary"]
+    fast, slow = results[1], results[40]
+    # 1F1B with 4 microbatches over 2 boundaries pays several 80 ms round trips per iteration
+    assert slow["mean_iteration_time_s"] > fast["mean_iteration_time_s"] + 0.15, (fast, slow)
+    assert slow["bubble_fraction"] > fast["bubble_fraction"] + 0.05, (fast, slow)
+
+
+def test_n_connections_really_are_n(tmp_path):
+    skip_unless_network()
+    exp = _experiment(2, 1, "1f1b", iterations=3, connections=4)
+    run = TrainingRun(exp, tmp_path / "n4")
+    seen = {}
+
+    def count(worker, msg):
+        if worker == "s0r0" and msg.get("type") == "events" and not seen:
+            w0, w1 = run.workers["s0r0"], run.workers["s1r0"]
+            out = w0.host.node.cmd(f"ss -Htn state established dst {w1.host.ip}:29400")
+            seen["act"] = len([ln for ln in out.splitlines() if ln.strip()])
+            out = w0.host.node.cmd(f"ss -Htn state established src {w0.host.ip}:29400 dst {w1.host.ip}")
+            seen["grad"] = len([ln for ln in out.splitlines() if ln.strip()])
+
+    run.subscribe(count)
+    run.run()
+    assert seen == {"act": 4, "grad": 4}, seen
+
+
+def test_a_killed_worker_ends_the_run_naming_it_and_nothing_is_left(tmp_path):
+    skip_unless_network()
+    exp = _experiment(3, 1, "1f1b", iterations=40)
+    run = TrainingRun(exp, tmp_path / "kill")
+    killed = {}
+
+    def kill(worker, msg):
+        if msg.get("iteration_done") and msg["it"] == 1 and not killed:
+            os.kill(run.workers["s1r0"].proc.pid, signal.SIGKILL)
+            killed["at"] = time.monotonic()
+
+    run.subscribe(kill)
+    with pytest.raises(RunError) as err:
+        run.run()
+    assert time.monotonic() - killed["at"] < 30
+    assert "s1r0" in str(err.value) and "died" in str(err.value) and "signal 9" in str(err.value)
+    assert leftovers() == {"processes": [], "netns": [], "links": []}
