@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up this machine for the testbed (idempotent), then run what was asked:
-#   bash setup.sh demo   -> the main job on its default topology
+#   bash setup.sh demo   -> the main job (experiments/default.yaml) on its default topology
 #   bash setup.sh test   -> the test suite
 #   bash setup.sh        -> set up only
 # Needs root: it installs Debian packages and the testbed builds network namespaces.
@@ -36,7 +36,7 @@ fi
 
 case "$what" in
   setup) echo "set up: .venv/bin/testbed is ready" ;;
-  demo) exec .venv/bin/testbed fidelity aws-us3 ;;
+  demo) exec .venv/bin/testbed run experiments/default.yaml --out results/default ;;
   test) exec .venv/bin/python -m pytest -ra ;;
   *) echo "usage: bash setup.sh [setup|demo|test]" >&2; exit 2 ;;
 esac

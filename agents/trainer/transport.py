@@ -13,8 +13,9 @@ tc can classify each pipeline's flows, and it must always cross the emulated lin
 where GPUs share a machine (tensors are copied to host memory; no CUDA IPC, no NVLink).
 Socket buffers are sized from the link's bandwidth-delay product.
 
-Wire format per slice: header ``!QIQQ`` = (message seq, slice index, total bytes, slice
-bytes), then the slice.  A message's first 64 bytes hold its dtype and shape.
+Wire format per slice: header ``!QIQQd`` = (message seq, slice index, total bytes, slice
+bytes, the sender's monotonic send time), then the slice.  All hosts share one clock, so
+the receiver records each message's real transfer time: from the send to the last byte in.  A message's first 64 bytes hold its dtype and shape.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 _HELLO = struct.Struct("!16sBBB")  # peer name, channel kind, connection index, connections
-_SLICE = struct.Struct("!QIQQ")
+_SLICE = struct.Struct("!QIQQd")  # seq, slice, total bytes, slice bytes, send time
 _META = struct.Struct("!B7q")  # dtype code, ndim, up to 6 dims
 _META_SIZE = 64
 _DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16, 3: torch.int64}
@@ -75,7 +76,8 @@ def _recv_exact_bytes(sock: socket.socket, n: int) -> bytes:
 
 @dataclass
 class TransferRecord:
-    """When one message left and when its last slice was on the wire (sender side)."""
+    """One message: sent at ``start`` (sender's clock = everyone's clock), ``end`` = handed to
+    the sender's kernel (sender side) or fully received (receiver side)."""
 
     seq: int
     nbytes: int
@@ -95,9 +97,10 @@ class _Outgoing:
 class Channel:
     """One direction of traffic to/from one peer over ``n`` connections."""
 
-    def __init__(self, socks: list[socket.socket], on_transfer=None):
+    def __init__(self, socks: list[socket.socket], on_transfer=None, on_receive=None):
         self.socks = socks
         self.n = len(socks)
+        self._on_receive = on_receive
         self._send_queues = [queue.Queue() for _ in socks]
         self._seq = 0
         self._lock = threading.Lock()
@@ -138,7 +141,7 @@ class Channel:
                     return
                 total = len(out.payload)
                 lo, hi = total * i // self.n, total * (i + 1) // self.n
-                sock.sendall(_SLICE.pack(out.seq, i, total, hi - lo))
+                sock.sendall(_SLICE.pack(out.seq, i, total, hi - lo, out.start))
                 if hi > lo:
                     sock.sendall(memoryview(out.payload)[lo:hi])
                 with self._lock:
@@ -156,7 +159,7 @@ class Channel:
         try:
             while True:
                 header = _recv_exact_bytes(sock, _SLICE.size)
-                seq, idx, total, size = _SLICE.unpack(header)
+                seq, idx, total, size, sent_at = _SLICE.unpack(header)
                 with self._cv:
                     if seq not in self._partial:
                         self._partial[seq] = (bytearray(total), self.n)
@@ -170,6 +173,8 @@ class Channel:
                         del self._partial[seq]
                         self._complete[seq] = buf
                         self._cv.notify_all()
+                        if self._on_receive:
+                            self._on_receive(TransferRecord(seq, total, sent_at, time.monotonic()))
                     else:
                         self._partial[seq] = (buf, left)
         except (OSError, TransportError) as exc:
@@ -256,7 +261,8 @@ class Endpoint:
             socks.append(sock)
         return Channel(socks, on_transfer)
 
-    def accept(self, peer: str, kind: int, connections: int, buf_bytes: int, timeout: float = 60.0) -> Channel:
+    def accept(self, peer: str, kind: int, connections: int, buf_bytes: int, timeout: float = 60.0,
+               on_receive=None) -> Channel:
         """Wait for a peer's ``connections`` connections of one channel kind."""
         key = (peer, kind)
         deadline = time.monotonic() + timeout
@@ -272,7 +278,7 @@ class Endpoint:
             name, k, i, total = _HELLO.unpack(_recv_exact_bytes(sock, _HELLO.size))
             slot = self._accepted.setdefault((name.rstrip(b"\0").decode(), k), [None] * total)
             slot[i] = sock
-        return Channel(self._accepted.pop(key))
+        return Channel(self._accepted.pop(key), on_receive=on_receive)
 
     def close(self) -> None:
         self._listener.close()

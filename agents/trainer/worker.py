@@ -62,6 +62,9 @@ def run(cfg: dict) -> None:
     from testbed import schedules as sch
 
     torch.set_num_threads(1)
+    # transport threads wait for the GIL behind the compute thread: hand it over sooner
+    # than the default 5 ms, or every received slice waits that long
+    sys.setswitchinterval(0.0005)
     me = cfg["worker"]
     stage, replica, stages, replicas = me["stage"], me["replica"], cfg["stages"], cfg["replicas"]
     tel = Telemetry(cfg["telemetry"], me["name"])
@@ -91,16 +94,15 @@ def run(cfg: dict) -> None:
     ep = Endpoint(me["name"], me["ip"], cfg["port"])
     nxt, prv = cfg.get("next"), cfg.get("prev")
     act_out = grad_out = act_in = grad_in = None
+    # transfers are recorded where they end: the receiver sees the last byte arrive
     if nxt:
-        act_out = ep.connect(nxt["name"], nxt["ip"], cfg["port"], ACT, nxt["connections"], nxt["buf"],
-                             on_transfer=on_transfer("xfer_act"))
+        act_out = ep.connect(nxt["name"], nxt["ip"], cfg["port"], ACT, nxt["connections"], nxt["buf"])
     if prv:
-        grad_out = ep.connect(prv["name"], prv["ip"], cfg["port"], GRAD, prv["connections"], prv["buf"],
-                              on_transfer=on_transfer("xfer_grad"))
+        grad_out = ep.connect(prv["name"], prv["ip"], cfg["port"], GRAD, prv["connections"], prv["buf"])
     if prv:
-        act_in = ep.accept(prv["name"], ACT, prv["connections"], prv["buf"])
+        act_in = ep.accept(prv["name"], ACT, prv["connections"], prv["buf"], on_receive=on_transfer("xfer_act"))
     if nxt:
-        grad_in = ep.accept(nxt["name"], GRAD, nxt["connections"], nxt["buf"])
+        grad_in = ep.accept(nxt["name"], GRAD, nxt["connections"], nxt["buf"], on_receive=on_transfer("xfer_grad"))
 
     group = None
     if replicas > 1:
