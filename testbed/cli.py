@@ -182,6 +182,37 @@ def run(
 
 
 @app.command()
+def sim(
+    experiment: Path = typer.Argument(..., help="experiment file (the same files testbed run takes)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (a list with --sweep)"),
+    profile: Optional[Path] = typer.Option(None, help="timeline.json of an emulator run: take compute times from it"),
+    iterations: int = typer.Option(3, help="iterations to simulate"),
+    sweep: list[str] = typer.Option([], help="KEY=V1,V2,... over delay_ms, rate_mbps, connections, replicas, "
+                                              "microbatches, stages, schedule; repeat for a grid"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="write metrics.json and timeline.json (or sweep.csv/png)"),
+) -> None:
+    """Simulate EXPERIMENT (paper scale welcome): iteration time, bubbles, WAN utilization."""
+    from .sim.cli import run_sim
+
+    try:
+        rows = run_sim(experiment, profile=profile, iterations=iterations, sweep=sweep, out_dir=out_dir)
+    except _user_errors() as exc:
+        _fail(str(exc))
+    except ValueError as exc:
+        _fail(str(exc))
+    if as_json:
+        out.print_json(json.dumps(rows[0] if not sweep else rows))
+        return
+    keys = [k for k in rows[0] if k not in ("busy_fraction_per_worker",)]
+    table = Table(title=f"simulated: {experiment}")
+    for k in keys:
+        table.add_column(k, justify="right")
+    for r in rows:
+        table.add_row(*[f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys])
+    out.print(table)
+
+
+@app.command()
 def clean(force: bool = typer.Option(False, help="also when a run still holds the lock")) -> None:
     """Remove every namespace, interface, process and file the testbed made (also after a crash)."""
     from .registry import Busy, clean as do_clean
@@ -205,6 +236,7 @@ def topology_aws(
     scale: float = typer.Option(10.0, help="divide measured bandwidths by this"),
     hosts: int = typer.Option(2, help="worker hosts per DC"),
     cpus: float = typer.Option(0.0, help="CPU cores per host container (0 = unlimited)"),
+    description: str = typer.Option("", help="replaces the generated description"),
     output: Optional[Path] = typer.Option(None, "--out", "-o", help="write here instead of stdout"),
 ) -> None:
     """A full-mesh topology from the measured AWS inter-region matrix."""
@@ -212,7 +244,7 @@ def topology_aws(
     from .spec import parse_topology
 
     try:
-        data = aws_topology(name, [r.strip() for r in regions.split(",")], scale, hosts, cpus)
+        data = aws_topology(name, [r.strip() for r in regions.split(",")], scale, hosts, cpus, description)
     except ValueError as exc:
         _fail(str(exc))
     parse_topology(data, name)  # what we write must load

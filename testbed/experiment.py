@@ -52,6 +52,30 @@ class ParallelSpec(_Strict):
     connections: int = Field(1, ge=1, le=64, description="TCP connections per cross-DC transfer")
 
 
+class StageTimeSpec(_Strict):
+    forward_s: float = Field(ge=0)
+    backward_s: float = Field(ge=0)
+    optimizer_s: float = Field(0.0, ge=0)
+
+
+class SimSpec(_Strict):
+    """Only the simulator reads these: how fast a device is, how the network behaves."""
+
+    device_tflops: float = Field(1.0, gt=0, description="peak dense FLOP/s of one device, in TFLOP/s")
+    efficiency: float = Field(0.5, gt=0, le=1, description="fraction of peak a training step reaches")
+    memory_gbps: float = Field(100.0, gt=0, description="device memory bandwidth, GB/s (optimizer step)")
+    tensor_parallel: int = Field(1, ge=1, description="devices per pipeline stage replica (one simulated worker)")
+    dtype_bytes: int = Field(4, ge=1, le=8, description="bytes per activation element on the wire")
+    intra_dc_gbps: float = Field(100.0, gt=0, description="bandwidth of transfers and all-reduce inside a DC")
+    allreduce_latency_s: float = Field(0.0, ge=0)
+    tcp_window_bytes: int = Field(64 << 20, gt=0, description="per-connection TCP window: caps a flow at window/RTT")
+    wan_link_gbps: float | None = Field(
+        None, gt=0, description="WAN link capacity; then the topology's rate is one connection's ceiling "
+                                "(as in the measured AWS matrix) instead of the link's capacity")
+    message_overhead_s: float = Field(0.0, ge=0, description="per-message hand-off cost at the receiver")
+    stage_times: list[StageTimeSpec] | None = None
+
+
 class Experiment(_Strict):
     name: str
     topology: str
@@ -61,6 +85,7 @@ class Experiment(_Strict):
     parallel: ParallelSpec = ParallelSpec()
     placement: dict[str, list[int]] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    sim: SimSpec = SimSpec()
     # filled in by parse_experiment
     _origin: str = PrivateAttr("")
     _topo: Topology | None = PrivateAttr(None)

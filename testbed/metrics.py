@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import modelshape
+
 BUSY = ("forward", "backward", "optimizer")
 MIN_BUBBLE_S = 0.001
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "allreduce": "#8172B3",
@@ -119,9 +121,8 @@ def summarise(run) -> dict:
 
 
 def _params(exp) -> int:
-    from agents.trainer.model import ModelConfig
-
-    return ModelConfig(**exp.model.model_dump()).params()
+    m = exp.model
+    return sum(modelshape.stage_params(m.layers, m.hidden, m.seq_len, 1))
 
 
 def timeline_to_chrome(workers: dict[str, dict], t0: float) -> dict:

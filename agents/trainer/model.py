@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB = 256  # bytes
+from testbed.modelshape import VOCAB, layer_params, layer_split  # noqa: F401  (shared with the simulator)
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,7 @@ class ModelConfig:
     seq_len: int = 64
 
     def params(self) -> int:
-        per_layer = 12 * self.hidden * self.hidden + 13 * self.hidden
-        return self.layers * per_layer + VOCAB * self.hidden * 2 + self.seq_len * self.hidden + 2 * self.hidden
+        return self.layers * layer_params(self.hidden) + VOCAB * self.hidden * 2 + self.seq_len * self.hidden + 2 * self.hidden
 
 
 class Block(nn.Module):
@@ -95,14 +94,6 @@ def build_model(cfg: ModelConfig, seed: int) -> GPT:
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
     return model
-
-
-def layer_split(layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous, as even as possible: stage s owns layers [first, last)."""
-    if stages > layers:
-        raise ValueError(f"{stages} pipeline stages need at least {stages} layers, the model has {layers}")
-    bounds = [round(s * layers / stages) for s in range(stages + 1)]
-    return list(zip(bounds, bounds[1:]))
 
 
 def stage_module(model: GPT, stage: int, stages: int) -> Stage:

@@ -1,0 +1,92 @@
+"""Validate the simulator against the emulator: predicted vs measured iteration time.
+
+    .venv/bin/python experiments/validate_sim.py [--quick] [--out results/validate-sim]
+
+For each case (P=2 and P=3 across DCs, D=1 and 2, one-way delay 1-50 ms, N=1 and 4) it
+trains on the emulator, feeds the simulator the compute times profiled from that run
+(``timeline.json``: median forward/backward/optimizer per stage, median hand-off cost),
+simulates the same experiment, and writes ``errors.csv`` and ``errors.md``: measured and
+predicted steady-state iteration time and the relative error (the goal is 5%, the bar 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml  # noqa: E402
+
+from testbed.experiment import parse_experiment  # noqa: E402
+from testbed.metrics import summarise  # noqa: E402
+from testbed.runner import TrainingRun  # noqa: E402
+from testbed.sim.build import profiled_stage_times, simulate  # noqa: E402
+
+MODEL = {"layers": 6, "hidden": 128, "heads": 4, "seq_len": 64}
+
+
+def topology(tmp: Path, delay_ms: float, rate_mbps: float = 200.0) -> str:
+    dcs = [{"name": f"dc{i}", "hosts": 2, "host": {"cpus": 0.3}} for i in (1, 2, 3)]
+    wan = [{"a": a, "b": b, "delay_ms": delay_ms, "rate_mbps": rate_mbps}
+           for a, b in (("dc1", "dc2"), ("dc2", "dc3"), ("dc1", "dc3"))]
+    path = tmp / f"validate-{delay_ms}.yaml"
+    path.write_text(yaml.safe_dump({"name": f"validate-{delay_ms}", "dcs": dcs, "wan": wan}))
+    return str(path)
+
+
+def compare(tmp: Path, stages: int, replicas: int, delay_ms: float, connections: int,
+            schedule: str = "1f1b", iterations: int = 6) -> dict:
+    exp = parse_experiment({
+        "name": f"v-p{stages}-d{replicas}-{delay_ms}ms-n{connections}", "topology": topology(tmp, delay_ms),
+        "model": MODEL,
+        "training": {"iterations": iterations, "microbatches": 6, "microbatch_size": 4, "seed": 1},
+        "parallel": {"stages": stages, "replicas": replicas, "schedule": schedule, "connections": connections},
+        "sim": {"intra_dc_gbps": 10.0},
+    }, "validate")
+    out = tmp / exp.name
+    measured = TrainingRun(exp, out).run()["summary"]["mean_iteration_time_s"]
+    times, overhead = profiled_stage_times(out / "timeline.json", stages)
+    sim = simulate(exp, stage_times=times, message_overhead_s=overhead)
+    predicted = summarise(sim)["summary"]["mean_iteration_time_s"]
+    return {"stages": stages, "replicas": replicas, "delay_ms": delay_ms, "connections": connections,
+            "schedule": schedule, "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
+            "error": round((predicted - measured) / measured, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a 4-case subset")
+    ap.add_argument("--out", type=Path, default=Path("results/validate-sim"))
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="gtb-validate-"))
+    if args.quick:
+        cases = [(2, 1, 10, 1), (2, 1, 50, 4), (3, 2, 1, 4), (3, 2, 25, 1)]
+    else:
+        cases = list(itertools.product((2, 3), (1, 2), (1, 10, 50), (1, 4)))
+    rows = []
+    for stages, replicas, delay, n in cases:
+        row = compare(tmp, stages, replicas, delay, n)
+        rows.append(row)
+        print(f"P={stages} D={replicas} {delay:>3} ms N={n}: measured {row['measured_s']:.3f} s, "
+              f"predicted {row['predicted_s']:.3f} s, error {row['error']:+.1%}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "errors.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["| P | D | one-way ms | N | measured s | predicted s | error |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['stages']} | {r['replicas']} | {r['delay_ms']} | {r['connections']} | {r['measured_s']} | "
+              f"{r['predicted_s']} | {r['error']:+.1%} |" for r in rows]
+    worst = max(abs(r["error"]) for r in rows)
+    lines.append(f"\nworst |error| {worst:.1%}; mean |error| {sum(abs(r['error']) for r in rows) / len(rows):.1%}")
+    (args.out / "errors.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-1:]))
+
+
+if __name__ == "__main__":
+    main()

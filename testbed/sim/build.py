@@ -1,0 +1,178 @@
+"""From an experiment file to a simulated job, and from a simulated job to the run's figures.
+
+How it fits: ``simulate(exp)`` builds one ``Link`` per topology direction, one ``Worker``
+per (stage, replica) with the schedule's op list, per-stage compute times (given in the
+experiment's ``sim`` section, profiled from an emulator run's ``timeline.json``, or
+estimated from the model's FLOPs and a device speed), runs the engine, and returns an
+object shaped like ``runner.TrainingRun`` so ``metrics.summarise`` and ``write_outputs``
+produce the same ``metrics.json`` and Chrome trace as the emulator.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from .. import modelshape
+from .. import schedules as sch
+from ..experiment import Experiment
+from .engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
+
+
+def stage_params(exp: Experiment) -> list[int]:
+    m = exp.model
+    return modelshape.stage_params(m.layers, m.hidden, m.seq_len, exp.parallel.stages)
+
+
+def flops_stage_times(exp: Experiment) -> list[StageTimes]:
+    """Forward = 2 x params x tokens (+ attention), backward = 2 x forward, at the device's speed."""
+    sim = exp.sim
+    tokens = exp.training.microbatch_size * exp.model.seq_len
+    speed = sim.device_tflops * 1e12 * sim.efficiency * sim.tensor_parallel
+    out = []
+    for (a, b), p in zip(modelshape.layer_split(exp.model.layers, exp.parallel.stages), stage_params(exp)):
+        attn = 4 * (b - a) * tokens * exp.model.seq_len * exp.model.hidden
+        fwd = (2 * p * tokens + attn) / speed
+        # the optimizer step streams weights, gradients and two Adam moments: ~16 bytes a parameter
+        opt = p * 16 / (sim.memory_gbps * 1e9) / sim.tensor_parallel
+        out.append(StageTimes(fwd, 2 * fwd, opt))
+    return out
+
+
+def profiled_stage_times(timeline: Path, stages: int, skip_iterations: int = 2) -> tuple[list[StageTimes], float]:
+    """Median forward/backward/optimizer per stage from an emulator run, and the median
+    per-message hand-off cost (the trainer's send intervals)."""
+    trace = json.loads(Path(timeline).read_text())["traceEvents"]
+    per: dict[tuple[int, str], list[float]] = {}
+    sends = []
+    for e in trace:
+        if e.get("ph") != "X" or (e["args"].get("iteration") or 0) < skip_iterations:
+            continue
+        tid = str(e.get("tid", ""))
+        if not tid.startswith("s") or " " in tid:
+            continue
+        stage = int(tid[1:].split("r")[0])
+        if e["cat"] in ("forward", "backward", "optimizer"):
+            per.setdefault((stage, e["cat"]), []).append(e["dur"] / 1e6)
+        elif e["cat"] == "send":
+            sends.append(e["dur"] / 1e6)
+    times = []
+    for s in range(stages):
+        def med(kind):
+            values = per.get((s, kind))
+            if not values:
+                raise ValueError(f"{timeline}: no {kind} intervals for stage {s}")
+            return statistics.median(values)
+        times.append(StageTimes(med("forward"), med("backward"), med("optimizer")))
+    return times, (statistics.median(sends) if sends else 0.0)
+
+
+@dataclass
+class SimResult:
+    exp: Experiment
+    workers: dict
+    go_time: float = 0.0
+    log_lines: list = field(default_factory=list)
+    links: dict = field(default_factory=dict)
+    events_processed: int = 0
+    folded: int = 1
+    out_dir: Path | None = None
+
+
+def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: int | None = None,
+             stage_times: list[StageTimes] | None = None, message_overhead_s: float | None = None,
+             record: bool = True, fold_replicas: bool | None = None) -> SimResult:
+    """Simulate ``exp``.  ``fold_replicas`` (default: when D > 8 and sharing is fair)
+    simulates one pipeline with every WAN link's bandwidth divided by D: under fair sharing
+    identical replicas move in lockstep, so each sees exactly that share; the DP all-reduce
+    keeps the real D.  It makes paper-scale jobs (D in the hundreds) cost what one pipeline
+    costs."""
+    sim_spec = exp.sim
+    topo = exp.topo
+    n_it = iterations or exp.training.iterations
+    sim = Simulator(policy)
+    D = exp.parallel.replicas
+    if fold_replicas is None:
+        fold_replicas = D > 8 and type(sim.policy) is SharingPolicy
+    share = D if fold_replicas else 1
+    # the topology's rate is the link's capacity, or (wan_link_gbps set) one connection's ceiling
+    capacity = (lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps else (lambda p: p.rate_mbps * 1e6 / 8)
+    links = {(s, d): Link(f"{s}->{d}", capacity(p) / share, p.delay_ms / 1000.0) for s, d, p in topo.directions()}
+    if stage_times is None:
+        if sim_spec.stage_times:
+            stage_times = [StageTimes(t.forward_s, t.backward_s, t.optimizer_s) for t in sim_spec.stage_times]
+        else:
+            stage_times = flops_stage_times(exp)
+    if len(stage_times) != exp.parallel.stages:
+        raise ValueError(f"{len(stage_times)} stage times for {exp.parallel.stages} stages")
+    overhead = sim_spec.message_overhead_s if message_overhead_s is None else message_overhead_s
+    P, M = exp.parallel.stages, exp.training.microbatches
+    workers = []
+    for slot in exp.workers():
+        if fold_replicas and slot.replica > 0:
+            continue
+        program = sch.ops(exp.parallel.schedule, slot.stage, P, M, exp.parallel.extra_warmup)
+        workers.append(Worker(slot.name, slot.stage, slot.replica, slot.dc, program, stage_times[slot.stage]))
+    by_key = {(w.stage, w.replica): w for w in workers}
+    act_bytes = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * sim_spec.dtype_bytes
+    intra = sim_spec.intra_dc_gbps * 1e9 / 8
+    params = stage_params(exp)
+    n_conn = exp.parallel.connections
+
+    routes = {}  # (src DC, dst DC) -> (links crossed, one flow's ceiling): computed once
+    for a in topo.dcs:
+        for b in topo.dcs:
+            if a.name == b.name:
+                continue
+            hops = topo.path(a.name, b.name)
+            path = [links[(x, y)] for x, y in zip(hops, hops[1:])]
+            rtt = 2 * sum(link.delay for link in path)
+            ceiling = n_conn * sim_spec.tcp_window_bytes / rtt if rtt > 0 else float("inf")
+            if sim_spec.wan_link_gbps:
+                single = min(topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8
+                ceiling = min(ceiling, n_conn * single)
+            routes[(a.name, b.name)] = (path, ceiling)
+
+    def send(w: Worker, kind: str, mb: int, it: int, on_arrival) -> None:
+        peer = by_key[(w.stage + 1 if kind == sch.SEND_ACT else w.stage - 1, w.replica)]
+        start = sim.now
+
+        def arrived(t, peer=peer, kind=kind):
+            if record:
+                peer.transfers.append(["xfer_act" if kind == sch.SEND_ACT else "xfer_grad", mb, start, t, act_bytes, it])
+            on_arrival(t + overhead)
+
+        if peer.dc == w.dc:
+            sim.at(sim.now + act_bytes / intra, lambda: arrived(sim.now))
+            return
+        path, ceiling = routes[(w.dc, peer.dc)]
+        sim.transfer(path, act_bytes, ceiling, arrived, owner=f"r{w.replica}")
+
+    def allreduce_time(stage: int) -> float:
+        d = exp.parallel.replicas
+        return 2 * (d - 1) / d * params[stage] * sim_spec.dtype_bytes / intra + sim_spec.allreduce_latency_s
+
+    job = PipelineJob(sim, workers, n_it, send, allreduce_time, record=record, dp_replicas=D)
+    job.start()
+    sim.run()
+    states = {}
+    for w in workers:
+        states[w.name] = SimpleNamespace(
+            slot=SimpleNamespace(stage=w.stage, replica=w.replica, dc=w.dc, name=w.name),
+            host=SimpleNamespace(name=f"sim-{w.name}", ip=""), device="simulated",
+            events=w.events, transfers=w.transfers, iteration_end=w.iteration_end, losses={})
+    note = f"simulated {n_it} iteration(s), {sim.events_processed} events"
+    if fold_replicas:
+        note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
+    return SimResult(exp, states, 0.0, [note], links, sim.events_processed, folded=share)
+
+
+def wan_utilization(result: SimResult) -> float:
+    """Bytes carried over all WAN directions / (their capacity x the simulated time)."""
+    end = max(max(w.iteration_end.values()) for w in result.workers.values())
+    carried = sum(link.bytes_carried for link in result.links.values()) * result.folded
+    capacity = sum(link.bandwidth for link in result.links.values()) * result.folded * end
+    return carried / capacity if capacity else 0.0

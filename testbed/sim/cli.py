@@ -1,0 +1,129 @@
+"""``testbed sim``: one simulation, or a sweep over parameters into a table, CSV and plot.
+
+How it fits: loads the experiment like ``testbed run``; optionally takes compute times from
+an emulator run's ``timeline.json``; applies each sweep point to a copy of the experiment
+(link delay/rate on every WAN direction, connections, replicas, microbatches, stages,
+schedule) and calls ``build.simulate``.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import time
+from pathlib import Path
+
+from ..experiment import load_experiment, parse_experiment
+from ..spec import SpecError
+from .build import profiled_stage_times, simulate, wan_utilization
+
+SWEEPABLE = {"delay_ms", "rate_mbps", "connections", "replicas", "microbatches", "stages", "schedule"}
+
+
+def _with(exp, changes: dict):
+    """A copy of the experiment with sweep values applied (re-validated)."""
+    data = exp.model_dump()
+    data["topology"] = str(exp.topo.model_dump_json())  # placeholder, replaced below
+    topo = exp.topo.model_copy(deep=True)
+    for link in topo.wan:
+        if "delay_ms" in changes:
+            link.delay_ms = float(changes["delay_ms"])
+        if "rate_mbps" in changes:
+            link.rate_mbps = float(changes["rate_mbps"])
+    for key, section in (("connections", "parallel"), ("replicas", "parallel"), ("stages", "parallel"),
+                         ("schedule", "parallel"), ("microbatches", "training")):
+        if key in changes:
+            data[section][key] = changes[key]
+    if "stages" in changes or "replicas" in changes:
+        data["placement"] = None
+    import tempfile
+
+    import yaml
+
+    tmp = Path(tempfile.mkdtemp(prefix="gtb-sim-")) / "topology.yaml"
+    tmp.write_text(yaml.safe_dump(topo.model_dump(mode="json")))
+    data["topology"] = str(tmp)
+    return parse_experiment(data, exp.origin)
+
+
+def _parse_sweep(items: list[str]) -> list[dict]:
+    axes = []
+    for item in items:
+        key, _, values = item.partition("=")
+        if key not in SWEEPABLE or not values:
+            raise SpecError(f"--sweep {item}: use KEY=V1,V2 with KEY one of {', '.join(sorted(SWEEPABLE))}")
+        conv = str if key == "schedule" else (int if key in ("connections", "replicas", "microbatches", "stages")
+                                               else float)
+        try:
+            axes.append([(key, conv(v)) for v in values.split(",")])
+        except ValueError:
+            raise SpecError(f"--sweep {item}: {key} takes numbers") from None
+    return [dict(point) for point in itertools.product(*axes)] if axes else [{}]
+
+
+def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep: list[str] | None = None,
+            out_dir: Path | None = None) -> list[dict]:
+    from .. import metrics
+
+    exp = load_experiment(path)
+    points = _parse_sweep(sweep or [])
+    rows = []
+    for point in points:
+        e = _with(exp, point) if point else exp
+        stage_times = overhead = None
+        if profile is not None:
+            stage_times, overhead = profiled_stage_times(profile, e.parallel.stages)
+        t0 = time.perf_counter()
+        result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
+        wall = time.perf_counter() - t0
+        e.training.iterations = iterations
+        e.training.warmup_iterations = min(e.training.warmup_iterations, iterations - 1)
+        summary = metrics.summarise(result)
+        s = summary["summary"]
+        row = dict(point)
+        row.update({
+            "iteration_time_s": s["mean_iteration_time_s"],
+            "bubble_fraction": s["bubble_fraction"],
+            "mean_busy_fraction": s["mean_busy_fraction"],
+            "wan_utilization": round(wan_utilization(result), 6),
+            "workers": len(result.workers),
+            "events": result.events_processed,
+            "sim_wall_s": round(wall, 3),
+        })
+        rows.append(row)
+        if out_dir is not None and not sweep:
+            result.out_dir = Path(out_dir)
+            result.out_dir.mkdir(parents=True, exist_ok=True)
+            metrics.write_outputs(result, summary | {"simulated": row})
+    if out_dir is not None and sweep:
+        _write_sweep(rows, Path(out_dir), [k for k in points[0]])
+    return rows
+
+
+def _write_sweep(rows: list[dict], out: Path, axes: list[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "sweep.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = axes[0]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(tuple((k, r[k]) for k in axes[1:]), []).append(r)
+    for label, rs in groups.items():
+        ax.plot([r[x] for r in rs], [r["iteration_time_s"] for r in rs], marker="o",
+                label=", ".join(f"{k}={v}" for k, v in label) or None)
+    ax.set_xlabel(x)
+    ax.set_ylabel("iteration time (s)")
+    ax.grid(alpha=0.3)
+    if len(groups) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=110)
+    plt.close(fig)

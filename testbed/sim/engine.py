@@ -1,0 +1,290 @@
+"""Discrete-event simulator of pipeline + data-parallel training over a WAN.
+
+How it fits: ``build.py`` turns an experiment (the same YAML ``testbed run`` takes) into
+``Worker`` programs (the op lists of ``testbed/schedules.py``, the very lists the trainer
+executes) and ``Link`` objects (bandwidth, one-way delay, per-connection TCP ceiling);
+``Simulator.run`` plays them out; ``report.py`` writes the same ``metrics.json`` and Chrome
+trace as the emulator.
+
+The network is a fluid model.  A transfer is a flow of ``size`` bytes on every link of its
+path; while flows share a link, a ``SharingPolicy`` (``policies.py``) sets their rates, at
+most each flow's own ceiling (N connections x window / RTT).  The default policy is
+max-min fair sharing (TCP's long-run behaviour); Atlas's temporal sharing plugs in as
+another policy without touching the engine.  A flow's last byte reaches the receiver one
+propagation delay after it leaves.  Rates are recomputed only when a flow starts or ends,
+so the cost is events x flows-per-link, not time steps.
+
+Exactness the tests hold it to: with no communication, GPipe and 1F1B bubbles are
+(p-1)/(m+p-1); one transfer takes delay + size/bandwidth; k equal transfers started
+together on one link each take k times as long.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .. import schedules as sch
+
+
+@dataclass
+class Link:
+    name: str
+    bandwidth: float  # bytes/s
+    delay: float  # s, one way
+    flows: list["Flow"] = field(default_factory=list)
+    bytes_carried: float = 0.0
+    busy_time: float = 0.0
+    _last_update: float = 0.0
+
+
+@dataclass
+class Flow:
+    fid: int
+    links: list[Link]
+    remaining: float
+    ceiling: float  # bytes/s, this flow's own cap (TCP window / RTT x connections)
+    on_done: Callable[[float], None]
+    owner: str = ""  # the pipeline (DP replica) it belongs to; policies may use it
+    rate: float = 0.0
+    version: int = 0
+    started: float = 0.0
+
+
+class SharingPolicy:
+    """Sets the rate of every flow on the links that changed (max-min fair by default)."""
+
+    name = "fair"
+
+    def allocate(self, flows: list[Flow], now: float) -> None:
+        # progressive filling over all links the flows touch, each flow capped by its ceiling
+        remaining = {id(link): link.bandwidth for f in flows for link in f.links}
+        unfixed = set(f.fid for f in flows)
+        rate = {f.fid: 0.0 for f in flows}
+        by_id = {f.fid: f for f in flows}
+        while unfixed:
+            # the smallest equal share any link can give its unfixed flows
+            share = float("inf")
+            counts: dict[int, int] = {}
+            for fid in unfixed:
+                for link in by_id[fid].links:
+                    counts[id(link)] = counts.get(id(link), 0) + 1
+            for key, n in counts.items():
+                share = min(share, remaining[key] / n)
+            fixed_now = []
+            for fid in unfixed:
+                f = by_id[fid]
+                cap = f.ceiling - rate[fid]
+                if cap <= share + 1e-12:
+                    fixed_now.append((fid, cap))
+            if not fixed_now:
+                # the bottleneck links saturate: fix every flow crossing one of them
+                bottlenecks = {key for key, n in counts.items() if remaining[key] / n <= share + 1e-9}
+                fixed_now = [(fid, share) for fid in unfixed
+                             if any(id(link) in bottlenecks for link in by_id[fid].links)]
+            for fid, inc in fixed_now:
+                rate[fid] += inc
+                for link in by_id[fid].links:
+                    remaining[id(link)] -= inc
+                unfixed.discard(fid)
+        for f in flows:
+            f.rate = rate[f.fid]
+
+
+class Simulator:
+    def __init__(self, policy: SharingPolicy | None = None):
+        self.now = 0.0
+        self.policy = policy or SharingPolicy()
+        self._events: list = []
+        self._seq = itertools.count()
+        self._fid = itertools.count()
+        self.events_processed = 0
+
+    # -- event queue ----------------------------------------------------------------
+    def at(self, time: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (time, next(self._seq), fn))
+
+    def run(self, until: float = float("inf")) -> None:
+        events = self._events
+        while events and events[0][0] <= until:
+            time, _, fn = heapq.heappop(events)
+            self.now = time
+            fn()
+            self.events_processed += 1
+
+    # -- network --------------------------------------------------------------------
+    def transfer(self, links: list[Link], size: float, ceiling: float, on_arrival: Callable[[float], None],
+                 owner: str = "") -> None:
+        """Send ``size`` bytes over ``links``; call ``on_arrival(time)`` when the last byte is in."""
+        delay = sum(link.delay for link in links)
+        if not links or size <= 0:
+            self.at(self.now + delay, lambda: on_arrival(self.now))
+            return
+        flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, started=self.now)
+        flow.on_done = lambda t: self.at(t + delay, lambda: on_arrival(self.now))
+        self._settle(links)
+        for link in links:
+            link.flows.append(flow)
+        self._reallocate(links)
+
+    def _settle(self, links: list[Link]) -> None:
+        """Advance every flow on these links (and the links they touch) to ``now``."""
+        touched = {id(l): l for link in links for f in link.flows for l in f.links}
+        touched.update({id(l): l for l in links})
+        for link in touched.values():
+            dt = self.now - link._last_update
+            if dt > 0:
+                carried = sum(f.rate for f in link.flows) * dt
+                link.bytes_carried += carried
+                if link.flows:
+                    link.busy_time += dt
+                link._last_update = self.now
+        seen = set()
+        for link in touched.values():
+            for f in link.flows:
+                if f.fid in seen:
+                    continue
+                seen.add(f.fid)
+                f.remaining -= f.rate * (self.now - f.started)
+                f.started = self.now
+
+    def _reallocate(self, links: list[Link]) -> None:
+        # every flow that shares a link with a changed link, transitively one hop
+        flows = {f.fid: f for link in links for f in link.flows}
+        for f in list(flows.values()):
+            for link in f.links:
+                for g in link.flows:
+                    flows.setdefault(g.fid, g)
+        group = list(flows.values())
+        self._settle([l for f in group for l in f.links])
+        self.policy.allocate(group, self.now)
+        for f in group:
+            f.version += 1
+            if f.rate > 0:
+                version = f.version
+                self.at(self.now + max(0.0, f.remaining) / f.rate, lambda f=f, v=version: self._finish(f, v))
+
+    def _finish(self, flow: Flow, version: int) -> None:
+        if version != flow.version:
+            return  # rescheduled since
+        self._settle(flow.links)
+        for link in flow.links:
+            link.flows.remove(flow)
+        flow.version += 1
+        self._reallocate(flow.links)
+        flow.on_done(self.now)
+
+
+# -- workers ------------------------------------------------------------------------------
+@dataclass
+class StageTimes:
+    forward: float
+    backward: float
+    optimizer: float = 0.0
+
+
+@dataclass
+class Worker:
+    name: str
+    stage: int
+    replica: int
+    dc: str
+    program: list[sch.Op]
+    times: StageTimes
+    events: list = field(default_factory=list)  # [kind, mb, start, end, iteration]
+    transfers: list = field(default_factory=list)
+    iteration_end: dict = field(default_factory=dict)
+    pc: int = 0
+    iteration: int = 0
+    cursor: float = 0.0
+    waiting: tuple | None = None
+    inbox: dict = field(default_factory=dict)  # (kind, iteration, mb) -> arrival time
+
+
+class PipelineJob:
+    """Runs every worker's program: compute takes its time, receives wait, sends are async."""
+
+    def __init__(self, sim: Simulator, workers: list[Worker], iterations: int,
+                 send: Callable[[Worker, str, int, int, Callable[[float], None]], None],
+                 allreduce_time: Callable[[int], float], record: bool = True, dp_replicas: int | None = None):
+        self.sim = sim
+        self.workers = workers
+        self.iterations = iterations
+        self._send = send
+        self._allreduce_time = allreduce_time
+        self._by_key = {(w.stage, w.replica): w for w in workers}
+        self._dp_waiting: dict[tuple[int, int], list[Worker]] = {}
+        self._replicas = max(w.replica for w in workers) + 1  # simulated replicas (1 when folded)
+        self._dp = dp_replicas or self._replicas  # replicas in the real job (all-reduce size)
+        self.record = record
+
+    def start(self) -> None:
+        for w in self.workers:
+            self.sim.at(0.0, lambda w=w: self._step(w))
+
+    def _event(self, w: Worker, kind: str, mb: int, start: float, end: float) -> None:
+        if self.record and end > start:
+            w.events.append([kind, mb, start, end, w.iteration])
+
+    def _step(self, w: Worker) -> None:
+        sim = self.sim
+        while w.pc < len(w.program):
+            op = w.program[w.pc]
+            kind, mb = op.kind, op.mb
+            if kind in (sch.RECV_ACT, sch.RECV_GRAD):
+                key = (kind, w.iteration, mb)
+                arrival = w.inbox.pop(key, None)
+                if arrival is None:
+                    w.waiting = key
+                    return
+                w.pc += 1
+                continue  # the wait is recorded when the next op starts
+            if kind in (sch.SEND_ACT, sch.SEND_GRAD):
+                peer = self._by_key[(w.stage + 1 if kind == sch.SEND_ACT else w.stage - 1, w.replica)]
+                recv_kind = sch.RECV_ACT if kind == sch.SEND_ACT else sch.RECV_GRAD
+                it = w.iteration
+                self._send(w, kind, mb, it, lambda t, p=peer, k=(recv_kind, it, mb): self._deliver(p, k, t))
+                w.pc += 1
+                continue
+            duration = w.times.forward if kind == sch.FORWARD else w.times.backward
+            start = sim.now
+            if start > w.cursor:
+                self._event(w, "recv", mb, w.cursor, start)
+            self._event(w, kind, mb, start, start + duration)
+            w.cursor = start + duration
+            w.pc += 1
+            sim.at(w.cursor, lambda w=w: self._step(w))
+            return
+        self._iteration_end(w)
+
+    def _deliver(self, w: Worker, key: tuple, time: float) -> None:
+        w.inbox[key] = time
+        if w.waiting == key:
+            w.waiting = None
+            self._step(w)
+
+    def _iteration_end(self, w: Worker) -> None:
+        """DP all-reduce inside the DC once every replica of the stage is here, then step."""
+        key = (w.stage, w.iteration)
+        group = self._dp_waiting.setdefault(key, [])
+        group.append(w)
+        if len(group) < self._replicas:
+            return
+        del self._dp_waiting[key]
+        now = self.sim.now
+        ar = self._allreduce_time(w.stage) if self._dp > 1 else 0.0
+        for member in group:
+            if now > member.cursor:
+                self._event(member, "recv", -1, member.cursor, now)
+            if ar:
+                self._event(member, "allreduce", -1, now, now + ar)
+            end = now + ar + member.times.optimizer
+            self._event(member, "optimizer", -1, now + ar, end)
+            member.iteration_end[member.iteration] = end
+            member.cursor = end
+            member.iteration += 1
+            member.pc = 0
+            if member.iteration < self.iterations:
+                self.sim.at(end, lambda m=member: self._step(m))
