@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .schedules import ScheduleError, check
-from .spec import SpecError, Topology, _where, load_topology, resolve_topology
+from .spec import SpecError, Topology, load_topology, read_yaml, resolve_topology, validation_error
 
 
 class _Strict(BaseModel):
@@ -165,8 +164,7 @@ def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | N
     try:
         exp = Experiment.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise SpecError(f"{origin}: {_where(err['loc'])}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise validation_error(exc, origin) from None
     exp._origin = origin
     m = exp.model
     if m.hidden % m.heads:
@@ -191,15 +189,5 @@ def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | N
 
 
 def load_experiment(path: str | Path) -> Experiment:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise SpecError(f"{path}: invalid YAML at line {mark.line + 1 if mark else '?'}: "
-                        f"{getattr(exc, 'problem', None) or exc}") from None
-    return parse_experiment(data, str(path), path.parent)
+    """Read and validate an experiment YAML file (and the topology it names)."""
+    return parse_experiment(read_yaml(path), str(path), Path(path).parent)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
 from .registry import PREFIX, Registry
-from .shaping import ClassCounters, Counters, EgressShaper, NetemParams
+from .shaping import Counters, EgressShaper, NetemParams
 from .spec import Direction, Topology
 
 DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from .experiment import Experiment, WorkerSlot
-from .network import Network, NetworkError
+from .network import Network
 from .registry import PREFIX
 
 REPO = Path(__file__).resolve().parent.parent

@@ -201,6 +201,29 @@ def _where(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+def validation_error(exc: ValidationError, origin: str) -> SpecError:
+    """pydantic's first complaint as one line: origin, field path, problem."""
+    err = exc.errors()[0]
+    loc = _where(tuple(p for p in err["loc"] if p not in ("function-after",)))
+    return SpecError(f"{origin}: {loc}: {err['msg'].removeprefix('Value error, ')}")
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content, or SpecError naming the file and the line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "?"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path}: invalid YAML at {where}: {problem}") from None
+
+
 def parse_topology(data: Any, origin: str = "<topology>") -> Topology:
     """Validate already-parsed YAML; raise SpecError with a one-line message."""
     if not isinstance(data, dict):
@@ -208,27 +231,12 @@ def parse_topology(data: Any, origin: str = "<topology>") -> Topology:
     try:
         return Topology.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = _where(tuple(p for p in err["loc"] if p not in ("function-after",)))
-        msg = err["msg"].removeprefix("Value error, ")
-        raise SpecError(f"{origin}: {loc}: {msg}") from None
+        raise validation_error(exc, origin) from None
 
 
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology YAML file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "?"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{path}: invalid YAML at {where}: {problem}") from None
-    return parse_topology(data, str(path))
+    return parse_topology(read_yaml(path), str(path))
 
 
 def resolve_topology(name_or_path: str | Path) -> Path:

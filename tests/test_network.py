@@ -110,17 +110,22 @@ def _wait_for(pred, timeout):
     return False
 
 
-def test_clean_after_sigkill_of_fidelity_leaves_nothing():
-    skip_unless_network()
+def _fidelity_measuring() -> subprocess.Popen:
+    """A ``testbed fidelity`` of the 3-DC mesh, returned once its network is up."""
     proc = subprocess.Popen(
         TESTBED + ["fidelity", str(REPO / "topologies" / "aws-us3.yaml"), "--seconds", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
     )
+    up = _wait_for(lambda: any(n.startswith(PREFIX) for n in os.listdir("/sys/class/net")), 60)
+    assert up and _wait_for(lambda: len(leftovers()["processes"]) > 6, 60), _output_of(proc)
+    return proc
+
+
+def test_clean_after_sigkill_of_fidelity_leaves_nothing():
+    skip_unless_network()
+    proc = _fidelity_measuring()
     try:
-        # wait until the network is up and a measurement is running
-        up = _wait_for(lambda: any(n.startswith(PREFIX) for n in os.listdir("/sys/class/net")), 30)
-        assert up and _wait_for(lambda: len(leftovers()["processes"]) > 6, 30), _output_of(proc)
-        time.sleep(2.0)
+        time.sleep(2.0)  # a measurement is running
         made = leftovers()
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -153,12 +158,8 @@ def _zombie(pid: int) -> bool:
 
 def test_ctrl_c_cleans_up_by_itself():
     skip_unless_network()
-    proc = subprocess.Popen(
-        TESTBED + ["fidelity", str(REPO / "topologies" / "aws-us3.yaml"), "--seconds", "20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
-    )
+    proc = _fidelity_measuring()
     try:
-        assert _wait_for(lambda: len(leftovers()["processes"]) > 6, 30)
         time.sleep(1.5)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=30)
