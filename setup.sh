@@ -3,7 +3,9 @@
 #   bash setup.sh demo   -> the main job (experiments/default.yaml) on its default topology
 #   bash setup.sh test   -> the test suite
 #   bash setup.sh        -> set up only
-# Needs root: it installs Debian packages and the testbed builds network namespaces.
+# Needs root. It bootstraps only what Ansible needs to start (Python, a venv with the
+# project and ansible-runner), then runs playbooks/site.yml through `testbed provision`:
+# the same playbook Vagrant and a fleet of servers use.
 set -euo pipefail
 cd "$(dirname "$0")"
 what="${1:-setup}"
@@ -13,30 +15,36 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-APT_PACKAGES="python3 python3-venv python3-dev gcc mininet bridge-utils iperf3 iputils-ping iproute2 iptables procps"
-missing=""
-for p in $APT_PACKAGES; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
-done
-if [ -n "$missing" ]; then
-  echo "installing Debian packages:$missing"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
-fi
+apt_install() {
+  local missing=""
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+  done
+  if [ -n "$missing" ]; then
+    echo "installing Debian packages:$missing"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  fi
+}
 
-# The venv uses the system interpreter: Debian's mininet is installed for it.
+# 1. bootstrap: the system Python (Debian's mininet and python3-apt are built for it) and a venv
+apt_install python3 python3-venv python3-apt
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import testbed, pytest" 2>/dev/null || [ pyproject.toml -nt .venv/.installed ]; then
+if ! .venv/bin/python -c "import testbed, ansible_runner" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-  .venv/bin/python -c "import testbed, pytest"
-  touch .venv/.installed
+  .venv/bin/python -c "import testbed, ansible_runner"
 fi
+
+# 2. everything else: the playbook
+.venv/bin/testbed provision
 
 case "$what" in
   setup) echo "set up: .venv/bin/testbed is ready" ;;
   demo) exec .venv/bin/testbed run experiments/default.yaml --out results/default ;;
-  test) exec .venv/bin/python -m pytest -ra ;;
+  test)
+    apt_install vagrant  # the tests validate the Vagrantfile
+    exec .venv/bin/python -m pytest -ra ;;
   *) echo "usage: bash setup.sh [setup|demo|test]" >&2; exit 2 ;;
 esac

@@ -213,6 +213,27 @@ def sim(
 
 
 @app.command()
+def provision(
+    inventory: Optional[Path] = typer.Option(None, help="Ansible inventory (default: this machine, connection local)"),
+    check: bool = typer.Option(False, "--check", help="dry run: report what would change"),
+    limit: Optional[str] = typer.Option(None, help="only these hosts or groups"),
+) -> None:
+    """Run playbooks/site.yml through ansible-runner: progress per task, summary per host."""
+    from .provision import ProvisionError, provision as run_playbook
+
+    try:
+        result = run_playbook(inventory, check, limit, progress=lambda line: console.print(line, highlight=False))
+    except ProvisionError as exc:
+        _fail(str(exc), 1)
+    table = Table(title="provisioned" + (" (check mode)" if check else ""))
+    for col in ("host", "ok", "changed", "failed", "unreachable", "skipped"):
+        table.add_column(col, justify="right")
+    for host, counts in sorted(result.hosts.items()):
+        table.add_row(host, *[str(counts.get(k, 0)) for k in ("ok", "changed", "failed", "unreachable", "skipped")])
+    out.print(table)
+
+
+@app.command()
 def clean(force: bool = typer.Option(False, help="also when a run still holds the lock")) -> None:
     """Remove every namespace, interface, process and file the testbed made (also after a crash)."""
     from .registry import Busy, clean as do_clean
