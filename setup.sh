@@ -28,7 +28,7 @@ apt_install() {
 }
 
 # 1. bootstrap: the system Python (Debian's mininet and python3-apt are built for it) and a venv
-apt_install python3 python3-venv python3-apt
+apt_install ca-certificates python3 python3-venv python3-apt
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
