@@ -22,7 +22,7 @@ cleanup() {
   if [ "${KEEP:-0}" != 1 ]; then rm -rf "$work"; fi
 }
 trap cleanup EXIT
-bind() { mkdir -p "$root$2"; mount --bind "$1" "$root$2"; mounts+=("$root$2"); if [ "${3:-}" = ro ]; then mount -o remount,bind,ro "$root$2"; fi; }
+bind() { [ -f "$1" ] || mkdir -p "$root$2"; mount --bind "$1" "$root$2"; mounts+=("$root$2"); if [ "${3:-}" = ro ]; then mount -o remount,bind,ro "$root$2"; fi; }
 
 t0=$(date +%s)
 if [ ! -x "$root/bin/bash" ]; then
@@ -33,14 +33,19 @@ t1=$(date +%s)
 echo "debootstrap: $((t1 - t0)) s"
 
 cp /etc/resolv.conf "$root/etc/resolv.conf"
-bind /proc /proc; bind /sys /sys; bind /dev /dev; bind /dev/pts /dev/pts; bind /run /run
+# "/" must be a mount point inside the chroot (ip netns exec remounts it as a slave)
+mount --bind "$root" "$root"; mounts+=("$root")
+bind /proc /proc; bind /dev /dev; bind /dev/pts /dev/pts; bind /run /run
+mount --rbind /sys "$root/sys"; mount --make-rslave "$root/sys"; mounts+=("$root/sys")
 for d in /opt/wheels /opt/pypi /opt/pypi-more /etc/xdg/pip; do [ -e "$d" ] && bind "$d" "$d" ro; done
+# a registry reached through a TLS-inspecting proxy needs this machine's CA bundle
+touch "$root/etc/gtb-host-ca.crt"; bind /etc/ssl/certs/ca-certificates.crt /etc/gtb-host-ca.crt ro
 mkdir -p "$root/src"
 git -C "$repo" archive --format=tar HEAD | tar -x -C "$root/src"
 
 t2=$(date +%s)
 chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
-  PIP_FIND_LINKS="${PIP_FIND_LINKS:-}" PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:-}" \
+  PIP_FIND_LINKS="${PIP_FIND_LINKS:-}" PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:-}" PIP_CERT=/etc/gtb-host-ca.crt \
   bash -c 'cd /src && bash setup.sh' >"$work/setup.log" 2>&1 || { tail -20 "$work/setup.log"; echo "FAILED: setup"; exit 1; }
 t3=$(date +%s)
 echo "README setup (bash setup.sh) on the fresh system: $((t3 - t2)) s"
