@@ -196,7 +196,7 @@ class TrainingRun:
                 peer = by_key.get((peer_stage, slot.replica))
                 if peer is None:
                     continue
-                cfg[key] = self._peer(net, slot, peer)
+                cfg[key] = self._peer(slot, peer)
             if exp.parallel.replicas > 1:
                 master = self.workers[by_key[(slot.stage, 0)].name].host.ip
                 group_devices = {self.workers[by_key[(slot.stage, r)].name].device for r in range(exp.parallel.replicas)}
@@ -231,7 +231,7 @@ class TrainingRun:
                  f"{exp.parallel.schedule}, {exp.parallel.connections} connection(s) per WAN transfer, "
                  f"device {devices[0].split(':')[0]})")
 
-    def _peer(self, net: Network, me: WorkerSlot, peer: WorkerSlot) -> dict:
+    def _peer(self, me: WorkerSlot, peer: WorkerSlot) -> dict:
         from agents.trainer.transport import socket_buffer_bytes
 
         ip = self.workers[peer.name].host.ip
@@ -239,7 +239,8 @@ class TrainingRun:
             return {"name": peer.name, "ip": ip, "connections": 1, "buf": 0}
         n = self.exp.parallel.connections
         topo = self.exp.topo
-        rate = min(topo.direction(a, b).rate_mbps for a, b in zip(topo.path(me.dc, peer.dc), topo.path(me.dc, peer.dc)[1:]))
+        hops = topo.path(me.dc, peer.dc)
+        rate = min(topo.direction(a, b).rate_mbps for a, b in zip(hops, hops[1:]))
         rtt = topo.one_way_delay_ms(me.dc, peer.dc) + topo.one_way_delay_ms(peer.dc, me.dc)
         return {"name": peer.name, "ip": ip, "connections": n, "buf": socket_buffer_bytes(rate, rtt, n)}
 
