@@ -48,7 +48,6 @@ class WorkerState:
     host: object
     proc: subprocess.Popen | None = None
     sock: socket.socket | None = None
-    buf: bytes = b""
     ready: bool = False
     done: bool = False
     iterations_done: int = 0

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 
 from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import tcmsg as _tcmsg
 
 # pyroute2 0.9 has no bfifo plugin and then ignores ``parent`` (attaching at the root);
@@ -270,12 +269,3 @@ def _u32_keys(src: str | None, dst: str | None) -> list[str]:
     if not keys:
         keys.append("0x0/0x0+0")
     return keys
-
-
-def safe_tc(ipr: IPRoute, *args, **kwargs) -> bool:
-    """A tc call that may fail because the object is already gone (during teardown)."""
-    try:
-        ipr.tc(*args, **kwargs)
-        return True
-    except NetlinkError:
-        return False

@@ -76,8 +76,8 @@ def _recv_exact_bytes(sock: socket.socket, n: int) -> bytes:
 
 @dataclass
 class TransferRecord:
-    """One message: sent at ``start`` (sender's clock = everyone's clock), ``end`` = handed to
-    the sender's kernel (sender side) or fully received (receiver side)."""
+    """One message: sent at ``start`` (the sender's clock is everyone's clock), fully received
+    at ``end``."""
 
     seq: int
     nbytes: int
@@ -97,14 +97,13 @@ class _Outgoing:
 class Channel:
     """One direction of traffic to/from one peer over ``n`` connections."""
 
-    def __init__(self, socks: list[socket.socket], on_transfer=None, on_receive=None):
+    def __init__(self, socks: list[socket.socket], on_receive=None):
         self.socks = socks
         self.n = len(socks)
         self._on_receive = on_receive
         self._send_queues = [queue.Queue() for _ in socks]
         self._seq = 0
         self._lock = threading.Lock()
-        self._on_transfer = on_transfer
         self._partial: dict[int, tuple[bytearray, int]] = {}
         self._complete: dict[int, bytearray] = {}
         self._next_recv = 0
@@ -149,8 +148,6 @@ class Channel:
                     last = out.pending == 0
                 if last:
                     out.done.set()
-                    if self._on_transfer:
-                        self._on_transfer(TransferRecord(out.seq, total, out.start, time.monotonic()))
         except OSError as exc:
             self._fail(exc)
 
@@ -241,7 +238,7 @@ class Endpoint:
         self._accepted: dict[tuple[str, int], list[socket.socket | None]] = {}
 
     def connect(self, peer: str, host: str, port: int, kind: int, connections: int, buf_bytes: int,
-                timeout: float = 60.0, on_transfer=None) -> Channel:
+                timeout: float = 60.0) -> Channel:
         """Open ``connections`` TCP connections to a peer's endpoint for one channel kind."""
         socks = []
         for i in range(connections):
@@ -259,7 +256,7 @@ class Endpoint:
                     time.sleep(0.05)
             sock.sendall(_HELLO.pack(self.name.encode(), kind, i, connections))
             socks.append(sock)
-        return Channel(socks, on_transfer)
+        return Channel(socks)
 
     def accept(self, peer: str, kind: int, connections: int, buf_bytes: int, timeout: float = 60.0,
                on_receive=None) -> Channel:
