@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import csv
 import itertools
+import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 from ..experiment import load_experiment, parse_experiment
 from ..spec import SpecError
@@ -20,10 +23,10 @@ from .build import profiled_stage_times, simulate, wan_utilization
 SWEEPABLE = {"delay_ms", "rate_mbps", "connections", "replicas", "microbatches", "stages", "schedule"}
 
 
-def _with(exp, changes: dict):
-    """A copy of the experiment with sweep values applied (re-validated)."""
+def _with(exp, changes: dict, workdir: Path):
+    """A copy of the experiment with sweep values applied (re-validated); the changed
+    topology is written into ``workdir``."""
     data = exp.model_dump()
-    data["topology"] = str(exp.topo.model_dump_json())  # placeholder, replaced below
     topo = exp.topo.model_copy(deep=True)
     for link in topo.wan:
         if "delay_ms" in changes:
@@ -36,13 +39,9 @@ def _with(exp, changes: dict):
             data[section][key] = changes[key]
     if "stages" in changes or "replicas" in changes:
         data["placement"] = None
-    import tempfile
-
-    import yaml
-
-    tmp = Path(tempfile.mkdtemp(prefix="gtb-sim-")) / "topology.yaml"
-    tmp.write_text(yaml.safe_dump(topo.model_dump(mode="json")))
-    data["topology"] = str(tmp)
+    path = workdir / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo.model_dump(mode="json")))
+    data["topology"] = str(path)
     return parse_experiment(data, exp.origin)
 
 
@@ -68,33 +67,34 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
     exp = load_experiment(path)
     points = _parse_sweep(sweep or [])
     rows = []
-    for point in points:
-        e = _with(exp, point) if point else exp
-        stage_times = overhead = None
-        if profile is not None:
-            stage_times, overhead = profiled_stage_times(profile, e.parallel.stages)
-        t0 = time.perf_counter()
-        result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
-        wall = time.perf_counter() - t0
-        e.training.iterations = iterations
-        e.training.warmup_iterations = min(e.training.warmup_iterations, iterations - 1)
-        summary = metrics.summarise(result)
-        s = summary["summary"]
-        row = dict(point)
-        row.update({
-            "iteration_time_s": s["mean_iteration_time_s"],
-            "bubble_fraction": s["bubble_fraction"],
-            "mean_busy_fraction": s["mean_busy_fraction"],
-            "wan_utilization": round(wan_utilization(result), 6),
-            "workers": len(result.workers),
-            "events": result.events_processed,
-            "sim_wall_s": round(wall, 3),
-        })
-        rows.append(row)
-        if out_dir is not None and not sweep:
-            result.out_dir = Path(out_dir)
-            result.out_dir.mkdir(parents=True, exist_ok=True)
-            metrics.write_outputs(result, summary | {"simulated": row})
+    with tempfile.TemporaryDirectory(prefix="gtb-sim-") as workdir:
+        for point in points:
+            e = _with(exp, point, Path(workdir)) if point else exp
+            stage_times = overhead = None
+            if profile is not None:
+                stage_times, overhead = profiled_stage_times(profile, e.parallel.stages)
+            t0 = time.perf_counter()
+            result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
+            wall = time.perf_counter() - t0
+            e.training.iterations = iterations
+            e.training.warmup_iterations = min(e.training.warmup_iterations, iterations - 1)
+            summary = metrics.summarise(result)
+            s = summary["summary"]
+            row = dict(point)
+            row.update({
+                "iteration_time_s": s["mean_iteration_time_s"],
+                "bubble_fraction": s["bubble_fraction"],
+                "mean_busy_fraction": s["mean_busy_fraction"],
+                "wan_utilization": round(wan_utilization(result), 6),
+                "workers": len(result.workers),
+                "events": result.events_processed,
+                "sim_wall_s": round(wall, 3),
+            })
+            rows.append(row)
+            if out_dir is not None and not sweep:
+                result.out_dir = Path(out_dir)
+                result.out_dir.mkdir(parents=True, exist_ok=True)
+                metrics.write_outputs(result, summary | {"simulated": row})
     if out_dir is not None and sweep:
         _write_sweep(rows, Path(out_dir), [k for k in points[0]])
     return rows
