@@ -50,7 +50,7 @@ class Flow:
     owner: str = ""  # the pipeline (DP replica) it belongs to; policies may use it
     rate: float = 0.0
     version: int = 0
-    started: float = 0.0
+    updated: float = 0.0  # when `remaining` was last brought up to date
 
 
 class SharingPolicy:
@@ -122,7 +122,7 @@ class Simulator:
         if not links or size <= 0:
             self.at(self.now + delay, lambda: on_arrival(self.now))
             return
-        flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, started=self.now)
+        flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, updated=self.now)
         flow.on_done = lambda t: self.at(t + delay, lambda: on_arrival(self.now))
         self._settle(links)
         for link in links:
@@ -147,8 +147,8 @@ class Simulator:
                 if f.fid in seen:
                     continue
                 seen.add(f.fid)
-                f.remaining -= f.rate * (self.now - f.started)
-                f.started = self.now
+                f.remaining -= f.rate * (self.now - f.updated)
+                f.updated = self.now
 
     def _reallocate(self, links: list[Link]) -> None:
         # every flow that shares a link with a changed link, transitively one hop
