@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from .kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
 from .registry import PREFIX, Registry
 from .shaping import Counters, EgressShaper, NetemParams
-from .spec import Direction, Topology
+from .spec import Direction, Topology, validation_error
 
 DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)
 _TCP_MEM = "4096 131072 67108864"
@@ -125,8 +127,8 @@ class WanDirection:
         merged = self.params.model_dump() | changes
         try:
             new = Direction(**merged)
-        except Exception as exc:  # pydantic's error, made one line
-            raise NetworkError(f"{self.src}->{self.dst}: {str(exc).splitlines()[0]}: {exc}") from None
+        except ValidationError as exc:
+            raise NetworkError(str(validation_error(exc, f"{self.src}->{self.dst}"))) from None
         old = self.params
         if new.rate_mbps != old.rate_mbps:
             self.shaper.set_rate(new.rate_mbps)

@@ -99,6 +99,7 @@ def test_bad_runtime_change_is_refused_and_leaves_link_as_it_was():
         link = net.link("east", "west")
         from testbed.network import NetworkError
 
-        with pytest.raises(NetworkError, match="rate_mbps"):
+        with pytest.raises(NetworkError, match="rate_mbps") as err:
             link.set(rate_mbps=-5)
+        assert str(err.value) == "east->west: rate_mbps: Input should be greater than 0"
         assert link.params.rate_mbps == 100
