@@ -61,10 +61,13 @@ def compare(tmp: Path, stages: int, replicas: int, delay_ms: float, connections:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 4-case subset")
+    ap.add_argument("--cases", help='only these cases, "P,D,ms,N;P,D,ms,N" (e.g. "3,1,1,4;3,1,10,4")')
     ap.add_argument("--out", type=Path, default=Path("results/validate-sim"))
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gtb-validate-"))
-    if args.quick:
+    tmp = Path(tempfile.mkdtemp(prefix="gtb-validate-"))  # kept: each case's run, for a look
+    if args.cases:
+        cases = [tuple(int(float(v)) for v in c.split(",")) for c in args.cases.split(";")]
+    elif args.quick:
         cases = [(2, 1, 10, 1), (2, 1, 50, 4), (3, 2, 1, 4), (3, 2, 25, 1)]
     else:
         cases = list(itertools.product((2, 3), (1, 2), (1, 10, 50), (1, 4)))

@@ -18,9 +18,27 @@ Packets keep their order within a lane: jitter only stretches the gap behind a p
 (``due = max(previous due, now + delay + U(-jitter, +jitter))``), as on a real path and
 unlike netem, which may reorder.
 
+Temporal sharing (Atlas): a lane may carry a **strict-priority scheduler** in front of the
+delay: packets are classified by (source, destination) IPv4 address into per-pipeline
+drop-tail queues, and the line's own token bucket serves the *owner's* queue first and the
+others only when it is empty (work-conserving: an idle owner leaves the link to the rest).
+The owner is either the first class of a priority ``order`` (pipelines fall into a
+staggered rhythm by themselves) or taken from the clock (``turns``: a repeating plan of
+who owns the link when, anchored at a CLOCK_MONOTONIC instant every namespace shares).
+Small packets (pure ACKs, pings) bypass the queues, so one pipeline's turn does not delay
+the others' acknowledgements.  The bucket counts wire bytes (GSO segments x headers, read
+from the virtio-net header) at slightly less than the HTB rate behind it, so HTB stays the
+cap but never builds a FIFO queue that would mix the pipelines again.  The brief explains
+why this sits here rather than in HTB: every HTB mechanism switched through netlink (rate,
+prio, filters) fails to give a turn's owner the link; this measurably does.
+
 Control: a Unix datagram socket (a filesystem path, so it is reachable from the root
 namespace) takes JSON messages ``{"lane": name, "delay_ms": .., "jitter_ms": .., "loss": ..}``
-and answers ``{"ok": true}``; ``{"cmd": "stats"}`` answers per-lane counters.  Changes
+and answers ``{"ok": true}``; ``{"cmd": "stats"}`` answers per-lane counters.  Scheduler
+messages: ``{"lane", "classes": {name: [[src|null, dst|null], ..]}, "rate_mbps", "queue_bytes"}``
+installs it (``"classes": null`` removes it: plain FIFO again), ``{"lane", "order": [..]}``
+sets the priority order, ``{"lane", "turns": {"t0", "period_s", "slots": [[class, start_s,
+end_s], ..]}}`` the clock plan (``null``: back to ``order``).  Changes
 apply to packets that arrive afterwards, as netem's do.
 
 Run as ``python -m testbed.delayline CONFIG.json``; it prints ``ready`` once every TUN
@@ -67,6 +85,158 @@ class _Lane:
     packets_out: int = 0
     bytes_out: int = 0
     dropped: int = 0
+    sched: _Scheduler | None = None
+    wake: float | None = None  # when the scheduler wants to run again
+
+_VNET_HDR = 10
+_BYPASS_BYTES = 256  # pure ACKs and pings skip the per-pipeline queues
+_ETH = 14
+_RATE_FACTOR = 0.97  # the line paces a little under the HTB cap behind it
+
+
+class _Scheduler:
+    """Per-class drop-tail queues served owner-first through a token bucket of wire bytes."""
+
+    def __init__(self, classes: dict, rate_mbps: float, queue_bytes: int, now: float):
+        self.match: dict[tuple, str] = {}
+        for name, pairs in classes.items():
+            for src, dst in pairs:
+                key = (socket.inet_aton(src) if src else None, socket.inet_aton(dst) if dst else None)
+                self.match[key] = name
+        self.names = list(classes)
+        self.order = list(classes)
+        self.queues = {n: collections.deque() for n in self.names}
+        self.backlog = {n: 0 for n in self.names}
+        self.bytes_out = {n: 0 for n in self.names}
+        self.drops = {n: 0 for n in self.names}
+        self.other = collections.deque()  # unclassified and bypassing packets, served first
+        self.rate = rate_mbps * 1e6 / 8 * _RATE_FACTOR
+        self.depth = max(2 * 65536 + 4096, self.rate * 0.002)
+        self.tokens = self.depth
+        self.queue_bytes = queue_bytes
+        self.last = now
+        self.turns: dict | None = None
+        self._cache: dict[tuple, str | None] = {}
+        # per completed turn: [index, owner, start, {class: bytes}, backlogged seconds]
+        self.turn_log: collections.deque = collections.deque(maxlen=4000)
+        self._turn: list | None = None
+        self._backlogged_since: float | None = None
+
+    def classify(self, pkt: bytes) -> str | None:
+        if len(pkt) < _VNET_HDR + 20 + _BYPASS_BYTES or pkt[_VNET_HDR] >> 4 != 4:
+            return None
+        key = (pkt[_VNET_HDR + 12:_VNET_HDR + 16], pkt[_VNET_HDR + 16:_VNET_HDR + 20])
+        try:
+            return self._cache[key]
+        except KeyError:
+            m = self.match
+            name = m.get(key) or m.get((key[0], None)) or m.get((None, key[1]))
+            self._cache[key] = name
+            return name
+
+    def enqueue(self, pkt: bytes) -> bool:
+        name = self.classify(pkt)
+        if name is None:
+            self.other.append(pkt)
+            return True
+        if self.backlog[name] + len(pkt) > self.queue_bytes:
+            self.drops[name] += 1
+            return False
+        self.queues[name].append(pkt)
+        self.backlog[name] += len(pkt)
+        return True
+
+    def owner(self, now: float) -> str:
+        t = self.turns
+        if not t:
+            return self.order[0]
+        phase = (now - t["t0"]) % t["period_s"]
+        index = int((now - t["t0"]) // t["period_s"])
+        for n, (name, start, end) in enumerate(t["slots"]):
+            if start <= phase < end:
+                self._note_turn(index * len(t["slots"]) + n, name, now)
+                return name
+        self._note_turn(-1, "", now)
+        return self.order[0]
+
+    def _note_turn(self, index: int, name: str, now: float) -> None:
+        cur = self._turn
+        if cur is not None and cur[0] == index:
+            return
+        if cur is not None:
+            self._close_backlog(now)
+            self.turn_log.append(cur + [now])
+        self._turn = [index, name, now, {n: 0 for n in self.names}, 0.0]
+
+    def _close_backlog(self, now: float) -> None:
+        if self._backlogged_since is not None and self._turn is not None:
+            self._turn[4] += now - self._backlogged_since
+            self._backlogged_since = now
+
+    @staticmethod
+    def wire_bytes(pkt: bytes) -> int:
+        """Bytes HTB will count for this (possibly GSO) packet: one Ethernet + IP/TCP header per segment."""
+        n = len(pkt) - _VNET_HDR
+        if pkt[1] == 0:  # gso_type none
+            return n + _ETH
+        hdr_len = pkt[2] | pkt[3] << 8
+        gso_size = pkt[4] | pkt[5] << 8
+        if not gso_size or not hdr_len:
+            return n + _ETH
+        segs = max(1, -(-(n - hdr_len) // gso_size))
+        return n + (segs - 1) * hdr_len + segs * _ETH
+
+    def dequeue(self, now: float, out: list) -> float | None:
+        """Move what the bucket allows into ``out``; the time to call again, or None if idle."""
+        self.tokens = min(self.depth, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        while self.other:
+            pkt = self.other.popleft()
+            self.tokens -= self.wire_bytes(pkt)
+            out.append(pkt)
+        owner = self.owner(now)
+        busy = any(self.backlog.values())
+        if busy and self._backlogged_since is None:
+            self._backlogged_since = now
+        while self.tokens > 0 and busy:
+            name = owner if self.queues[owner] else next((n for n in self.order if self.queues[n]), None)
+            if name is None:
+                break
+            pkt = self.queues[name].popleft()
+            self.backlog[name] -= len(pkt)
+            size = self.wire_bytes(pkt)
+            self.tokens -= size
+            self.bytes_out[name] += size
+            if self._turn is not None:
+                self._turn[3][name] += size
+            out.append(pkt)
+            busy = any(self.backlog.values())
+        if not busy:
+            if self._backlogged_since is not None and self._turn is not None:
+                self._turn[4] += now - self._backlogged_since
+            self._backlogged_since = None
+            return self._next_turn(now)
+        wait = now + (-self.tokens + 1) / self.rate if self.tokens <= 0 else now
+        turn = self._next_turn(now)
+        return wait if turn is None else min(wait, turn)
+
+    def _next_turn(self, now: float) -> float | None:
+        t = self.turns
+        if not t:
+            return None
+        phase = (now - t["t0"]) % t["period_s"]
+        edges = sorted({e for _, s, e2 in t["slots"] for e in (s, e2)} | {t["period_s"]})
+        nxt = next((e for e in edges if e > phase + 1e-9), t["period_s"])
+        return now + (nxt - phase)
+
+    def stats(self, turns_since: int | None = None) -> dict:
+        """Counters; with ``turns_since``, up to 200 completed turns after that index:
+        ``[index, owner, start, {class: wire bytes}, backlogged s, end]``."""
+        out = {"bytes_out": dict(self.bytes_out), "drops": dict(self.drops), "backlog": dict(self.backlog),
+               "order": list(self.order), "rate_bytes_s": self.rate, "turns_on": bool(self.turns)}
+        if turns_since is not None:
+            out["turns"] = [t for t in self.turn_log if t[0] > turns_since][:200]
+        return out
 
 
 def _open_tun(name: str) -> int:
@@ -109,6 +279,59 @@ class DelayLine:
             lane.jitter_s = float(spec["jitter_ms"]) / 1000.0
         if "loss" in spec:
             lane.loss = float(spec["loss"])
+        now = time.monotonic()
+        if "classes" in spec:
+            old = lane.sched
+            if spec["classes"]:
+                rate = spec.get("rate_mbps") or (old.rate * 8 / 1e6 / _RATE_FACTOR if old else None)
+                if not rate or rate <= 0:
+                    raise ValueError("a scheduler needs rate_mbps > 0")
+                lane.sched = _Scheduler(spec["classes"], float(rate), int(spec.get("queue_bytes", 500_000)), now)
+            else:
+                lane.sched = None
+            if old is not None:  # nothing queued is lost: it goes on through the new path
+                for pkt in list(old.other) + [p for q in old.queues.values() for p in q]:
+                    self._admit(lane, pkt, now)
+            lane.wake = now
+        if lane.sched is not None:
+            names = set(lane.sched.names)
+            if "order" in spec:
+                order = list(spec["order"])
+                if set(order) != names:
+                    raise ValueError(f"order {order} must name exactly the classes {sorted(names)}")
+                lane.sched.order = order
+            if "turns" in spec:
+                turns = spec["turns"]
+                if turns:
+                    bad = [slot[0] for slot in turns["slots"] if slot[0] not in names]
+                    if bad or float(turns["period_s"]) <= 0:
+                        raise ValueError(f"turns: unknown classes {bad} or period_s <= 0")
+                    lane.sched.turns = {"t0": float(turns["t0"]), "period_s": float(turns["period_s"]),
+                                        "slots": [(str(n), float(a), float(b)) for n, a, b in turns["slots"]]}
+                else:
+                    lane.sched.turns = None
+                lane.sched._turn = None
+                lane.wake = now
+        elif any(k in spec for k in ("order", "turns")):
+            raise ValueError(f"lane {lane.name} has no scheduler (send classes first)")
+
+    def _admit(self, lane: _Lane, pkt: bytes, now: float) -> None:
+        """A packet entering the lane: into the scheduler's queues, or straight into the delay."""
+        if lane.sched is not None:
+            if not lane.sched.enqueue(pkt):
+                lane.dropped += 1
+            lane.wake = now
+        else:
+            self._delay(lane, pkt, now)
+
+    def _delay(self, lane: _Lane, pkt: bytes, now: float) -> None:
+        due = now + lane.delay_s
+        if lane.jitter_s:
+            due += self._rng.uniform(-lane.jitter_s, lane.jitter_s)
+        if due < lane.last_due:
+            due = lane.last_due
+        lane.last_due = due
+        lane.queue.append((due, pkt))
 
     def stop(self, *_args) -> None:
         self._running = False
@@ -131,12 +354,17 @@ class DelayLine:
                                 "bytes_out": ln.bytes_out,
                                 "dropped": ln.dropped,
                                 "held": len(ln.queue),
+                                "sched": ln.sched.stats(msg.get("turns_since")) if ln.sched is not None else None,
                             }
                             for n, ln in self.lanes.items()
+                            if msg.get("lane") in (None, n)
                         },
                     }
                 else:
                     self._configure(self.lanes[msg["lane"]], msg)
+                    for ln in self.lanes.values():
+                        if ln.sched is None:
+                            ln.wake = None
                     reply = {"ok": True}
             except (ValueError, KeyError) as exc:
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -147,7 +375,6 @@ class DelayLine:
                     pass
 
     def _read_lane(self, lane: _Lane, now: float) -> None:
-        queue = lane.queue
         rng = self._rng
         for _ in range(_MAX_BATCH):
             try:
@@ -158,13 +385,7 @@ class DelayLine:
             if lane.loss and rng.random() < lane.loss:
                 lane.dropped += 1
                 continue
-            due = now + lane.delay_s
-            if lane.jitter_s:
-                due += rng.uniform(-lane.jitter_s, lane.jitter_s)
-            if due < lane.last_due:
-                due = lane.last_due
-            lane.last_due = due
-            queue.append((due, pkt))
+            self._admit(lane, pkt, now)
 
     def run(self) -> None:
         lanes = list(self.lanes.values())
@@ -176,6 +397,13 @@ class DelayLine:
             now = monotonic()
             next_due = None
             for lane in lanes:
+                if lane.sched is not None and lane.wake is not None and lane.wake <= now:
+                    out: list = []
+                    lane.wake = lane.sched.dequeue(now, out)
+                    for pkt in out:
+                        self._delay(lane, pkt, now)
+                if lane.wake is not None and (next_due is None or lane.wake < next_due):
+                    next_due = lane.wake
                 queue = lane.queue
                 while queue and queue[0][0] <= now:
                     pkt = queue.popleft()[1]

@@ -174,10 +174,41 @@ class WanDirection:
     def set_shares(self, shares: dict[str, float]) -> None:
         self.shaper.set_shares(shares)
 
-    def delay_line_stats(self) -> dict | None:
+    def delay_line_stats(self, turns_since: int | None = None) -> dict | None:
         if self.delay_client is None:
             return None
-        return self.delay_client.request({"cmd": "stats"})["lanes"][self.lane]
+        msg = {"cmd": "stats", "lane": self.lane}
+        if turns_since is not None:
+            msg["turns_since"] = turns_since
+        return self.delay_client.request(msg)["lanes"][self.lane]
+
+    # -- temporal sharing: the strict-priority scheduler inside the delay line --------------
+    def schedule_classes(self, classes: dict[str, list[tuple[str | None, str | None]]],
+                         queue_bytes: int = 500_000) -> None:
+        """Put per-class (per-pipeline) queues served owner-first in front of this link.
+        ``classes``: name -> (src, dst) address pairs (None = any).  See ``delayline.py``."""
+        self._sched({"classes": {n: [list(m) for m in ms] for n, ms in classes.items()},
+                     "rate_mbps": self.params.rate_mbps, "queue_bytes": queue_bytes})
+
+    def set_order(self, order: list[str]) -> None:
+        """Strict priority: the first class with data owns the link."""
+        self._sched({"order": list(order), "turns": None})
+
+    def set_turns(self, t0: float, period_s: float, slots: list[tuple[str, float, float]]) -> None:
+        """The owner from the clock: ``slots`` (class, start, end) repeat every ``period_s``
+        from ``t0`` (CLOCK_MONOTONIC, which every namespace shares)."""
+        self._sched({"turns": {"t0": t0, "period_s": period_s, "slots": [list(x) for x in slots]}})
+
+    def clear_schedule(self) -> None:
+        """Back to one FIFO: fair sharing by TCP.  Nothing queued is lost."""
+        if self.delay_client is not None:
+            self._sched({"classes": None})
+
+    def _sched(self, msg: dict) -> None:
+        if self.delay_client is None:
+            raise NetworkError(f"{self.src}->{self.dst}: temporal sharing needs the delay line in the path "
+                               "(Network(..., scheduling=True) puts it there on a netem kernel)")
+        self.delay_client.request({"lane": self.lane, **msg})
 
 
 class Network:
@@ -192,6 +223,7 @@ class Network:
         realtime: bool = True,
         caps: Capabilities | None = None,
         progress: Callable[[str], None] | None = None,
+        scheduling: bool = False,
     ):
         self.topo = topo
         self.caps = caps or probe()
@@ -199,6 +231,9 @@ class Network:
         self.backends = choose_backends(self.caps, delay_backend, loss_backend)
         self.compensation_ms = compensation_ms
         self.realtime = realtime
+        # the delay line is in every WAN path when it emulates delay (no netem), or when asked
+        # for its per-pipeline scheduler (temporal sharing) on a kernel that delays with netem
+        self._lanes = self.backends.delay == "tun" or scheduling
         self.registry = Registry()
         self._progress = progress or (lambda msg: None)
         self._net = None
@@ -379,7 +414,7 @@ class Network:
             router.waitOutput()
         for dc, router in self._routers.items():
             self._iprs[dc] = IPRoute(netns=f"/proc/{router.pid}/ns/net", flags=0)
-        if self.backends.delay == "tun":
+        if self._lanes:
             self._start_delay_lines()
         for dc in self._routers:
             self._install_routes(dc)
@@ -393,7 +428,9 @@ class Network:
             lanes = []
             for nb in self._neighbours(dc):
                 p = self.topo.direction(dc, nb)
-                lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms, "jitter_ms": p.jitter_ms,
+                delays = self.backends.delay == "tun"  # else netem delays and the line only schedules
+                lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms if delays else 0.0,
+                              "jitter_ms": p.jitter_ms if delays else 0.0,
                               "loss": p.loss if self.backends.loss == "delayline" else 0.0})
             if not lanes:
                 continue
@@ -425,7 +462,7 @@ class Network:
     def _install_routes(self, dc: str) -> None:
         ipr = self._iprs[dc]
         hops = self.topo.next_hops(dc)
-        tun = self.backends.delay == "tun"
+        tun = self._lanes
         if tun:
             for n, nb in enumerate(self._neighbours(dc)):
                 lane = self._lane_name(dc, nb)
@@ -457,12 +494,12 @@ class Network:
                 src, dst, params, self._wan_ifname(src, dst), self._routers[src], shaper, self.backends,
                 _loss_chain=f"GTB-LOSS-{self._index[dst]}",
             )
-            if self.backends.delay == "tun":
+            if self._lanes:
                 wd.lane = self._lane_name(src, dst)
             if params.loss > 0 and self.backends.loss == "iptables":
                 wd._set_iptables_loss(params.loss)
             self._links[(src, dst)] = wd
-        if self.backends.delay == "tun":
+        if self._lanes:
             for dc in self._delay_procs:
                 client = _DelayLineClient(
                     self.registry.dir / f"{self._routers[dc].name}.sock",

@@ -43,31 +43,51 @@ def flops_stage_times(exp: Experiment) -> list[StageTimes]:
 
 
 def profiled_stage_times(timeline: Path, stages: int, skip_iterations: int = 2) -> tuple[list[StageTimes], float]:
-    """Median forward/backward/optimizer per stage from an emulator run, and the median
-    per-message hand-off cost (the trainer's send intervals)."""
+    """Median forward/backward/optimizer per stage from an emulator run, and the medians of
+    the per-message hand-off costs on the worker's own CPU: ``send`` (the send intervals) and
+    ``recv`` (receive intervals whose data had already arrived when they began, so all of
+    the interval is taking the tensor out of the transport).  The second value, the extra
+    per-message delay, is 0: the costs are charged where the emulator pays them."""
     trace = json.loads(Path(timeline).read_text())["traceEvents"]
     per: dict[tuple[int, str], list[float]] = {}
-    sends = []
+    ops: dict[str, list[dict]] = {}
+    arrived: dict[tuple[str, str, int, int], float] = {}  # (worker, act|grad, iteration, mb) -> end
     for e in trace:
-        if e.get("ph") != "X" or (e["args"].get("iteration") or 0) < skip_iterations:
+        if e.get("ph") != "X":
             continue
         tid = str(e.get("tid", ""))
-        if not tid.startswith("s") or " " in tid:
-            continue
+        if tid.endswith(" wan") and e["cat"] in ("xfer_act", "xfer_grad"):
+            key = (tid[:-4], e["cat"][5:], e["args"].get("iteration"), e["args"].get("microbatch"))
+            arrived[key] = (e["ts"] + e["dur"]) / 1e6
+        elif tid.startswith("s") and " " not in tid:
+            ops.setdefault(tid, []).append(e)
+    for tid, events in ops.items():
         stage = int(tid[1:].split("r")[0])
-        if e["cat"] in ("forward", "backward", "optimizer"):
-            per.setdefault((stage, e["cat"]), []).append(e["dur"] / 1e6)
-        elif e["cat"] == "send":
-            sends.append(e["dur"] / 1e6)
+        events.sort(key=lambda e: e["ts"])
+        for e, nxt in zip(events, events[1:] + [None]):
+            it = e["args"].get("iteration") or 0
+            if it < skip_iterations:
+                continue
+            kind = e["cat"]
+            if kind in ("forward", "backward", "optimizer", "send"):
+                per.setdefault((stage, kind), []).append(e["dur"] / 1e6)
+            elif kind == "recv" and nxt is not None and nxt["cat"] in ("forward", "backward"):
+                what = "act" if nxt["cat"] == "forward" else "grad"
+                t_arrived = arrived.get((tid, what, it, e["args"].get("microbatch")))
+                if t_arrived is not None and t_arrived <= e["ts"] / 1e6:
+                    per.setdefault((stage, "recv"), []).append(e["dur"] / 1e6)
     times = []
     for s in range(stages):
-        def med(kind):
+        def med(kind, required=True):
             values = per.get((s, kind))
             if not values:
-                raise ValueError(f"{timeline}: no {kind} intervals for stage {s}")
+                if required:
+                    raise ValueError(f"{timeline}: no {kind} intervals for stage {s}")
+                return 0.0
             return statistics.median(values)
-        times.append(StageTimes(med("forward"), med("backward"), med("optimizer")))
-    return times, (statistics.median(sends) if sends else 0.0)
+        times.append(StageTimes(med("forward"), med("backward"), med("optimizer"),
+                                send=med("send", False), recv=med("recv", False)))
+    return times, 0.0
 
 
 @dataclass

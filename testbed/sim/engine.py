@@ -180,9 +180,15 @@ class Simulator:
 # -- workers ------------------------------------------------------------------------------
 @dataclass
 class StageTimes:
+    """Seconds one worker of a stage spends per microbatch (forward, backward), per iteration
+    (optimizer), and per message on its own CPU: ``send`` hands a tensor to the transport
+    before the flow starts, ``recv`` takes an arrived tensor out of it."""
+
     forward: float
     backward: float
     optimizer: float = 0.0
+    send: float = 0.0
+    recv: float = 0.0
 
 
 @dataclass
@@ -240,13 +246,29 @@ class PipelineJob:
                     w.waiting = key
                     return
                 w.pc += 1
+                if w.times.recv > 0:  # the hand-off out of the transport: wait and cost are one "recv"
+                    sim.at(sim.now + w.times.recv, lambda w=w: self._step(w))
+                    return
                 continue  # the wait is recorded when the next op starts
             if kind in (sch.SEND_ACT, sch.SEND_GRAD):
                 peer = self._by_key[(w.stage + 1 if kind == sch.SEND_ACT else w.stage - 1, w.replica)]
                 recv_kind = sch.RECV_ACT if kind == sch.SEND_ACT else sch.RECV_GRAD
                 it = w.iteration
-                self._send(w, kind, mb, it, lambda t, p=peer, k=(recv_kind, it, mb): self._deliver(p, k, t))
                 w.pc += 1
+                start = sim.now
+                if start > w.cursor:
+                    self._event(w, "recv", mb, w.cursor, start)
+                end = start + w.times.send
+                self._event(w, "send", mb, start, end)
+                w.cursor = end
+
+                def post(w=w, kind=kind, mb=mb, it=it, peer=peer, recv_kind=recv_kind):
+                    self._send(w, kind, mb, it, lambda t, p=peer, k=(recv_kind, it, mb): self._deliver(p, k, t))
+
+                if w.times.send > 0:  # the flow starts once the sender has handed the tensor over
+                    sim.at(end, lambda post=post, w=w: (post(), self._step(w)))
+                    return
+                post()
                 continue
             duration = w.times.forward if kind == sch.FORWARD else w.times.backward
             start = sim.now

@@ -1,0 +1,11 @@
+"""Atlas: DC selection, many-connection WAN transfers, and temporal bandwidth sharing.
+
+How the pieces fit: ``planner`` picks DCs and stage boundaries (the paper's Algorithm 1
+plus a what-if search scored by the simulator); ``plan`` turns the trainer's measured
+compute times and transfer sizes into a temporal plan (who owns each WAN link, in which
+order, with which start offsets); ``controller`` (a process) reads the run's live telemetry
+and publishes that plan; one ``agent`` per WAN gateway (a process) enforces it on the
+gateway's egress through the delay line's strict-priority scheduler, under a lease so a
+dead agent or controller leaves plain fair sharing behind; ``precision`` measures how
+exactly a link follows a plan.
+"""
