@@ -155,6 +155,9 @@ def run(
     try:
         exp = load_experiment(experiment)
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if exp.compare:
+            _run_comparison(exp, out, delay_backend)
+            return
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
             task = progress.add_task(f"training {exp.name}", total=exp.training.iterations)
@@ -179,6 +182,32 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     table.add_row("results", str(out))
     console.print(table)
+
+
+def _run_comparison(exp, out: Path, delay_backend: str) -> None:
+    """``compare:`` variants back to back; ``comparison.json`` with measured and predicted times."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .compare import run_comparison
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        tasks = {n: progress.add_task(f"variant {n}", total=exp.training.iterations) for n in exp.compare}
+        result = run_comparison(exp, out, delay_backend,
+                                progress=lambda n, done, total: progress.update(tasks[n], completed=done),
+                                log=lambda m: progress.console.print(m, highlight=False))
+    names = list(exp.compare)
+    speed = result.get(f"speedup_over_{names[0]}", {})
+    table = Table(title=f"{exp.name} on {exp.topo.name}: {len(names)} variants")
+    for col in ("variant", "connections", "sharing", "measured s", "predicted s", "speedup measured",
+                "speedup predicted"):
+        table.add_column(col, justify="right" if col not in ("variant", "sharing") else "left")
+    for n in names:
+        r = result[n]
+        table.add_row(n, str(r["connections"]), r["sharing"], f"{r['measured_s']:.3f}", f"{r['predicted_s']:.3f}",
+                      f"{speed[n]['measured']:.3f}x", f"{speed[n]['predicted']:.3f}x")
+    console.print(table)
+    console.print(f"same losses in every variant: {result['same_losses']}; results: {out}/comparison.json")
 
 
 @app.command()
@@ -210,6 +239,66 @@ def sim(
     for r in rows:
         table.add_row(*[f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys])
     out.print(table)
+
+
+@app.command()
+def plan(
+    experiment: Path = typer.Argument(..., help="experiment file: its model, global batch and topology"),
+    top: int = typer.Option(8, help="show this many plans"),
+    max_dcs: Optional[int] = typer.Option(None, help="consider DC subsets up to this size"),
+    out_file: Optional[Path] = typer.Option(None, "--out", help="write the best plan as an experiment file"),
+    as_json: bool = typer.Option(False, "--json", help="print the ranking as JSON"),
+) -> None:
+    """Atlas's planner: DC selection and stage assignment (Algorithm 1) for every pipeline depth,
+    DP degree (global batch fixed) and DC subset, ranked by simulated iteration time."""
+    import json
+
+    import yaml
+
+    from agents.atlas.planner import PlanError, search
+
+    from .experiment import load_experiment
+
+    try:
+        exp = load_experiment(experiment)
+        with console.status("simulating candidate plans") as status:
+            ranked = search(exp, max_dcs=max_dcs, progress=lambda done, total: status.update(
+                f"simulating candidate plans: {done}/{total}"))
+        if not ranked or ranked[0].iteration_time_s is None:
+            raise PlanError("no candidate placement fits: " + "; ".join(sorted({c.why_not for c in ranked}))[:300])
+    except _user_errors() + (PlanError,) as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps([c.as_dict() for c in ranked[:top]] + [c.as_dict() for c in ranked if c.iteration_time_s
+                                                                  is None][:top], indent=1))
+    else:
+        table = Table(title=f"plans for {exp.name} on {exp.topo.name} (global batch "
+                            f"{exp.parallel.replicas * exp.training.microbatches} microbatches)")
+        for col in ("#", "plan", "placement", "iteration s", "tokens/s", "bubbles", "WAN busy", "why not first"):
+            table.add_column(col)
+        for i, c in enumerate(ranked[:top], 1):
+            if c.iteration_time_s is None:
+                break
+            table.add_row(str(i), c.label(), " ".join(f"{dc}:{s[0]}-{s[-1]}" for dc, s in c.placement.items()),
+                          f"{c.iteration_time_s:.3f}", f"{c.tokens_per_s:.0f}", f"{c.bubble_fraction:.0%}",
+                          f"{c.wan_utilization:.0%}", c.why_not or "best")
+        console.print(table)
+        infeasible = [c for c in ranked if c.iteration_time_s is None]
+        if infeasible:
+            console.print(f"{len(infeasible)} candidate(s) do not fit, e.g. {infeasible[0].label()}: "
+                          f"{infeasible[0].why_not}")
+    if out_file is not None:
+        best = ranked[0]
+        data = yaml.safe_load(Path(experiment).read_text())
+        data["topology"] = exp.topology_file
+        data.setdefault("parallel", {}).update(stages=best.stages, replicas=best.replicas)
+        data.setdefault("training", {})["microbatches"] = best.microbatches
+        data["placement"] = best.placement
+        data["name"] = f"{exp.name}-planned"
+        out_file.write_text(f"# written by: testbed plan {experiment} --out {out_file}\n"
+                            f"# {best.label()}: predicted {best.iteration_time_s:.3f} s per iteration\n"
+                            + yaml.safe_dump(data, sort_keys=False))
+        console.print(f"best plan written to {out_file} (testbed run {out_file})")
 
 
 @app.command()

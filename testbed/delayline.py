@@ -36,7 +36,8 @@ Control: a Unix datagram socket (a filesystem path, so it is reachable from the 
 namespace) takes JSON messages ``{"lane": name, "delay_ms": .., "jitter_ms": .., "loss": ..}``
 and answers ``{"ok": true}``; ``{"cmd": "stats"}`` answers per-lane counters.  Scheduler
 messages: ``{"lane", "classes": {name: [[src|null, dst|null], ..]}, "rate_mbps", "queue_bytes"}``
-installs it (``"classes": null`` removes it: plain FIFO again), ``{"lane", "order": [..]}``
+installs it (``"classes": null`` removes it: plain FIFO again; ``"lease_s"`` makes it
+expire unless renewed, so a dead agent leaves fair sharing behind), ``{"lane", "order": [..]}``
 sets the priority order, ``{"lane", "turns": {"t0", "period_s", "slots": [[class, start_s,
 end_s], ..]}}`` the clock plan (``null``: back to ``order``).  Changes
 apply to packets that arrive afterwards, as netem's do.
@@ -87,6 +88,7 @@ class _Lane:
     dropped: int = 0
     sched: _Scheduler | None = None
     wake: float | None = None  # when the scheduler wants to run again
+    lease_until: float | None = None  # the scheduler goes unless renewed by then (its agent died)
 
 _VNET_HDR = 10
 _BYPASS_BYTES = 256  # pure ACKs and pings skip the per-pipeline queues
@@ -266,6 +268,7 @@ class DelayLine:
         self._control.setblocking(False)
         self._control_path = control_path
         self._running = True
+        self.expired = 0
         # a signal wakes select() through this pipe (PEP 475 would otherwise resume it)
         self._wake_r, wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -312,8 +315,19 @@ class DelayLine:
                     lane.sched.turns = None
                 lane.sched._turn = None
                 lane.wake = now
+            if "lease_s" in spec:  # None: no lease
+                lane.lease_until = None if spec["lease_s"] is None else now + float(spec["lease_s"])
         elif any(k in spec for k in ("order", "turns")):
             raise ValueError(f"lane {lane.name} has no scheduler (send classes first)")
+        if lane.sched is None:
+            lane.lease_until = None
+
+    def _expire(self, lane: _Lane, now: float) -> None:
+        """The lease ran out: plain FIFO again (fair sharing); nothing queued is lost."""
+        print(f"{lane.name}: scheduler lease expired, back to FIFO", file=sys.stderr, flush=True)
+        self._configure(lane, {"classes": None})
+        lane.wake = None
+        self.expired += 1
 
     def _admit(self, lane: _Lane, pkt: bytes, now: float) -> None:
         """A packet entering the lane: into the scheduler's queues, or straight into the delay."""
@@ -397,6 +411,8 @@ class DelayLine:
             now = monotonic()
             next_due = None
             for lane in lanes:
+                if lane.lease_until is not None and now > lane.lease_until:
+                    self._expire(lane, now)
                 if lane.sched is not None and lane.wake is not None and lane.wake <= now:
                     out: list = []
                     lane.wake = lane.sched.dequeue(now, out)
@@ -404,6 +420,8 @@ class DelayLine:
                         self._delay(lane, pkt, now)
                 if lane.wake is not None and (next_due is None or lane.wake < next_due):
                     next_due = lane.wake
+                if lane.lease_until is not None and (next_due is None or lane.lease_until < next_due):
+                    next_due = lane.lease_until
                 queue = lane.queue
                 while queue and queue[0][0] <= now:
                     pkt = queue.popleft()[1]

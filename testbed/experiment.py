@@ -49,6 +49,29 @@ class ParallelSpec(_Strict):
     schedule: str = "1f1b"
     extra_warmup: int = Field(0, ge=0)
     connections: int = Field(1, ge=1, le=64, description="TCP connections per cross-DC transfer")
+    slow_start_after_idle: bool = Field(
+        True, description="Linux's default; false = WAN-tuned hosts (net.ipv4.tcp_slow_start_after_idle=0): "
+                          "TCP keeps its window across the idle gaps between microbatches")
+
+
+class AtlasSpec(_Strict):
+    """How DP pipelines share the WAN (``agents/atlas``)."""
+
+    sharing: Literal["fair", "temporal", "paced"] = Field(
+        "fair", description="fair: TCP fair-shares each link (lockstep pipelines); temporal: the Atlas "
+                            "controller staggers the pipelines and gateway agents give each link to one "
+                            "pipeline at a time; paced: only the senders act (the stagger, no agents)")
+    lease_s: float = Field(2.0, gt=0, le=60, description="an agent's or controller's silence after which "
+                                                            "its links fall back to fair sharing")
+    replan_threshold: float = Field(0.1, gt=0, description="republish the plan when it moves by this fraction")
+
+
+class VariantSpec(_Strict):
+    """One arm of a comparison: what it changes in the experiment."""
+
+    connections: int | None = Field(None, ge=1, le=64)
+    sharing: Literal["fair", "temporal", "paced"] | None = None
+    description: str = ""
 
 
 class StageTimeSpec(_Strict):
@@ -85,9 +108,13 @@ class Experiment(_Strict):
     placement: dict[str, list[int]] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     sim: SimSpec = SimSpec()
+    atlas: AtlasSpec = AtlasSpec()
+    compare: dict[str, VariantSpec] | None = Field(
+        None, description="run these variants back to back (each a full run) and write comparison.json")
     # filled in by parse_experiment
     _origin: str = PrivateAttr("")
     _topo: Topology | None = PrivateAttr(None)
+    _topo_file: str = PrivateAttr("")
     _slots: list = PrivateAttr(default_factory=list)
 
     @property
@@ -101,6 +128,25 @@ class Experiment(_Strict):
 
     def workers(self) -> list["WorkerSlot"]:
         return list(self._slots)
+
+    @property
+    def topology_file(self) -> str:
+        """The topology file this experiment resolved to (absolute where it was found)."""
+        return self._topo_file or self.topology
+
+    def variant(self, name: str) -> "Experiment":
+        """This experiment with one ``compare`` arm applied (and no ``compare`` of its own)."""
+        v = (self.compare or {})[name]
+        data = self.model_dump()
+        data["name"] = f"{self.name}-{name}"
+        data["compare"] = None
+        if v.connections is not None:
+            data["parallel"]["connections"] = v.connections
+        if v.sharing is not None:
+            data["atlas"]["sharing"] = v.sharing
+        e = Experiment.model_validate(data)
+        e._origin, e._topo, e._slots, e._topo_file = self._origin, self._topo, self._slots, self._topo_file
+        return e
 
 
 @dataclass(frozen=True)
@@ -180,10 +226,12 @@ def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | N
     if base_dir is not None and not topo_path.is_absolute() and (base_dir / topo_path).exists():
         topo_path = base_dir / topo_path
     try:
-        topo = load_topology(resolve_topology(str(topo_path)))
+        topo_file = resolve_topology(str(topo_path))
+        topo = load_topology(topo_file)
     except SpecError as exc:
         raise SpecError(f"{origin}: topology: {exc}") from None
     exp._topo = topo
+    exp._topo_file = str(Path(topo_file).resolve())
     exp._slots = _place(exp, topo, origin)
     return exp
 

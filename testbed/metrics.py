@@ -90,7 +90,8 @@ def summarise(run) -> dict:
             "workers": per_worker,
         })
         prev_job_end = job_end
-    skip = min(exp.training.warmup_iterations, len(iterations) - 1)
+    # a run may start its steady state later (Atlas: once the plan is in force)
+    skip = min(max(exp.training.warmup_iterations, getattr(run, "steady_from", 0)), len(iterations) - 1)
     steady = iterations[skip:]
     mean_time = sum(it["time_s"] for it in steady) / len(steady)
     mean_busy = sum(it["mean_busy_fraction"] for it in steady) / len(steady)

@@ -91,6 +91,10 @@ class _DelayLineClient:
         self._control = str(control_path)
         self._client_path = client_path
 
+    @property
+    def control_path(self) -> str:
+        return self._control
+
     def request(self, msg: dict) -> dict:
         self._sock.sendto(json.dumps(msg).encode(), self._control)
         reply = json.loads(self._sock.recv(65536))
@@ -198,6 +202,11 @@ class WanDirection:
         """The owner from the clock: ``slots`` (class, start, end) repeat every ``period_s``
         from ``t0`` (CLOCK_MONOTONIC, which every namespace shares)."""
         self._sched({"turns": {"t0": t0, "period_s": period_s, "slots": [list(x) for x in slots]}})
+
+    @property
+    def control_path(self) -> str | None:
+        """The delay line's control socket (agents talk to it directly), if it is in the path."""
+        return self.delay_client.control_path if self.delay_client is not None else None
 
     def clear_schedule(self) -> None:
         """Back to one FIFO: fair sharing by TCP.  Nothing queued is lost."""

@@ -8,6 +8,12 @@ period: the stand-in for one device per worker) or gives it its own GPU, starts
 telemetry goes to subscribers (``subscribe``; BubbleTea and Atlas use it), and, when the
 run ends, ``metrics.py`` turns it into per-iteration figures, a Chrome trace and plots.
 
+With ``atlas: {sharing: temporal | paced}`` the run also starts the Atlas controller and
+(temporal) one agent per gateway (``agents/atlas``): the controller connects to the
+telemetry socket as ``atlas-controller``, receives every worker's timeline, and answers
+with plans; the run passes each pipeline's start offset to its first stage.  A dead
+controller or agent is logged and training goes on under fair sharing.
+
 A worker that dies or reports an error ends the whole run within a second or two, with an
 error naming the worker; every process, namespace and cgroup is removed in all cases.
 """
@@ -121,6 +127,11 @@ class TrainingRun:
         self.net: Network | None = None
         self.go_time = 0.0
         self.log_lines: list[str] = []
+        self.atlas_plans: list[dict] = []
+        self.steady_from = 0  # the first iteration the summary counts (after warm-up, in force)
+        self._controller: socket.socket | None = None
+        self._atlas_procs: dict[str, subprocess.Popen] = {}
+        self._atlas_dead: set[str] = set()
 
     def subscribe(self, fn: Callable[[str, dict], None]) -> None:
         """``fn(worker_name, message)`` for every telemetry message, as it arrives."""
@@ -136,7 +147,8 @@ class TrainingRun:
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
         exp = self.exp
-        self.net = Network(exp.topo, delay_backend=self.delay_backend)
+        self.net = Network(exp.topo, delay_backend=self.delay_backend,
+                           scheduling=exp.atlas.sharing == "temporal")
         with self.net as net:
             self.log(f"network {exp.topo.name} up in {net.startup_s:.2f} s (delay: {net.backends.delay})")
             server_path = net.registry.dir / "telemetry.sock"
@@ -148,8 +160,11 @@ class TrainingRun:
             server.listen(512)
             try:
                 self._launch(net, server_path)
+                if exp.atlas.sharing != "fair":
+                    self._start_atlas(net, server_path)
                 self._collect(server)
             finally:
+                self._stop_atlas()
                 server.close()
                 _copy_worker_logs(net.registry.dir / "workers", self.out_dir / "worker-logs")
                 for w in self.workers.values():
@@ -182,6 +197,8 @@ class TrainingRun:
         for slot, device in zip(slots, devices):
             host = net.host(slot.dc, slot.host_index)
             self.workers[slot.name] = WorkerState(slot, host, device=device)
+            if not exp.parallel.slow_start_after_idle:  # a per-namespace sysctl: this host only
+                host.node.cmd("sysctl -qw net.ipv4.tcp_slow_start_after_idle=0")
         for slot, device in zip(slots, devices):
             w = self.workers[slot.name]
             cfg = {
@@ -262,20 +279,30 @@ class TrainingRun:
                 chunk = conn.recv(1 << 20)
                 if not chunk:
                     sel.unregister(conn)
+                    if conn is self._controller:
+                        self._controller_gone("closed its connection")
                     continue
                 bufs[conn] += chunk
                 while b"\n" in bufs[conn]:
                     line, bufs[conn] = bufs[conn].split(b"\n", 1)
                     msg = json.loads(line)
                     if conn not in owner:  # the first line names the worker
+                        if msg["worker"] == "atlas-controller":
+                            owner[conn] = None
+                            self._controller = conn
+                            continue
                         w = owner[conn] = self.workers[msg["worker"]]
                         w.sock = w.sock or conn  # a later connection only carries an error report
+                        continue
+                    if owner[conn] is None:
+                        self._from_controller(msg)
                         continue
                     self._handle(owner[conn], msg)
             now = time.monotonic()
             if now - last_check > 0.5:
                 last_check = now
                 self._check_alive()
+                self._check_atlas()
                 if not self.go_time and now - started > _READY_TIMEOUT_S:
                     waiting = [n for n, w in self.workers.items() if not w.ready]
                     raise RunError(f"workers {', '.join(waiting)} not ready after {_READY_TIMEOUT_S:.0f} s")
@@ -288,6 +315,8 @@ class TrainingRun:
             if all(w.done for w in self.workers.values()):
                 for w in self.workers.values():
                     w.sock.sendall(b'{"type":"bye"}\n')
+                if self._controller is not None:
+                    self._to_controller({"type": "bye"})
                 break
         for w in self.workers.values():
             try:
@@ -321,6 +350,134 @@ class TrainingRun:
                            f"{w.host.name} in {w.slot.dc}) failed: {msg['msg']}")
         for fn in self._subscribers:
             fn(w.slot.name, msg)
+        if self._controller is not None and kind == "events":
+            self._to_controller(dict(msg, worker=w.slot.name))
+
+    # -- Atlas ----------------------------------------------------------------------------
+    def _start_atlas(self, net: Network, server_path: Path) -> None:
+        """The controller and (temporal sharing) one agent per gateway with WAN links to enforce."""
+        exp = self.exp
+        links: dict[tuple[str, str], dict[str, list]] = {}
+        slots = {(s.stage, s.replica): s for s in exp.workers()}
+        for (stage, r), a in slots.items():
+            b = slots.get((stage + 1, r))
+            if b is None or a.dc == b.dc:
+                continue
+            ip_a, ip_b = self.workers[a.name].host.ip, self.workers[b.name].host.ip
+            hops = exp.topo.path(a.dc, b.dc)
+            for x, y in zip(hops, hops[1:]):  # activations one way, gradients the other
+                links.setdefault((x, y), {}).setdefault(f"r{r}", []).append([ip_a, ip_b])
+                links.setdefault((y, x), {}).setdefault(f"r{r}", []).append([ip_b, ip_a])
+        rates = [exp.topo.direction(x, y).rate_mbps for x, y in links]
+        state = net.registry.dir
+        agents: dict[str, str] = {}
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        if exp.atlas.sharing == "temporal":
+            for dc in sorted({x for x, _ in links}):
+                mine = {f"{x}->{y}": (x, y) for x, y in links if x == dc}
+                cfg = {"dc": dc, "listen": str(state / f"atlas-agent-{dc}.sock"), "lease_s": exp.atlas.lease_s,
+                       "links": {n: {"control": net.link(*k).control_path, "lane": net.link(*k).lane}
+                                 for n, k in mine.items()}}
+                self._spawn_atlas(f"agent-{dc}", cfg, "agents.atlas.agent", state, env)
+                agents[dc] = cfg["listen"]
+        cfg = {
+            "telemetry": str(server_path), "agents": agents, "sharing": exp.atlas.sharing,
+            "lease_s": exp.atlas.lease_s, "replan_threshold": exp.atlas.replan_threshold,
+            "stages": exp.parallel.stages, "replicas": exp.parallel.replicas,
+            "warmup_iterations": exp.training.warmup_iterations,
+            "message_bytes": exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * 4,
+            "link_bytes_s": min(rates) * 1e6 / 8 if rates else 0.0,
+            "links": {f"{x}->{y}": {"classes": classes, "rate_mbps": exp.topo.direction(x, y).rate_mbps}
+                      for (x, y), classes in links.items()},
+        }
+        self._spawn_atlas("controller", cfg, "agents.atlas.controller", state, env)
+        self.log(f"atlas: controller and {len(agents)} agent(s) started ({exp.atlas.sharing} sharing, "
+                 f"{len(links)} WAN direction(s) carry pipelines)")
+
+    def _spawn_atlas(self, name: str, cfg: dict, module: str, state: Path, env: dict) -> None:
+        path = state / f"atlas-{name}.json"
+        path.write_text(json.dumps(cfg))
+        self.net.registry.file(path)
+        if "listen" in cfg:  # the agent's socket, and one per delay line it talks to
+            for path in [cfg["listen"]] + [f"{cfg['listen']}.{i}" for i in range(len(cfg["links"]))]:
+                self.net.registry.file(path)
+        log_path = state / f"atlas-{name}.log"
+        self.net.registry.file(log_path)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", module, str(path)], stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, cwd=str(state), start_new_session=True)
+        self.net.registry.process(proc.pid, f"atlas-{name}", own_netns=False)
+        self._atlas_procs[name] = proc
+
+    def _to_controller(self, msg: dict) -> None:
+        try:
+            self._controller.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        except OSError:
+            self._controller_gone("stopped reading")
+
+    def _from_controller(self, msg: dict) -> None:
+        if msg.get("type") != "plan":
+            return
+        plan = msg["plan"]
+        at = min((w.iterations_done for w in self.workers.values()), default=0)
+        self.atlas_plans.append(dict(plan, published_at_iteration=at))
+        if len(self.atlas_plans) == 1:  # iterations under way when it came are not the plan's
+            self.steady_from = max(w.iterations_done for w in self.workers.values()) + 1
+        self._send_offsets({int(r): v for r, v in plan["offsets"].items()})
+        self.log(f"atlas plan at iteration {at}: order {plan['order']}, offsets "
+                 f"{[round(v * 1e3, 1) for v in plan['offsets'].values()]} ms")
+
+    def _send_offsets(self, offsets: dict[int, float]) -> None:
+        for w in self.workers.values():
+            if w.slot.stage == 0 and w.sock is not None:
+                try:
+                    w.sock.sendall((json.dumps({"type": "plan", "offset_s": offsets.get(w.slot.replica, 0.0)})
+                                    + "\n").encode())
+                except OSError:
+                    pass
+
+    def _controller_gone(self, how: str) -> None:
+        if self._controller is None:
+            return
+        self._controller = None
+        at = min((w.iterations_done for w in self.workers.values()), default=0)
+        self._atlas_dead.add("controller")
+        self._send_offsets({})
+        self.log(f"atlas controller {how} at iteration {at}: training continues under fair sharing "
+                 f"(offsets reset; the agents restore FIFO within {self.exp.atlas.lease_s:.1f} s)")
+
+    def _check_atlas(self) -> None:
+        for name, proc in self._atlas_procs.items():
+            if name in self._atlas_dead or proc.poll() is None:
+                continue
+            if name == "controller":
+                self._controller_gone(f"died (exit {proc.returncode})")
+            else:
+                self._atlas_dead.add(name)
+                at = min((w.iterations_done for w in self.workers.values()), default=0)
+                self.log(f"atlas {name} died (exit {proc.returncode}) at iteration {at}: its links fall back "
+                         f"to fair sharing when their lease ends ({self.exp.atlas.lease_s:.1f} s); training continues")
+
+    def _stop_atlas(self) -> None:
+        procs = list(self._atlas_procs.items())
+        for name, proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for name, proc in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if procs:
+            dst = self.out_dir / "atlas-logs"
+            dst.mkdir(parents=True, exist_ok=True)
+            for name, _ in procs:
+                try:
+                    shutil.copyfile(self.net.registry.dir / f"atlas-{name}.log", dst / f"{name}.log")
+                except OSError:
+                    pass
+            (self.out_dir / "atlas-plans.json").write_text(json.dumps(self.atlas_plans, indent=1))
 
     def _check_alive(self) -> None:
         dead = [w for w in self.workers.values()

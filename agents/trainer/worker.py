@@ -114,6 +114,24 @@ def run(cfg: dict) -> None:
     tel.send({"type": "ready"})
     go = tel.receive()
     assert go["type"] == "go", go
+    # after the go the orchestrator may send a temporal plan (Atlas: this pipeline's start
+    # offset) at any time, and finally "bye"; a thread keeps the latest plan
+    plan = {"offset_s": 0.0}
+    bye = threading.Event()
+
+    def listen() -> None:
+        try:
+            while True:
+                msg = tel.receive()
+                if msg.get("type") == "plan":
+                    plan["offset_s"] = max(0.0, float(msg.get("offset_s", 0.0)))
+                elif msg.get("type") == "bye":
+                    break
+        except (ConnectionError, OSError, ValueError):
+            pass
+        bye.set()
+
+    threading.Thread(target=listen, daemon=True).start()
 
     events: list[list] = []
     cursor = time.monotonic()
@@ -138,6 +156,10 @@ def run(cfg: dict) -> None:
 
     for it in range(tr["iterations"]):
         inputs, outputs, losses = {}, {}, []
+        offset = plan["offset_s"] if stage == 0 else 0.0
+        if offset > 0:  # Atlas's stagger: this pipeline enters the WAN after the ones before it
+            time.sleep(offset)
+            mark("idle", -1, it)
         for op in program:
             k, i = op.kind, op.mb
             if k == sch.RECV_ACT:
@@ -196,7 +218,7 @@ def run(cfg: dict) -> None:
     with tlock:
         tail = list(transfers)
     tel.send({"type": "done", "transfers": tail})
-    tel.receive()  # the orchestrator says when everyone is done (peers may still read)
+    bye.wait()  # the orchestrator says when everyone is done (peers may still read)
     for ch in (act_out, grad_out, act_in, grad_in):
         if ch is not None:
             ch.close()

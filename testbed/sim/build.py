@@ -104,7 +104,8 @@ class SimResult:
 
 def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: int | None = None,
              stage_times: list[StageTimes] | None = None, message_overhead_s: float | None = None,
-             record: bool = True, fold_replicas: bool | None = None) -> SimResult:
+             record: bool = True, fold_replicas: bool | None = None,
+             start_offsets: dict[int, float] | None = None) -> SimResult:
     """Simulate ``exp``.  ``fold_replicas`` (default: when D > 8 and sharing is fair)
     simulates one pipeline with every WAN link's bandwidth divided by D: under fair sharing
     identical replicas move in lockstep, so each sees exactly that share; the DP all-reduce
@@ -175,7 +176,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         d = exp.parallel.replicas
         return 2 * (d - 1) / d * params[stage] * sim_spec.dtype_bytes / intra + sim_spec.allreduce_latency_s
 
-    job = PipelineJob(sim, workers, n_it, send, allreduce_time, record=record, dp_replicas=D)
+    job = PipelineJob(sim, workers, n_it, send, allreduce_time, record=record, dp_replicas=D,
+                      start_offsets=start_offsets)
     job.start()
     sim.run()
     states = {}

@@ -93,6 +93,28 @@ class SharingPolicy:
             f.rate = rate[f.fid]
 
 
+class PriorityPolicy(SharingPolicy):
+    """Atlas's temporal sharing in the fluid model: strict priority between pipelines.
+
+    The highest-ranked pipeline with a flow on a link gets all it can use (up to its
+    ceiling); the next gets what is left, and so on: work-conserving, one owner at a time,
+    as the delay line's scheduler does.  ``order`` ranks flow owners ("r0", "r1", ..);
+    unknown owners rank last, in arrival order."""
+
+    name = "temporal"
+
+    def __init__(self, order: list[str]):
+        self.rank = {owner: i for i, owner in enumerate(order)}
+
+    def allocate(self, flows: list[Flow], now: float) -> None:
+        remaining = {id(link): link.bandwidth for f in flows for link in f.links}
+        for f in sorted(flows, key=lambda f: (self.rank.get(f.owner, len(self.rank)), f.fid)):
+            rate = min([f.ceiling] + [remaining[id(link)] for link in f.links])
+            f.rate = max(0.0, rate)
+            for link in f.links:
+                remaining[id(link)] -= f.rate
+
+
 class Simulator:
     def __init__(self, policy: SharingPolicy | None = None):
         self.now = 0.0
@@ -206,6 +228,7 @@ class Worker:
     iteration: int = 0
     cursor: float = 0.0
     waiting: tuple | None = None
+    offset_iteration: int = -1  # the iteration whose start offset was taken
     inbox: dict = field(default_factory=dict)  # (kind, iteration, mb) -> arrival time
 
 
@@ -214,7 +237,8 @@ class PipelineJob:
 
     def __init__(self, sim: Simulator, workers: list[Worker], iterations: int,
                  send: Callable[[Worker, str, int, int, Callable[[float], None]], None],
-                 allreduce_time: Callable[[int], float], record: bool = True, dp_replicas: int | None = None):
+                 allreduce_time: Callable[[int], float], record: bool = True, dp_replicas: int | None = None,
+                 start_offsets: dict[int, float] | None = None):
         self.sim = sim
         self.workers = workers
         self.iterations = iterations
@@ -225,6 +249,8 @@ class PipelineJob:
         self._replicas = max(w.replica for w in workers) + 1  # simulated replicas (1 when folded)
         self._dp = dp_replicas or self._replicas  # replicas in the real job (all-reduce size)
         self.record = record
+        # Atlas's stagger: the first stage of replica r starts each iteration this much later
+        self._offsets = start_offsets or {}
 
     def start(self) -> None:
         for w in self.workers:
@@ -236,6 +262,14 @@ class PipelineJob:
 
     def _step(self, w: Worker) -> None:
         sim = self.sim
+        offset = self._offsets.get(w.replica, 0.0) if w.stage == 0 else 0.0
+        if w.pc == 0 and offset > 0 and w.offset_iteration != w.iteration:
+            w.offset_iteration = w.iteration
+            start = max(sim.now, w.cursor)
+            self._event(w, "idle", -1, start, start + offset)
+            w.cursor = start + offset
+            sim.at(w.cursor, lambda w=w: self._step(w))
+            return
         while w.pc < len(w.program):
             op = w.program[w.pc]
             kind, mb = op.kind, op.mb

@@ -1,0 +1,142 @@
+"""The Atlas agent of one WAN gateway: enforces the controller's plan on its links' egress.
+
+How it fits: ``testbed run`` starts one agent per DC gateway (in the root namespace; the
+delay line's control socket is a file).  The controller sends it plans and heartbeats as
+Unix datagrams.  For each of its outgoing WAN directions the agent installs the delay
+line's per-pipeline scheduler (pipelines classified by host addresses) with the plan's
+rank order, and renews a lease on it every ``lease_s / 4``.  If the controller falls
+silent for ``lease_s`` the agent removes the schedulers itself; if the agent dies, the
+leases run out in the delay line.  Either way the links are back to one FIFO (TCP fair
+sharing) within ``lease_s``, and training goes on.
+
+    python -m agents.atlas.agent CONFIG.json
+
+CONFIG: ``{"dc", "listen", "lease_s", "links": {"src->dst": {"control": path, "lane": name}}}``.
+Messages: ``{"type": "plan", "links": {"src->dst": {"classes": {..}, "order": [..],
+"rate_mbps": ..}}}``, ``{"type": "heartbeat"}``, ``{"type": "clear"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+
+class _Line:
+    """Datagrams to one delay line's control socket."""
+
+    def __init__(self, control: str, me: str):
+        self.control = control
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.path = me
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self.sock.bind(self.path)
+        self.sock.settimeout(1.0)
+
+    def request(self, msg: dict) -> dict:
+        self.sock.sendto(json.dumps(msg).encode(), self.control)
+        reply = json.loads(self.sock.recv(65536))
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error"))
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _log(dc: str, msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} atlas agent {dc}: {msg}", flush=True)
+
+
+def run(cfg: dict) -> None:
+    dc, lease = cfg["dc"], float(cfg["lease_s"])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if os.path.exists(cfg["listen"]):
+        os.unlink(cfg["listen"])
+    sock.bind(cfg["listen"])
+    sock.settimeout(lease / 4)
+    by_control: dict[str, _Line] = {}  # one socket per delay line (a gateway's lanes share it)
+    for link in cfg["links"].values():
+        if link["control"] not in by_control:
+            by_control[link["control"]] = _Line(link["control"], f"{cfg['listen']}.{len(by_control)}")
+    lines = {name: by_control[link["control"]] for name, link in cfg["links"].items()}
+    lanes = {name: link["lane"] for name, link in cfg["links"].items()}
+    active: set[str] = set()
+    heard = time.monotonic()
+    running = [True]
+    signal.signal(signal.SIGTERM, lambda *_: running.__setitem__(0, False))
+    _log(dc, f"up, links {', '.join(lanes) or 'none'}")
+
+    def clear(why: str) -> None:
+        for name in sorted(active):
+            try:
+                lines[name].request({"lane": lanes[name], "classes": None})
+            except (OSError, RuntimeError, ValueError) as exc:
+                _log(dc, f"{name}: clearing failed: {exc}")
+        if active:
+            _log(dc, f"fair sharing restored on {', '.join(sorted(active))} ({why})")
+        active.clear()
+
+    try:
+        while running[0]:
+            try:
+                data = sock.recv(65536)
+                msg = json.loads(data)
+            except socket.timeout:
+                msg = None
+            except (OSError, ValueError):
+                msg = None
+            now = time.monotonic()
+            if msg is not None:
+                heard = now
+                if msg.get("type") == "plan":
+                    for name, link in msg.get("links", {}).items():
+                        if name not in lines:
+                            continue
+                        try:
+                            lines[name].request({"lane": lanes[name], "classes": link["classes"],
+                                                 "rate_mbps": link["rate_mbps"], "lease_s": lease})
+                            lines[name].request({"lane": lanes[name], "order": link["order"], "lease_s": lease})
+                        except (OSError, RuntimeError, ValueError) as exc:
+                            _log(dc, f"{name}: plan refused: {exc}")
+                            continue
+                        active.add(name)
+                    _log(dc, f"plan applied on {', '.join(sorted(active)) or 'no link'}: order "
+                             f"{next(iter(msg.get('links', {}).values()), {}).get('order')}")
+                elif msg.get("type") == "clear":
+                    clear("the controller asked")
+            if active and now - heard > lease:
+                clear(f"controller silent for {now - heard:.1f} s")
+            for name in list(active):  # renew the leases
+                try:
+                    lines[name].request({"lane": lanes[name], "lease_s": lease})
+                except (OSError, RuntimeError, ValueError) as exc:
+                    _log(dc, f"{name}: lease renewal failed: {exc}")
+    finally:
+        clear("agent stopping")
+        for line in by_control.values():
+            line.close()
+        sock.close()
+        try:
+            os.unlink(cfg["listen"])
+        except OSError:
+            pass
+
+
+def main() -> int:
+    with open(sys.argv[1]) as fh:
+        run(json.load(fh))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

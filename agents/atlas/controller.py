@@ -1,0 +1,109 @@
+"""The Atlas controller: from the run's live telemetry to a temporal plan, published.
+
+How it fits: ``testbed run`` starts it (in the root namespace) when the experiment says
+``atlas: {sharing: temporal | paced}``.  It connects to the run's telemetry socket like a
+worker, as ``atlas-controller``; the orchestrator then forwards every worker's timeline to
+it.  After the warm-up iterations it computes the plan (``plan.py``) from the measured
+compute times and message sizes, sends it to the gateway agents (``temporal``: they
+enforce the rank order on each WAN link) and to the orchestrator (which passes each
+pipeline's start offset to its first stage), and heartbeats the agents.  It recomputes the
+plan after every iteration and republishes it when it moves by ``replan_threshold``.
+
+    python -m agents.atlas.controller CONFIG.json
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+
+from agents.atlas.plan import TelemetryWindow, TemporalPlan, make_plan
+
+
+def _log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} atlas controller: {msg}", flush=True)
+
+
+def run(cfg: dict) -> None:
+    tel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tel.connect(cfg["telemetry"])
+    send_lock = threading.Lock()
+
+    def tell_orchestrator(msg: dict) -> None:
+        with send_lock:
+            tel.sendall((json.dumps(msg) + "\n").encode())
+
+    tell_orchestrator({"type": "hello", "worker": "atlas-controller"})
+    agents = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent_paths = list(cfg["agents"].values())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def to_agents(msg: dict) -> None:
+        data = json.dumps(msg).encode()
+        for path in agent_paths:
+            try:
+                agents.sendto(data, path)
+            except OSError:
+                pass  # a dead agent: its links' leases run out
+
+    def heartbeat() -> None:
+        while not stop.wait(float(cfg["lease_s"]) / 4):
+            to_agents({"type": "heartbeat"})
+
+    if agent_paths:
+        threading.Thread(target=heartbeat, daemon=True).start()
+    window = TelemetryWindow()
+    plan: TemporalPlan | None = None
+    workers = cfg["stages"] * cfg["replicas"]
+    warmup = max(1, cfg["warmup_iterations"])
+    planned_at = -1
+    reader = tel.makefile("r")
+    _log(f"up: {cfg['replicas']} pipelines, sharing {cfg['sharing']}, plan after {warmup} iteration(s)"
+         + ("; one pipeline: the links stay FIFO" if cfg["replicas"] == 1 else ""))
+    for line in reader:
+        if stop.is_set():
+            break
+        msg = json.loads(line)
+        if msg.get("type") == "bye":
+            break
+        window.add(msg.get("worker", ""), msg)
+        done = window.min_iterations(workers)
+        if done < warmup or done == planned_at:
+            continue
+        planned_at = done
+        compute, per_stage = window.slowest_stage_compute()
+        message = window.typical_message() or cfg["message_bytes"]
+        new = make_plan(cfg["replicas"], compute, message, cfg["link_bytes_s"],
+                        basis={"after_iteration": done, "message_bytes": message,
+                               "stages": {str(s): {k: round(v, 5) for k, v in f.items()}
+                                          for s, f in per_stage.items()}})
+        if not new.moved(plan, cfg["replan_threshold"]):
+            continue
+        plan = new
+        if cfg["sharing"] == "temporal" and cfg["replicas"] > 1:  # one pipeline: nothing to share
+            to_agents({"type": "plan", "links": {name: {"classes": link["classes"], "order": plan.order,
+                                                        "rate_mbps": link["rate_mbps"]}
+                                                 for name, link in cfg["links"].items()}})
+        tell_orchestrator({"type": "plan", "plan": plan.as_dict()})
+        _log(f"plan after iteration {done}: C={plan.compute_s * 1e3:.1f} ms, t={plan.transfer_s * 1e3:.1f} ms, "
+             f"offsets {[round(v * 1e3, 1) for v in plan.offsets.values()]} ms, predicted per microbatch "
+             f"{plan.lockstep_s * 1e3:.1f} -> {plan.temporal_s * 1e3:.1f} ms")
+    stop.set()
+    if agent_paths:
+        to_agents({"type": "clear"})
+    _log("done")
+
+
+def main() -> int:
+    with open(sys.argv[1]) as fh:
+        run(json.load(fh))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Atlas's temporal plan: who owns each WAN link when, and how the pipelines are staggered.
+
+D data-parallel pipelines cross the same WAN links at the same stage boundaries.  In
+lockstep their transfers collide and TCP fair-shares the link: each transfer of S bytes
+takes about D*S/B and every pipeline waits that long, so a microbatch costs about C + D*t on
+the critical path (C: the slowest stage's compute per microbatch, t = S/B).  The plan
+instead ranks the pipelines (the link belongs to the highest-ranked one with data, the
+others get what it leaves: work-conserving) and starts pipeline d's first stage d*t later
+than pipeline 0's, so one pipeline's transfer overlaps the others' compute: about
+max(C + t, D*t) per microbatch (the brief's formulas).
+
+Why a rank order rather than clock-anchored turns for training: the trainers' phase on this
+machine wanders by 5-16 ms per operation (CFS quota), so a turn fixed to the clock would
+often open for a pipeline that has nothing to send and close on one mid-transfer; a rank
+order gives each transfer the whole link exactly when it is sent.  Clock turns remain
+available (``WanDirection.set_turns``) and are what the precision test measures.
+
+Everything here is computed from what the run measures: per-stage compute medians from the
+workers' timelines, transfer sizes from the transfer records, rates from the topology.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TemporalPlan:
+    order: list[str]  # pipeline ranks, "r0" first
+    offsets: dict[int, float]  # replica -> start offset of its first stage, s
+    transfer_s: float  # one boundary transfer with the whole (slowest crossed) link
+    compute_s: float  # the slowest stage's forward + backward per microbatch
+    lockstep_s: float  # per-microbatch critical path under fair sharing, C + D*t
+    temporal_s: float  # the same under the plan, max(C + t, D*t)
+    basis: dict = field(default_factory=dict)  # what it was computed from
+
+    def as_dict(self) -> dict:
+        return {"order": self.order, "offsets": {str(k): round(v, 5) for k, v in self.offsets.items()},
+                "transfer_s": round(self.transfer_s, 5), "compute_s": round(self.compute_s, 5),
+                "lockstep_s": round(self.lockstep_s, 5), "temporal_s": round(self.temporal_s, 5),
+                "basis": self.basis}
+
+    def moved(self, other: "TemporalPlan | None", threshold: float) -> bool:
+        """Whether this plan differs from ``other`` enough to republish it."""
+        if other is None or other.order != self.order:
+            return True
+        base = max(other.transfer_s, 1e-6)
+        return abs(self.transfer_s - other.transfer_s) / base > threshold
+
+
+def make_plan(replicas: int, compute_s: float, message_bytes: float, link_bytes_s: float,
+              basis: dict | None = None) -> TemporalPlan:
+    t = message_bytes / link_bytes_s if link_bytes_s > 0 else 0.0
+    d = replicas
+    return TemporalPlan(
+        order=[f"r{r}" for r in range(d)],
+        offsets={r: r * t for r in range(d)},
+        transfer_s=t, compute_s=compute_s,
+        lockstep_s=compute_s + d * t, temporal_s=max(compute_s + t, d * t),
+        basis=basis or {},
+    )
+
+
+class TelemetryWindow:
+    """The last few iterations of every worker's intervals and transfer records."""
+
+    def __init__(self, keep_iterations: int = 3):
+        self.keep = keep_iterations
+        self.compute: dict[tuple[int, int, str], list[float]] = {}  # (stage, it, kind) -> durations
+        self.message_bytes: list[int] = []
+        self.iterations_done: dict[str, int] = {}
+
+    def add(self, worker: str, msg: dict) -> None:
+        if msg.get("type") != "events":
+            return
+        stage = int(worker[1:].split("r")[0])
+        for kind, _mb, start, end, it in msg["events"]:
+            if kind in ("forward", "backward"):
+                self.compute.setdefault((stage, it, kind), []).append(end - start)
+        for rec in msg.get("transfers", []):
+            self.message_bytes.append(int(rec[4]))
+        del self.message_bytes[:-256]
+        if msg.get("iteration_done"):
+            self.iterations_done[worker] = msg["it"] + 1
+            oldest = msg["it"] + 1 - self.keep
+            for key in [k for k in self.compute if k[1] < oldest]:
+                del self.compute[key]
+
+    def min_iterations(self, workers: int) -> int:
+        if len(self.iterations_done) < workers:
+            return 0
+        return min(self.iterations_done.values())
+
+    def slowest_stage_compute(self) -> tuple[float, dict]:
+        """max over stages of median(forward) + median(backward), and the per-stage figures."""
+        per: dict[int, dict[str, list[float]]] = {}
+        for (stage, _it, kind), values in self.compute.items():
+            per.setdefault(stage, {}).setdefault(kind, []).extend(values)
+        figures = {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in per.items()}
+        c = max((f.get("forward", 0.0) + f.get("backward", 0.0) for f in figures.values()), default=0.0)
+        return c, figures
+
+    def typical_message(self) -> float:
+        return float(statistics.median(self.message_bytes)) if self.message_bytes else 0.0
