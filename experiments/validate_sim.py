@@ -6,7 +6,8 @@ For each case (P=2 and P=3 across DCs, D=1 and 2, one-way delay 1-50 ms, N=1 and
 trains on the emulator, feeds the simulator the compute times profiled from that run
 (``timeline.json``: median forward/backward/optimizer per stage, median hand-off cost),
 simulates the same experiment, and writes ``errors.csv`` and ``errors.md``: measured and
-predicted steady-state iteration time and the relative error (the goal is 5%, the bar 10%).
+predicted steady-state iteration time (the median of the steady iterations; their mean beside
+it) and the relative error (the goal is 5%, the bar 10%).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -49,12 +51,19 @@ def compare(tmp: Path, stages: int, replicas: int, delay_ms: float, connections:
         "sim": {"intra_dc_gbps": 10.0},
     }, "validate")
     out = tmp / exp.name
-    measured = TrainingRun(exp, out).run()["summary"]["mean_iteration_time_s"]
+    result = TrainingRun(exp, out).run()
+    steady = [it["time_s"] for it in result["iterations"] if it["iteration"] in
+              result["summary"]["steady_state_iterations"]]
+    # the median: a rare TCP retransmission timeout (a 1-1.5 s stall, seen once in ~30 runs
+    # here) is real but not what the fluid model predicts; the mean is reported beside it
+    measured = statistics.median(steady)
+    measured_mean = result["summary"]["mean_iteration_time_s"]
     times, overhead = profiled_stage_times(out / "timeline.json", stages)
     sim = simulate(exp, stage_times=times, message_overhead_s=overhead)
     predicted = summarise(sim)["summary"]["mean_iteration_time_s"]
     return {"stages": stages, "replicas": replicas, "delay_ms": delay_ms, "connections": connections,
-            "schedule": schedule, "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
+            "schedule": schedule, "measured_s": round(measured, 4), "measured_mean_s": round(measured_mean, 4),
+            "predicted_s": round(predicted, 4),
             "error": round((predicted - measured) / measured, 4)}
 
 
@@ -82,9 +91,10 @@ def main() -> None:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    lines = ["| P | D | one-way ms | N | measured s | predicted s | error |", "|---|---|---|---|---|---|---|"]
+    lines = ["| P | D | one-way ms | N | measured s (median) | measured s (mean) | predicted s | error |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['stages']} | {r['replicas']} | {r['delay_ms']} | {r['connections']} | {r['measured_s']} | "
-              f"{r['predicted_s']} | {r['error']:+.1%} |" for r in rows]
+              f"{r['measured_mean_s']} | {r['predicted_s']} | {r['error']:+.1%} |" for r in rows]
     worst = max(abs(r["error"]) for r in rows)
     lines.append(f"\nworst |error| {worst:.1%}; mean |error| {sum(abs(r['error']) for r in rows) / len(rows):.1%}")
     (args.out / "errors.md").write_text("\n".join(lines) + "\n")

@@ -399,8 +399,8 @@ class TrainingRun:
         path.write_text(json.dumps(cfg))
         self.net.registry.file(path)
         if "listen" in cfg:  # the agent's socket, and one per delay line it talks to
-            for path in [cfg["listen"]] + [f"{cfg['listen']}.{i}" for i in range(len(cfg["links"]))]:
-                self.net.registry.file(path)
+            for sock_path in [cfg["listen"]] + [f"{cfg['listen']}.{i}" for i in range(len(cfg["links"]))]:
+                self.net.registry.file(sock_path)
         log_path = state / f"atlas-{name}.log"
         self.net.registry.file(log_path)
         with open(log_path, "w") as log:

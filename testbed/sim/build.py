@@ -22,6 +22,9 @@ from ..experiment import Experiment
 from .engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
+PAYLOAD_FRACTION = 1448 / (1448 + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)
+
+
 def stage_params(exp: Experiment) -> list[int]:
     m = exp.model
     return modelshape.stage_params(m.layers, m.hidden, m.seq_len, exp.parallel.stages)
@@ -119,8 +122,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     if fold_replicas is None:
         fold_replicas = D > 8 and type(sim.policy) is SharingPolicy
     share = D if fold_replicas else 1
-    # the topology's rate is the link's capacity, or (wan_link_gbps set) one connection's ceiling
-    capacity = (lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps else (lambda p: p.rate_mbps * 1e6 / 8)
+    # the topology's rate is the link's (wire) capacity, of which TCP payload is MSS/(MSS +
+    # TCP/IP/Ethernet headers); or (wan_link_gbps set) one connection's measured goodput
+    capacity = ((lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps
+                else (lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION))
     links = {(s, d): Link(f"{s}->{d}", capacity(p) / share, p.delay_ms / 1000.0) for s, d, p in topo.directions()}
     if stage_times is None:
         if sim_spec.stage_times:

@@ -1,0 +1,75 @@
+"""Atlas in a real run: plan published and enforced, losses unchanged, and a controller or
+agent killed mid-run leaves training going under fair sharing with the event in the log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import skip_unless_network
+from testbed.experiment import parse_experiment
+from testbed.runner import TrainingRun
+
+pytestmark = pytest.mark.network
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _exp(sharing: str, iterations: int = 7):
+    return parse_experiment({
+        "name": f"atlas-{sharing}", "topology": str(REPO / "tests" / "data" / "atlas2.yaml"),
+        "model": {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 64},
+        "training": {"iterations": iterations, "microbatches": 4, "microbatch_size": 8, "seed": 3},
+        "parallel": {"stages": 2, "replicas": 2, "schedule": "1f1b", "slow_start_after_idle": False},
+        "atlas": {"sharing": sharing, "lease_s": 1.0},
+    }, "atlas")
+
+
+def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
+    skip_unless_network("tun")
+    fair = TrainingRun(_exp("fair"), tmp_path / "fair").run()
+    run = TrainingRun(_exp("temporal"), tmp_path / "temporal")
+    seen = {}
+
+    def watch(worker, msg):  # while training: the scheduler is in the link, with the plan's order
+        if msg.get("iteration_done") and msg["it"] == 5 and "sched" not in seen:
+            seen["sched"] = run.net.link("dc1", "dc2").delay_line_stats()["sched"]
+
+    run.subscribe(watch)
+    result = run.run()
+    assert [it["loss"] for it in result["iterations"]] == [it["loss"] for it in fair["iterations"]]
+    assert run.atlas_plans and run.atlas_plans[0]["order"] == ["r0", "r1"]
+    assert run.atlas_plans[0]["offsets"]["1"] > 0
+    assert seen["sched"] is not None and seen["sched"]["order"] == ["r0", "r1"]
+    assert sum(seen["sched"]["bytes_out"].values()) > 0
+    logs = (tmp_path / "temporal" / "atlas-logs" / "agent-dc1.log").read_text()
+    assert "plan applied on dc1->dc2" in logs
+    assert (tmp_path / "temporal" / "atlas-plans.json").exists()
+
+
+@pytest.mark.parametrize("victim", ["controller", "agent-dc1"])
+def test_a_killed_atlas_process_leaves_training_running_under_fair_sharing(tmp_path, victim):
+    skip_unless_network("tun")
+    run = TrainingRun(_exp("temporal", iterations=9), tmp_path / victim)
+    state = {}
+
+    def watch(worker, msg):
+        if not msg.get("iteration_done") or worker != "s1r1":
+            return
+        if msg["it"] == 3 and "killed" not in state:
+            state["killed"] = time.monotonic()
+            os.kill(run._atlas_procs[victim].pid, signal.SIGKILL)
+        if msg["it"] >= 6 and "sched" not in state and time.monotonic() - state.get("killed", 1e18) > 2.5:
+            state["sched"] = run.net.link("dc1", "dc2").delay_line_stats()["sched"]
+
+    run.subscribe(watch)
+    result = run.run()
+    losses = [it["loss"] for it in result["iterations"]]
+    assert len(losses) == 9 and all(loss is not None for loss in losses)  # no hang, no lost iteration
+    assert "killed" in state and "sched" in state
+    assert state["sched"] is None  # dc1->dc2 is one FIFO again: fair sharing restored
+    log = "\n".join(result["log"])
+    assert f"atlas {victim}" in log and "training continues" in log, log
