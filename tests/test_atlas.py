@@ -11,7 +11,7 @@ from agents.atlas.plan import TelemetryWindow, make_plan
 from agents.atlas.planner import PlanError, assign_stages, search
 from testbed.experiment import parse_experiment
 from testbed.metrics import summarise
-from testbed.sim.build import simulate
+from testbed.sim.build import PAYLOAD_FRACTION, simulate
 from testbed.sim.engine import Link, PriorityPolicy, Simulator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +54,7 @@ def test_temporal_plan_follows_the_brief_formulas():
     assert plan.offsets == {0: 0.0, 1: pytest.approx(0.05), 2: pytest.approx(0.1)}
     assert plan.lockstep_s == pytest.approx(0.1 + 3 * 0.05)
     assert plan.temporal_s == pytest.approx(max(0.1 + 0.05, 3 * 0.05))
+    assert make_plan(3, 0.1, 1e6, 2e7, enforced=True).offsets == {0: 0.0, 1: 0.0, 2: 0.0}
     assert not plan.moved(make_plan(3, 0.1, 1.04e6, 2e7), 0.1)
     assert plan.moved(make_plan(3, 0.1, 1.5e6, 2e7), 0.1)
 
@@ -101,15 +102,20 @@ def _two_pipelines(c: float, t: float, d: int = 2, m: int = 8):
     for link in exp.topo.wan:
         link.delay_ms, link.rate_mbps = 0.0, size / t * 8 / 1e6  # one message takes t alone
     fair = summarise(simulate(exp))["summary"]["mean_iteration_time_s"]
-    plan = make_plan(d, c, size, size / t)
+    plan = make_plan(d, c, size, size / t, enforced=True)
     temporal = summarise(simulate(exp, policy=PriorityPolicy(plan.order), start_offsets=plan.offsets))
-    return fair, temporal["summary"]["mean_iteration_time_s"]
+    # the senders' stagger, with the transfer time the link really gives (payload, not wire rate)
+    paced = summarise(simulate(exp, start_offsets=make_plan(d, c, size, size / t * PAYLOAD_FRACTION).offsets))
+    return fair, temporal["summary"]["mean_iteration_time_s"], paced["summary"]["mean_iteration_time_s"]
 
 
 def test_temporal_sharing_beats_lockstep_fair_sharing_where_transfers_collide():
     # C = t, D = 2: per microbatch C + D*t = 3t in lockstep against max(C + t, D*t) = 2t
-    fair, temporal = _two_pipelines(c=0.1, t=0.1)
+    fair, temporal, paced = _two_pipelines(c=0.1, t=0.1)
     assert fair / temporal >= 1.25, (fair, temporal)
+    # the senders' stagger alone, at D*t = C exactly, is knife-edge: the slightest collision
+    # and the pipelines fair-share again (the emulator measures the same; docs/benchmarks.md)
+    assert paced <= fair * 1.01, (fair, paced)
     # a link that is never contended (t << C): nothing to gain, and nothing lost
-    fair, temporal = _two_pipelines(c=0.1, t=0.001)
+    fair, temporal, paced = _two_pipelines(c=0.1, t=0.001)
     assert temporal == pytest.approx(fair, rel=0.01)

@@ -79,7 +79,7 @@ def run(cfg: dict) -> None:
         compute, per_stage = window.slowest_stage_compute()
         message = window.typical_message() or cfg["message_bytes"]
         new = make_plan(cfg["replicas"], compute, message, cfg["link_bytes_s"],
-                        basis={"after_iteration": done, "message_bytes": message,
+                        enforced=cfg["sharing"] == "temporal", basis={"after_iteration": done, "message_bytes": message,
                                "stages": {str(s): {k: round(v, 5) for k, v in f.items()}
                                           for s, f in per_stage.items()}})
         if not new.moved(plan, cfg["replan_threshold"]):

@@ -5,9 +5,11 @@ lockstep their transfers collide and TCP fair-shares the link: each transfer of 
 takes about D*S/B and every pipeline waits that long, so a microbatch costs about C + D*t on
 the critical path (C: the slowest stage's compute per microbatch, t = S/B).  The plan
 instead ranks the pipelines (the link belongs to the highest-ranked one with data, the
-others get what it leaves: work-conserving) and starts pipeline d's first stage d*t later
-than pipeline 0's, so one pipeline's transfer overlaps the others' compute: about
-max(C + t, D*t) per microbatch (the brief's formulas).
+others get what it leaves: work-conserving), so pipeline d's transfer waits for those
+ranked above it and then overlaps their compute: the pipelines fall into a staggered rhythm
+and a microbatch costs about max(C + t, D*t) (the brief's formulas).  Where only the senders
+can act (``paced``), the stagger is made explicit: pipeline d's first stage starts each
+iteration d*t after pipeline 0's.
 
 Why a rank order rather than clock-anchored turns for training: the trainers' phase on this
 machine wanders by 5-16 ms per operation (CFS quota), so a turn fixed to the clock would
@@ -50,12 +52,16 @@ class TemporalPlan:
 
 
 def make_plan(replicas: int, compute_s: float, message_bytes: float, link_bytes_s: float,
-              basis: dict | None = None) -> TemporalPlan:
+              basis: dict | None = None, enforced: bool = False) -> TemporalPlan:
+    """``enforced``: the gateways enforce the rank order, which staggers the pipelines by
+    itself (a lower-ranked pipeline's transfer waits for the owner's, then overlaps the
+    owner's compute), so no start offsets; otherwise (senders pacing themselves) pipeline d
+    starts d*t late."""
     t = message_bytes / link_bytes_s if link_bytes_s > 0 else 0.0
     d = replicas
     return TemporalPlan(
         order=[f"r{r}" for r in range(d)],
-        offsets={r: r * t for r in range(d)},
+        offsets={r: 0.0 if enforced else r * t for r in range(d)},
         transfer_s=t, compute_s=compute_s,
         lockstep_s=compute_s + d * t, temporal_s=max(compute_s + t, d * t),
         basis=basis or {},

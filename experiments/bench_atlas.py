@@ -1,0 +1,163 @@
+"""Atlas benchmark (prints figures; not a pass/fail test).
+
+    .venv/bin/python experiments/bench_atlas.py [--skip-emulator] [--out results/bench-atlas]
+
+1. Enforcement precision on the emulator, every delay backend this kernel offers: two bulk
+   TCP pipelines on one 100 Mbit/s, 10 ms link, clock-driven turns of 10, 20 and 50 ms;
+   the owner's share per turn and the link's utilization (``agents/atlas/precision.py``).
+2. Speedup of (b) N connections and (c) Atlas over (a) the plain baseline, in the simulator,
+   for the ``atlas-vs-baseline`` job (compute times profiled from its last emulator run when
+   ``results/atlas-vs-baseline/a/timeline.json`` exists), versus one-way WAN delay, link
+   bandwidth, the number of DP pipelines and the number of DCs.  Writes ``sweep.csv`` and
+   ``sweep.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml  # noqa: E402
+
+from agents.atlas.plan import make_plan  # noqa: E402
+from testbed.experiment import load_experiment, parse_experiment  # noqa: E402
+from testbed.metrics import summarise  # noqa: E402
+from testbed.sim.build import PAYLOAD_FRACTION, profiled_stage_times, simulate  # noqa: E402
+from testbed.sim.engine import PriorityPolicy  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def precision() -> None:
+    from agents.atlas.precision import measure_turns
+    from testbed.kernel import choose_backends, probe
+    from testbed.spec import parse_topology
+    from testbed.network import Network
+
+    caps = probe()
+    topo = parse_topology({"name": "bench-atlas", "dcs": [{"name": "east", "hosts": 2}, {"name": "west", "hosts": 2}],
+                           "wan": [{"a": "east", "b": "west", "delay_ms": 10, "rate_mbps": 100}]})
+    for backend in ("tun", "netem"):
+        try:
+            choose_backends(caps, backend, "auto")
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"precision, {backend}: skipped ({exc})")
+            continue
+        with Network(topo, delay_backend=backend, caps=caps, scheduling=True) as net:
+            for turn in (0.01, 0.02, 0.05):
+                r = measure_turns(net, "east", "west", turn_s=turn, seconds=3.0)
+                print(f"precision, {backend}, {turn * 1e3:.0f} ms turns: owner share mean {r.owner_share_mean:.3f}, "
+                      f"p10 {r.owner_share_p10:.3f}; link utilization {r.link_utilization:.3f} (HTB counters), "
+                      f"{r.line_utilization:.3f} (scheduler); goodput {r.goodput_mbps} Mbit/s; {r.turns} turns",
+                      flush=True)
+
+
+def _job(tmp: Path, delay_ms: float, rate_mbps: float, replicas: int, dcs: int):
+    base = load_experiment(REPO / "experiments" / "atlas-vs-baseline.yaml")
+    names = [f"dc{i}" for i in range(dcs)]
+    topo = {"name": "sweep", "dcs": [{"name": n, "hosts": replicas} for n in names],
+            "wan": [{"a": a, "b": b, "delay_ms": delay_ms, "rate_mbps": rate_mbps}
+                    for i, a in enumerate(names) for b in names[i + 1:]]}
+    path = tmp / f"topo-{delay_ms}-{rate_mbps}-{replicas}-{dcs}.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    data = base.model_dump()
+    data.update(topology=str(path), compare=None, placement={n: [i] for i, n in enumerate(names)})
+    data["parallel"].update(stages=dcs, replicas=replicas)
+    data["model"]["layers"] = max(data["model"]["layers"], dcs)
+    data["training"]["iterations"] = 5
+    return parse_experiment(data, "bench-atlas")
+
+
+def speedups(exp, times) -> dict:
+    out = {}
+    for name, conn in (("a", 1), ("b", 4)):
+        data = exp.model_dump()
+        data["topology"], data["compare"] = exp.topology_file, None
+        data["parallel"]["connections"] = conn
+        e = parse_experiment(data, "bench-atlas")
+        out[name] = summarise(simulate(e, stage_times=times[:e.parallel.stages]))["summary"]["mean_iteration_time_s"]
+        if name == "b":
+            act = e.training.microbatch_size * e.model.seq_len * e.model.hidden * e.sim.dtype_bytes
+            rate = min(d.rate_mbps for _, _, d in e.topo.directions()) * 1e6 / 8 * PAYLOAD_FRACTION
+            plan = make_plan(e.parallel.replicas, max(t.forward + t.backward for t in times), act, rate,
+                             enforced=True)
+            out["c"] = summarise(simulate(e, stage_times=times[:e.parallel.stages], policy=PriorityPolicy(plan.order),
+                                          start_offsets=plan.offsets))["summary"]["mean_iteration_time_s"]
+    return out
+
+
+def sweep(out_dir: Path) -> None:
+    profile = REPO / "results" / "atlas-vs-baseline" / "a" / "timeline.json"
+    tmp = Path(tempfile.mkdtemp(prefix="gtb-bench-atlas-"))
+    if profile.exists():
+        times, _ = profiled_stage_times(profile, 3)
+        source = f"compute profiled from {profile}"
+    else:
+        from testbed.sim.engine import StageTimes
+        times = [StageTimes(0.076, 0.126, 0.005, 0.001, 0.0002)] * 3
+        source = "compute: the figures measured on the emulator in docs/benchmarks.md"
+    times = (times * 3)[:4]
+    print(f"sweep ({source})")
+    points = ([("delay_ms", v, dict(delay_ms=v, rate_mbps=110, replicas=2, dcs=3)) for v in (1, 10, 25, 50, 100)]
+              + [("rate_mbps", v, dict(delay_ms=10, rate_mbps=v, replicas=2, dcs=3)) for v in (25, 50, 110, 200, 1000)]
+              + [("pipelines", v, dict(delay_ms=10, rate_mbps=110, replicas=v, dcs=3)) for v in (1, 2, 3, 4, 6)]
+              + [("dcs", v, dict(delay_ms=10, rate_mbps=110, replicas=2, dcs=v)) for v in (2, 3, 4)])
+    rows = []
+    for axis, value, kw in points:
+        t = speedups(_job(tmp, **kw), times)
+        row = {"axis": axis, "value": value, "a_s": round(t["a"], 4), "b_s": round(t["b"], 4), "c_s": round(t["c"], 4),
+               "b_over_a": round(t["a"] / t["b"], 3), "c_over_a": round(t["a"] / t["c"], 3),
+               "c_over_b": round(t["b"] / t["c"], 3)}
+        rows.append(row)
+        print(f"  {axis:>9} = {value:>5}: a {t['a']:.3f} s, b {t['b']:.3f} s, c {t['c']:.3f} s; "
+              f"b/a {row['b_over_a']:.3f}x, c/a {row['c_over_a']:.3f}x, c/b {row['c_over_b']:.3f}x", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "sweep.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    _plot(rows, out_dir / "sweep.png")
+    print(f"wrote {out_dir}/sweep.csv and sweep.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_names = list(dict.fromkeys(r["axis"] for r in rows))
+    fig, axes = plt.subplots(1, len(axes_names), figsize=(4 * len(axes_names), 3.4))
+    for ax, name in zip(axes, axes_names):
+        mine = [r for r in rows if r["axis"] == name]
+        xs = [r["value"] for r in mine]
+        ax.plot(xs, [r["b_over_a"] for r in mine], "o-", label="(b) N connections")
+        ax.plot(xs, [r["c_over_a"] for r in mine], "s-", label="(c) Atlas")
+        ax.axhline(1.0, color="#999999", linewidth=0.8)
+        ax.set_xlabel(name)
+        ax.set_ylabel("speedup over (a)")
+        if name == "rate_mbps":
+            ax.set_xscale("log")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-emulator", action="store_true", help="only the simulator sweep")
+    ap.add_argument("--out", type=Path, default=Path("results/bench-atlas"))
+    args = ap.parse_args()
+    if not args.skip_emulator:
+        precision()
+    sweep(args.out)
+
+
+if __name__ == "__main__":
+    main()
