@@ -98,7 +98,7 @@ def _plot(rows: dict, path: Path, title: str) -> None:
     ax.set_xticklabels([f"{n}\n{rows[n]['connections']} conn, {rows[n]['sharing']}" for n in names])
     ax.set_ylabel("mean iteration time (s)")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

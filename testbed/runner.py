@@ -289,6 +289,7 @@ class TrainingRun:
                     if conn not in owner:  # the first line names the worker
                         if msg["worker"] == "atlas-controller":
                             owner[conn] = None
+                            conn.settimeout(1.0)  # a stuck controller must not stall the run
                             self._controller = conn
                             continue
                         w = owner[conn] = self.workers[msg["worker"]]
