@@ -49,6 +49,9 @@ class ParallelSpec(_Strict):
     schedule: str = "1f1b"
     extra_warmup: int = Field(0, ge=0)
     connections: int = Field(1, ge=1, le=64, description="TCP connections per cross-DC transfer")
+    dp_across_dcs: bool = Field(
+        False, description="baseline (d): every DC holds whole pipelines (replica r in DC r mod #DCs) and "
+                           "gradients are all-reduced over the WAN; excludes placement")
     slow_start_after_idle: bool = Field(
         True, description="Linux's default; false = WAN-tuned hosts (net.ipv4.tcp_slow_start_after_idle=0): "
                           "TCP keeps its window across the idle gaps between microbatches")
@@ -66,10 +69,40 @@ class AtlasSpec(_Strict):
     replan_threshold: float = Field(0.1, gt=0, description="republish the plan when it moves by this fraction")
 
 
+class BubbleModelSpec(_Strict):
+    layers: int = Field(2, ge=1, le=64)
+    hidden: int = Field(64, ge=8, le=4096)
+    heads: int = Field(4, ge=1, le=64)
+    max_context: int = Field(512, ge=16, le=8192)
+
+
+class BubbleTeaSpec(_Strict):
+    """Prefill-as-a-service in the pipeline's bubbles (``agents/bubbletea``)."""
+
+    enabled: bool = False
+    source: Literal["conv", "code", "poisson"] = Field("conv", description="Azure trace or a Poisson source")
+    rate_scale: float = Field(1.0, gt=0, description="trace arrival rate x this")
+    token_scale: float = Field(0.1, gt=0, description="trace prompt and output lengths x this")
+    rate_per_s: float = Field(5.0, gt=0, description="Poisson arrivals per second")
+    duration_s: float = Field(600.0, gt=0, description="workload length (the run ends it earlier)")
+    max_prompt_tokens: int = Field(256, ge=1)
+    max_output_tokens: int = Field(16, ge=1)
+    slo_ttft_s: float = Field(2.0, gt=0, description="a request not prefilled within this is rejected")
+    margin_s: float = Field(0.006, ge=0, description="kept free before a predicted bubble's end (>= one "
+                                                        "5 ms CFS period: the quota a prefill used is gone)")
+    margin_frac: float = Field(0.1, ge=0, lt=1, description="... or this fraction of the bubble, the larger")
+    chunk_tokens: int = Field(32, ge=1, description="prefill chunk: the points where a prefill can stop")
+    interleave: bool = Field(True, description="serve every other steady iteration only: the same run "
+                                               "measures training with and without prefills")
+    decode_dc: str | None = Field(None, description="DC of the decode worker (default: the first)")
+    model: BubbleModelSpec = BubbleModelSpec()
+
+
 class VariantSpec(_Strict):
     """One arm of a comparison: what it changes in the experiment."""
 
     connections: int | None = Field(None, ge=1, le=64)
+    dp_across_dcs: bool | None = None
     sharing: Literal["fair", "temporal", "paced"] | None = None
     description: str = ""
 
@@ -109,6 +142,7 @@ class Experiment(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     sim: SimSpec = SimSpec()
     atlas: AtlasSpec = AtlasSpec()
+    bubbletea: BubbleTeaSpec = BubbleTeaSpec()
     compare: dict[str, VariantSpec] | None = Field(
         None, description="run these variants back to back (each a full run) and write comparison.json")
     # filled in by parse_experiment
@@ -144,8 +178,13 @@ class Experiment(_Strict):
             data["parallel"]["connections"] = v.connections
         if v.sharing is not None:
             data["atlas"]["sharing"] = v.sharing
+        if v.dp_across_dcs is not None:
+            data["parallel"]["dp_across_dcs"] = v.dp_across_dcs
+            if v.dp_across_dcs:
+                data["placement"] = None
         e = Experiment.model_validate(data)
-        e._origin, e._topo, e._slots, e._topo_file = self._origin, self._topo, self._slots, self._topo_file
+        e._origin, e._topo, e._topo_file = self._origin, self._topo, self._topo_file
+        e._slots = _place(e, self._topo, f"{self._origin}: compare.{name}")
         return e
 
 
@@ -172,8 +211,27 @@ def _default_placement(topo: Topology, stages: int) -> dict[str, list[int]]:
     return out
 
 
+def _place_dp_across_dcs(exp: Experiment, topo: Topology, origin: str) -> list[WorkerSlot]:
+    """Baseline (d): whole pipelines inside DCs, replica r in DC r mod #DCs."""
+    p = exp.parallel
+    if exp.placement is not None:
+        raise SpecError(f"{origin}: parallel.dp_across_dcs: whole pipelines go to every DC; drop placement")
+    dcs = [dc.name for dc in topo.dcs]
+    slots = []
+    for r in range(p.replicas):
+        dc, j = dcs[r % len(dcs)], r // len(dcs)
+        need = (j + 1) * p.stages
+        if need > topo.dc(dc).hosts:
+            raise SpecError(f"{origin}: parallel.dp_across_dcs: DC {dc!r} needs {need} hosts for its pipelines "
+                            f"({p.stages} stages each), it has {topo.dc(dc).hosts}")
+        slots += [WorkerSlot(s, r, dc, j * p.stages + s) for s in range(p.stages)]
+    return sorted(slots, key=lambda w: (w.stage, w.replica))
+
+
 def _place(exp: Experiment, topo: Topology, origin: str) -> list[WorkerSlot]:
     p = exp.parallel
+    if p.dp_across_dcs:
+        return _place_dp_across_dcs(exp, topo, origin)
     placement = exp.placement or _default_placement(topo, p.stages)
     names = {dc.name for dc in topo.dcs}
     seen: dict[int, str] = {}

@@ -139,6 +139,9 @@ def timeline_to_chrome(workers: dict[str, dict], t0: float) -> dict:
             trace.append({"name": label, "cat": kind, "ph": "X", "pid": pid, "tid": name,
                           "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1),
                           "args": {"iteration": rest[0] if rest else None, "microbatch": mb}})
+        for s, e in w.get("prefill", []):
+            trace.append({"name": "prefill", "cat": "prefill", "ph": "X", "pid": pid, "tid": f"{name} prefill",
+                          "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1), "args": {}})
         for kind, mb, s, e, nbytes, it in w.get("transfers", []):
             trace.append({"name": f"{kind} {mb}", "cat": kind, "ph": "X", "pid": pid, "tid": f"{name} wan",
                           "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1),
@@ -166,6 +169,10 @@ def gantt(workers: dict[str, dict], t0: float, path: Path, title: str, window: t
             if window and (e < window[0] or s > window[1]):
                 continue
             ax.barh(y + 0.42, e - s, left=s - t0, height=0.14, color=_COLORS.get(kind, "#999999"))
+        for s, e in w.get("prefill", []):  # BubbleTea's prefills, drawn inside the bubbles
+            if window and (e < window[0] or s > window[1]):
+                continue
+            ax.barh(y, e - s, left=s - t0, height=0.45, color=_COLORS["prefill"])
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels([f"{n} ({workers[n]['dc']})" for n in names])
     ax.invert_yaxis()
@@ -174,7 +181,7 @@ def gantt(workers: dict[str, dict], t0: float, path: Path, title: str, window: t
         ax.set_xlim(window[0] - t0, window[1] - t0)
     ax.set_title(title)
     kinds = ["forward", "backward", "optimizer", "allreduce", "recv", "xfer_act", "xfer_grad"]
-    if any(e[0] == "prefill" for w in workers.values() for e in w["events"]):
+    if any(w.get("prefill") for w in workers.values()):
         kinds.append("prefill")
     ax.legend(handles=[Patch(color=_COLORS[k], label=k if k != "recv" else "recv (bubble)") for k in kinds],
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(kinds), fontsize=8, frameon=False)
@@ -204,7 +211,7 @@ def write_outputs(run, result: dict) -> None:
     out = run.out_dir
     workers = {
         name: {"dc": w.slot.dc, "stage": w.slot.stage, "replica": w.slot.replica,
-               "events": w.events, "transfers": w.transfers}
+               "events": w.events, "transfers": w.transfers, "prefill": getattr(w, "prefill", [])}
         for name, w in run.workers.items()
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=1))

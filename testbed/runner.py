@@ -63,6 +63,9 @@ class WorkerState:
     losses: dict = field(default_factory=dict)
     device: str = "cpu"
     reported_error: bool = False
+    cgroup: Path | None = None  # its CPU container
+    cpu: int | None = None  # the core it is pinned to (with BubbleTea)
+    prefill: list = field(default_factory=list)  # BubbleTea's prefill intervals on its device
 
 
 def detect_gpus() -> int:
@@ -129,7 +132,10 @@ class TrainingRun:
         self.log_lines: list[str] = []
         self.atlas_plans: list[dict] = []
         self.steady_from = 0  # the first iteration the summary counts (after warm-up, in force)
-        self._controller: socket.socket | None = None
+        self._controller: socket.socket | None = None  # Atlas's
+        self._bt_sock: socket.socket | None = None  # BubbleTea's controller
+        self._bt = None
+        self._containers = None
         self._atlas_procs: dict[str, subprocess.Popen] = {}
         self._atlas_dead: set[str] = set()
 
@@ -162,15 +168,36 @@ class TrainingRun:
                 self._launch(net, server_path)
                 if exp.atlas.sharing != "fair":
                     self._start_atlas(net, server_path)
+                if exp.bubbletea.enabled:
+                    from agents.bubbletea.launch import BubbleTeaError, BubbleTeaSide
+
+                    self._bt = BubbleTeaSide(self, net, server_path)
+                    try:
+                        cgroups = {n: w.cgroup for n, w in self.workers.items()}
+                        cgroups["_decode"] = self._containers.make(
+                            "decode", exp.topo.dc(exp.bubbletea.decode_dc or exp.topo.dcs[0].name).host.cpus) \
+                            if self._containers is not None else None
+                        self._bt.start(cgroups)
+                    except BubbleTeaError as exc:
+                        raise RunError(str(exc)) from None
                 self._collect(server)
             finally:
                 self._stop_atlas()
+                if self._bt is not None:
+                    self._bt.stop(self.out_dir)
                 server.close()
                 _copy_worker_logs(net.registry.dir / "workers", self.out_dir / "worker-logs")
                 for w in self.workers.values():
                     if w.sock is not None:
                         w.sock.close()
         result = metrics.summarise(self)
+        if self._bt is not None:
+            from agents.bubbletea.launch import summarise as bt_summarise, ttft_cdf
+
+            result["summary"].update(bt_summarise(self, result, self.out_dir))
+            reqs = json.loads((self.out_dir / "bubbletea.json").read_text())["requests"] \
+                if (self.out_dir / "bubbletea.json").exists() else []
+            ttft_cdf(reqs, self.out_dir / "ttft_cdf.png", f"{exp.name}: prefill TTFT", exp.bubbletea.slo_ttft_s)
         metrics.write_outputs(self, result)
         return result
 
@@ -191,7 +218,7 @@ class TrainingRun:
         slots = exp.workers()
         devices = self._device_plan()
         by_key = {(s.stage, s.replica): s for s in slots}
-        containers = _CpuContainers(net.registry, exp.name.replace("/", "-")[:20])
+        containers = self._containers = _CpuContainers(net.registry, exp.name.replace("/", "-")[:20])
         cfg_dir = net.registry.dir / "workers"
         cfg_dir.mkdir(exist_ok=True)
         for slot, device in zip(slots, devices):
@@ -207,6 +234,7 @@ class TrainingRun:
                 "schedule": exp.parallel.schedule, "extra_warmup": exp.parallel.extra_warmup,
                 "model": exp.model.model_dump(), "training": exp.training.model_dump(),
                 "telemetry": str(server_path), "port": _PORT, "device": device,
+                "announce_waits": exp.bubbletea.enabled,
             }
             for key, peer_stage in (("next", slot.stage + 1), ("prev", slot.stage - 1)):
                 peer = by_key.get((peer_stage, slot.replica))
@@ -242,7 +270,13 @@ class TrainingRun:
             with open(log_path, "w") as log:
                 w.proc = net.popen(w.host, ["sh", "-c", launch], env=env, stdout=subprocess.DEVNULL, stderr=log)
             if cgroup is not None:
+                if exp.bubbletea.enabled:
+                    # a co-tenant (the prefill server) must share the worker's CPU: on another
+                    # core it would draw on the same quota in parallel and throttle the worker
+                    w.cpu = len([x for x in self.workers.values() if x.cpu is not None]) % (os.cpu_count() or 1)
+                    os.sched_setaffinity(w.proc.pid, {w.cpu})
                 _enter_container(w.proc, cgroup)
+            w.cgroup = cgroup
         self.log(f"launched {len(slots)} workers ({exp.parallel.stages} stages x {exp.parallel.replicas} replicas, "
                  f"{exp.parallel.schedule}, {exp.parallel.connections} connection(s) per WAN transfer, "
                  f"device {devices[0].split(':')[0]})")
@@ -281,12 +315,19 @@ class TrainingRun:
                     sel.unregister(conn)
                     if conn is self._controller:
                         self._controller_gone("closed its connection")
+                    elif conn is self._bt_sock:
+                        self._bt_sock = None
                     continue
                 bufs[conn] += chunk
                 while b"\n" in bufs[conn]:
                     line, bufs[conn] = bufs[conn].split(b"\n", 1)
                     msg = json.loads(line)
                     if conn not in owner:  # the first line names the worker
+                        if msg["worker"] == "bubbletea-controller":
+                            owner[conn] = "bubbletea"
+                            conn.settimeout(1.0)
+                            self._bt_sock = conn
+                            continue
                         if msg["worker"] == "atlas-controller":
                             owner[conn] = None
                             conn.settimeout(1.0)  # a stuck controller must not stall the run
@@ -298,12 +339,16 @@ class TrainingRun:
                     if owner[conn] is None:
                         self._from_controller(msg)
                         continue
+                    if owner[conn] == "bubbletea":
+                        continue
                     self._handle(owner[conn], msg)
             now = time.monotonic()
             if now - last_check > 0.5:
                 last_check = now
                 self._check_alive()
                 self._check_atlas()
+                if self._bt is not None:
+                    self._bt.check()
                 if not self.go_time and now - started > _READY_TIMEOUT_S:
                     waiting = [n for n, w in self.workers.items() if not w.ready]
                     raise RunError(f"workers {', '.join(waiting)} not ready after {_READY_TIMEOUT_S:.0f} s")
@@ -318,6 +363,7 @@ class TrainingRun:
                     w.sock.sendall(b'{"type":"bye"}\n')
                 if self._controller is not None:
                     self._to_controller({"type": "bye"})
+                self._to_bubbletea({"type": "bye"})
                 break
         for w in self.workers.values():
             try:
@@ -353,6 +399,16 @@ class TrainingRun:
             fn(w.slot.name, msg)
         if self._controller is not None and kind == "events":
             self._to_controller(dict(msg, worker=w.slot.name))
+        if self._bt_sock is not None and kind in ("events", "wait"):
+            self._to_bubbletea(dict(msg, worker=w.slot.name))
+
+    def _to_bubbletea(self, msg: dict) -> None:
+        if self._bt_sock is None:
+            return
+        try:
+            self._bt_sock.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        except OSError:
+            self._bt_sock = None  # its death is logged by BubbleTeaSide.check
 
     # -- Atlas ----------------------------------------------------------------------------
     def _start_atlas(self, net: Network, server_path: Path) -> None:

@@ -154,14 +154,19 @@ def run(cfg: dict) -> None:
         tel.send(msg)
         events = []
 
+    announce = bool(cfg.get("announce_waits"))  # BubbleTea: say when a wait for a peer begins
     for it in range(tr["iterations"]):
         inputs, outputs, losses = {}, {}, []
+        waits = 0
         offset = plan["offset_s"] if stage == 0 else 0.0
         if offset > 0:  # Atlas's stagger: this pipeline enters the WAN after the ones before it
             time.sleep(offset)
             mark("idle", -1, it)
         for op in program:
             k, i = op.kind, op.mb
+            if announce and k in (sch.RECV_ACT, sch.RECV_GRAD):
+                tel.send({"type": "wait", "it": it, "n": waits, "t": time.monotonic()})
+                waits += 1
             if k == sch.RECV_ACT:
                 x = act_in.recv(timeout=cfg.get("recv_timeout_s", 300)).to(device).requires_grad_(True)
                 inputs[i] = x

@@ -177,9 +177,25 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         path, ceiling = routes[(w.dc, peer.dc)]
         sim.transfer(path, act_bytes, ceiling, arrived, owner=f"r{w.replica}")
 
+    stage_dcs = {}
+    for slot in exp.workers():
+        stage_dcs.setdefault(slot.stage, [])
+        if slot.dc not in stage_dcs[slot.stage]:
+            stage_dcs[slot.stage].append(slot.dc)
+
     def allreduce_time(stage: int) -> float:
+        """Ring all-reduce: 2 (D-1)/D of the stage's gradients per rank.  Inside a DC at the
+        intra-DC rate; across DCs (baseline d) at the ring's slowest WAN hop, shared by the
+        P stages all-reducing at once, plus a one-way delay per ring step."""
         d = exp.parallel.replicas
-        return 2 * (d - 1) / d * params[stage] * sim_spec.dtype_bytes / intra + sim_spec.allreduce_latency_s
+        size = 2 * (d - 1) / d * params[stage] * sim_spec.dtype_bytes
+        ring = stage_dcs[stage]
+        if len(ring) == 1:
+            return size / intra + sim_spec.allreduce_latency_s
+        hops = [(a, b) for a, b in zip(ring, ring[1:] + ring[:1])]
+        rate = min(links[(x, y)].bandwidth for a, b in hops for x, y in zip(topo.path(a, b), topo.path(a, b)[1:]))
+        delay = max(topo.one_way_delay_ms(a, b) for a, b in hops) / 1000.0
+        return size / (rate / exp.parallel.stages) + 2 * (d - 1) * delay + sim_spec.allreduce_latency_s
 
     job = PipelineJob(sim, workers, n_it, send, allreduce_time, record=record, dp_replicas=D,
                       start_offsets=start_offsets)

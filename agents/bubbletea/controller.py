@@ -1,0 +1,266 @@
+"""The BubbleTea controller: admit prefill requests, place them in predicted bubbles.
+
+How it fits: ``testbed run`` starts it (root namespace) with the experiment's
+``bubbletea`` section.  It connects to the run's telemetry socket as
+``bubbletea-controller`` (the orchestrator forwards every worker's timeline), and talks to
+the prefill servers (one per training worker) and the decode worker over Unix datagrams.
+Once every worker is past the warm-up iterations it replays the workload in real time:
+each arriving request waits in one queue; whenever a server is idle and its worker is in a
+predicted bubble (``predictor.py``), the head request (or the one already part-prefilled
+there) is sent with a deadline at the bubble's end less a margin, in chunks the server stops
+between.  A request that has waited longer than the TTFT SLO, or that cannot fit, is
+rejected with the reason; when the run ends the rest are rejected ("run ended").  Every
+request ends completed or rejected: none is lost.  Results go to ``results`` (JSON).
+
+    python -m agents.bubbletea.controller CONFIG.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles
+from agents.bubbletea.workload import azure_trace, poisson
+
+
+def _log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} bubbletea controller: {msg}", flush=True)
+
+
+class Controller:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        w = cfg["workload"]
+        if w["source"] == "poisson":
+            self.requests = poisson(w["rate_per_s"], w["duration_s"], seed=w.get("seed", 0),
+                                    prompt_tokens=(16, cfg["max_prompt_tokens"]))
+        else:
+            self.requests = azure_trace(w["source"], w["duration_s"], w["rate_scale"], w["token_scale"],
+                                        cfg["max_prompt_tokens"], w.get("max_output_tokens", 32))
+        self.state = {r.rid: {"rid": r.rid, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                              "arrival_s": r.arrival_s, "status": "future"} for r in self.requests}
+        self.queue: list[int] = []
+        self.servers = {name: {"path": path, "busy": None, "profile": None, "sticky": set()}
+                        for name, path in cfg["servers"].items()}
+        self.bubbles = {name: WorkerBubbles() for name in cfg["servers"]}
+        self.prefill_intervals: dict[str, list] = {name: [] for name in cfg["servers"]}
+        self.t0: float | None = None
+        self.next_arrival = 0
+        self.iterations_done: dict[str, int] = {}
+
+    # -- inputs -------------------------------------------------------------------------
+    def on_telemetry(self, msg: dict) -> None:
+        name = msg.get("worker")
+        if name not in self.bubbles:
+            return
+        if msg.get("type") == "wait":
+            self.bubbles[name].on_wait(msg)
+            return
+        if msg.get("type") != "events":
+            return
+        self.bubbles[name].add(msg)
+        if msg.get("iteration_done"):
+            self.iterations_done[name] = msg["it"] + 1
+        if self.t0 is None and len(self.iterations_done) == len(self.bubbles) and \
+                min(self.iterations_done.values()) >= self.cfg["warmup_iterations"]:
+            self.t0 = time.monotonic()
+            _log(f"serving from now: {len(self.requests)} requests over "
+                 f"{self.cfg['workload']['duration_s']:.0f} s")
+
+    def on_report(self, msg: dict) -> None:
+        kind, name = msg.get("type"), msg.get("worker")
+        if kind == "ready":
+            self.servers[name]["profile"] = PrefillProfile([tuple(p) for p in msg["profile"]])
+            return
+        if kind == "decode_ready" or kind == "decode_error":
+            return
+        rid = msg.get("rid")
+        r = self.state.get(rid)
+        if r is None:
+            return
+        if kind == "progress":
+            srv = self.servers[name]
+            srv["busy"] = None
+            for s, e, n in msg["intervals"]:
+                self.prefill_intervals[name].append([s, e, rid])
+                srv["profile"].add(n, e - s)
+            r["prefilled_tokens"] = msg["done"]
+            r.setdefault("prefill_s", 0.0)
+            r["prefill_s"] += sum(e - s for s, e, _ in msg["intervals"])
+            if msg["done"] < msg["total"] and r["status"] == "prefilling":
+                r["status"] = "queued"  # continues in a later bubble, on the same server
+                self.queue.insert(0, rid)
+        elif kind == "prefilled":
+            r["status"] = "decoding"
+            r["ttft_s"] = msg["at"] - (self.t0 + r["arrival_s"])
+            r["kv_bytes"], r["kv_transfer_s"] = msg["kv_bytes"], msg["kv_send_s"]
+            self.servers[name]["sticky"].discard(rid)
+        elif kind == "decoded":
+            r["status"] = "completed"
+            r["generated_tokens"] = msg["tokens"]
+            r["completed_s"] = msg["done"] - self.t0
+        elif kind == "error":
+            self._reject(rid, msg["error"])
+            self.servers[name]["busy"] = None
+
+    # -- decisions ----------------------------------------------------------------------
+    def _reject(self, rid: int, reason: str) -> None:
+        r = self.state[rid]
+        if r["status"] in ("completed", "rejected"):
+            return
+        r["status"], r["reason"] = "rejected", reason
+        if rid in self.queue:
+            self.queue.remove(rid)
+        for name, srv in self.servers.items():
+            if rid in srv["sticky"]:
+                srv["sticky"].discard(rid)
+                self._send(name, {"type": "drop", "rid": rid})
+
+    def tick(self, now: float) -> None:
+        if self.t0 is None:
+            return
+        elapsed = now - self.t0
+        while self.next_arrival < len(self.requests) and self.requests[self.next_arrival].arrival_s <= elapsed:
+            rid = self.requests[self.next_arrival].rid
+            self.state[rid]["status"] = "queued"
+            self.queue.append(rid)
+            self.next_arrival += 1
+        slo = self.cfg["slo_ttft_s"]
+        for rid in list(self.queue):
+            r = self.state[rid]
+            if elapsed - r["arrival_s"] > slo:
+                self._reject(rid, f"TTFT SLO: not prefilled within {slo:.2f} s (no bubble room in time)")
+        if not self.queue:
+            return
+        for name, srv in self.servers.items():
+            if srv["busy"] is not None or srv["profile"] is None:
+                continue
+            it = self.iterations_done.get(name, 0)  # the iteration this worker is in
+            if self.cfg.get("interleave") and (it - self.cfg["warmup_iterations"]) % 2 == 0:
+                continue  # an unserved iteration: the same run measures training without prefills
+            window = self.bubbles[name].window(now, self.cfg["margin_s"], self.cfg["margin_frac"])
+            if window is None:
+                continue
+            room = window[1] - now
+            chunk = self.cfg["chunk_tokens"]
+            if srv["profile"].seconds(chunk) > room:
+                continue  # not even one chunk fits before the bubble ends
+            mine = [rid for rid in self.queue if rid in srv["sticky"]]
+            # under overload serve the freshest request (the stale ones reach the SLO and are
+            # rejected): the requests served keep a short TTFT
+            free = [rid for rid in reversed(self.queue)
+                    if not any(rid in s["sticky"] for s in self.servers.values())]
+            rid = None
+            for cand in mine + free:
+                r = self.state[cand]
+                left = r["prompt_tokens"] - r.get("prefilled_tokens", 0)
+                if elapsed - r["arrival_s"] + srv["profile"].seconds(left) > slo:
+                    self._reject(cand, f"TTFT SLO: {left} tokens cannot be prefilled within {slo:.2f} s")
+                    continue
+                rid = cand
+                break
+            if rid is None:
+                continue
+            r = self.state[rid]
+            self.queue.remove(rid)
+            r["status"] = "prefilling"
+            r.setdefault("worker", name)
+            srv["busy"], srv["sent"] = rid, now
+            srv["sticky"].add(rid)
+            self._send(name, {"type": "prefill", "rid": rid, "tokens": r["prompt_tokens"],
+                              "output_tokens": r["output_tokens"], "deadline": window[1], "chunk": chunk,
+                              "decode": self.cfg["decode"]})
+
+    def _send(self, name: str, msg: dict) -> None:
+        try:
+            self.sock.sendto(json.dumps(msg).encode(), self.servers[name]["path"])
+        except OSError:
+            pass
+
+    def finish(self) -> dict:
+        for rid, r in self.state.items():
+            if r["status"] == "future":
+                r["status"], r["reason"] = "not arrived", "arrives after the run ended"
+            elif r["status"] not in ("completed", "rejected"):
+                self._reject(rid, f"run ended while {r['status']}")
+        arrived = [r for r in self.state.values() if r["status"] != "not arrived"]
+        return {"requests": arrived, "prefill_intervals": self.prefill_intervals, "t0": self.t0,
+                "profiles": {n: [s["profile"].a, s["profile"].b] if s["profile"] else None
+                             for n, s in self.servers.items()}}
+
+
+def run(cfg: dict) -> None:
+    ctl = Controller(cfg)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if os.path.exists(cfg["listen"]):
+        os.unlink(cfg["listen"])
+    sock.bind(cfg["listen"])
+    sock.setblocking(False)
+    ctl.sock = sock
+    tel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tel.connect(cfg["telemetry"])
+    tel.sendall(b'{"type":"hello","worker":"bubbletea-controller"}\n')
+    stopping = [False]
+    signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
+    buf = b""
+    _log(f"up: {len(ctl.requests)} requests, {len(ctl.servers)} prefill servers")
+    while not stopping[0]:
+        ready, _, _ = select.select([tel, sock], [], [], 0.004)
+        if tel in ready:
+            chunk = tel.recv(1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+            done = False
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                if msg.get("type") == "bye":
+                    done = True
+                    break
+                ctl.on_telemetry(msg)
+            if done:
+                break
+        if sock in ready:
+            while True:
+                try:
+                    ctl.on_report(json.loads(sock.recv(65536)))
+                except BlockingIOError:
+                    break
+        ctl.tick(time.monotonic())
+    # let prefills and decodes under way finish (briefly), then account for everything
+    deadline = time.monotonic() + cfg.get("drain_s", 3.0)
+    while time.monotonic() < deadline and any(
+            r["status"] in ("prefilling", "decoding") for r in ctl.state.values()):
+        ready, _, _ = select.select([sock], [], [], 0.05)
+        if ready:
+            while True:
+                try:
+                    ctl.on_report(json.loads(sock.recv(65536)))
+                except BlockingIOError:
+                    break
+    result = ctl.finish()
+    with open(cfg["results"], "w") as fh:
+        json.dump(result, fh)
+    counts = {}
+    for r in result["requests"]:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    _log(f"done: {counts}")
+    for name in ctl.servers:
+        ctl._send(name, {"type": "stop"})
+
+
+def main() -> int:
+    with open(sys.argv[1]) as fh:
+        run(json.load(fh))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

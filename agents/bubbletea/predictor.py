@@ -1,0 +1,103 @@
+"""Bubble prediction from the trainer's live timeline, and prefill time from measurements.
+
+How it fits: bubbles repeat every iteration (the schedule is fixed, transfer and compute
+times barely move), so the next iteration's bubbles of a worker are predicted from its last
+few: the bubbles of the latest iteration (offset from the iteration's start, length), each
+shortened to the shortest matching bubble of the iterations before (same position within a
+tolerance): a conservative prediction.  ``PrefillProfile`` fits prefill seconds against
+prompt tokens (least squares, a + b * tokens) on this worker's device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+BUSY = ("forward", "backward", "optimizer")
+
+
+def bubbles_of(events: list, start: float, end: float, min_s: float = 0.005) -> list[tuple[float, float]]:
+    """Maximal non-busy runs of one iteration's intervals, as (offset from start, length)."""
+    out, run = [], None
+    for kind, _mb, s, e, *_ in sorted(events, key=lambda ev: ev[2]):
+        if kind in BUSY:
+            if run is not None and s - run >= min_s:
+                out.append((run - start, s - run))
+            run = None
+        elif run is None:
+            run = s
+    if run is not None and end - run >= min_s:
+        out.append((run - start, end - run))
+    return out
+
+
+@dataclass
+class WorkerBubbles:
+    """One worker's bubbles.  The schedule fixes where they are: the n-th wait for a peer of
+    an iteration is the same wait every iteration.  The worker announces each wait as it
+    begins (live); its length is predicted as the shortest that wait lasted in the last
+    ``keep`` iterations (conservative: a prefill sized to it ends before training resumes)."""
+
+    keep: int = 3
+    history: deque = field(default_factory=lambda: deque(maxlen=3))  # per iteration: [wait lengths]
+    pending: list = field(default_factory=list)  # this iteration's intervals so far
+    last_end: float | None = None  # when the latest complete iteration ended
+    current: tuple | None = None  # (iteration, n, start) of the wait under way
+
+    def add(self, msg: dict) -> None:
+        self.pending.extend(msg.get("events", []))
+        if msg.get("iteration_done"):
+            waits = [e - s for kind, _mb, s, e, *_ in sorted(self.pending, key=lambda ev: ev[2]) if kind == "recv"
+                     and _mb >= 0]
+            self.history.append(waits)
+            self.pending = []
+            self.last_end = msg["end"]
+
+    def on_wait(self, msg: dict) -> None:
+        self.current = (msg["it"], msg["n"], msg["t"])
+
+    def predict(self, n: int) -> float:
+        """The n-th wait's predicted length (0 when it has not been seen in every recent iteration)."""
+        if len(self.history) < min(2, self.history.maxlen):
+            return 0.0
+        lengths = [h[n] for h in self.history if len(h) > n]
+        return min(lengths) if len(lengths) == len(self.history) else 0.0
+
+    def window(self, now: float, margin_s: float, margin_frac: float) -> tuple[float, float] | None:
+        """(start, usable end) of the wait under way, if its predicted end is still ahead."""
+        if self.current is None:
+            return None
+        _it, n, start = self.current
+        length = self.predict(n)
+        end = start + length - max(margin_s, margin_frac * length)
+        return (start, end) if end > now else None
+
+
+class PrefillProfile:
+    """Prefill seconds against prompt tokens: a + b * tokens, refitted as measurements come."""
+
+    def __init__(self, points: list[tuple[int, float]] | None = None):
+        self.points: deque = deque(maxlen=200)
+        self.a, self.b = 0.0, 1e-4
+        for n, t in points or []:
+            self.add(n, t)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.points.append((tokens, seconds))
+        xs, ys = [p[0] for p in self.points], [p[1] for p in self.points]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 0:
+            self.b = max(1e-7, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
+            self.a = max(0.0, my - self.b * mx)
+        else:
+            self.a, self.b = 0.0, my / mx
+
+    def seconds(self, tokens: int) -> float:
+        return self.a + self.b * tokens
+
+    def tokens_within(self, seconds: float) -> int:
+        return max(0, int((seconds - self.a) / self.b))

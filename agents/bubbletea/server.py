@@ -1,0 +1,130 @@
+"""The prefill server beside one training worker: prefill in its bubbles, at idle priority.
+
+How it fits: ``testbed run`` starts one server per training worker, on the worker's host
+(its network namespace) and inside the worker's CPU container, in a child cgroup with
+``cpu.idle = 1``: it competes only with its own training stage (as a second stream on a
+shared GPU would), and the kernel runs it only when the worker leaves the quota unused.
+The BubbleTea controller sends it prefill jobs with a deadline (the predicted bubble's end
+less a margin).  It runs the prompt chunk by chunk and stops at the first chunk boundary
+where the next chunk, at its measured speed, would pass the deadline; the request's cache
+stays here and the next job for it continues.  When the prompt is done it ships the KV
+cache over TCP through the emulated network to a decode worker, and reports.
+
+    python -m agents.bubbletea.server CONFIG.json
+
+Messages (Unix datagrams, JSON) in: ``{"type": "prefill", "rid", "tokens", "output_tokens",
+"deadline", "chunk", "decode": [ip, port]}``, ``{"type": "drop", "rid"}``, ``{"type": "stop"}``.
+Out, to the controller: ``{"type": "ready", "profile": [[tokens, seconds], ..]}``,
+``{"type": "progress", "rid", "done", "total", "intervals": [[start, end, tokens], ..]}``,
+``{"type": "prefilled", "rid", "kv_bytes", "kv_send_s", "first_token"}``, ``{"type": "error", ..}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import struct
+import sys
+import threading
+import time
+
+
+def _send_kv(decode: list, rid: int, output_tokens: int, blob: bytes) -> float:
+    t0 = time.monotonic()
+    with socket.create_connection((decode[0], int(decode[1])), timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(struct.pack("!QQQ", rid, output_tokens, len(blob)) + blob)
+        s.recv(1)  # the decode worker acknowledges the whole cache
+    return time.monotonic() - t0
+
+
+def run(cfg: dict) -> None:
+    import torch
+
+    from agents.bubbletea.inference import PrefillState, load_model, pack, prefill_chunk, prompt_tokens
+
+    torch.set_num_threads(1)
+    m = cfg["model"]
+    model = load_model(m["layers"], m["hidden"], m["heads"], m["max_context"], m.get("seed", 7))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if os.path.exists(cfg["listen"]):
+        os.unlink(cfg["listen"])
+    sock.bind(cfg["listen"])
+    controller = cfg["controller"]
+
+    def tell(msg: dict) -> None:
+        try:
+            sock.sendto(json.dumps(dict(msg, worker=cfg["worker"])).encode(), controller)
+        except OSError:
+            pass  # the controller is gone: nothing more will come
+
+    # calibrate: prefill time against prompt length, on this worker's device
+    profile = []
+    for n in cfg.get("calibrate", (16, 64, 128, 256)):
+        n = min(n, m["max_context"])
+        state = PrefillState(prompt_tokens(10**6 + n, n))
+        t0 = time.monotonic()
+        prefill_chunk(model, state, n)
+        profile.append([n, time.monotonic() - t0])
+    tell({"type": "ready", "profile": profile})
+    states: dict[int, PrefillState] = {}
+    outbox: queue.Queue = queue.Queue()
+
+    def ship() -> None:  # KV caches leave in the background: the next prefill need not wait
+        while True:
+            rid, decode, output_tokens, first, blob, finished = outbox.get()
+            try:
+                sent = _send_kv(decode, rid, output_tokens, blob)
+            except OSError as exc:
+                tell({"type": "error", "rid": rid, "error": f"KV transfer failed: {exc}"})
+                continue
+            tell({"type": "prefilled", "rid": rid, "kv_bytes": len(blob), "kv_send_s": sent, "first_token": first,
+                  "at": finished})
+
+    threading.Thread(target=ship, daemon=True).start()
+    per_token = max(1e-5, profile[-1][1] / profile[-1][0])
+    while True:
+        data = sock.recv(65536)
+        msg = json.loads(data)
+        kind = msg.get("type")
+        if kind == "stop":
+            return
+        if kind == "drop":
+            states.pop(msg["rid"], None)
+            continue
+        if kind != "prefill":
+            continue
+        rid = msg["rid"]
+        state = states.get(rid)
+        if state is None:
+            state = states[rid] = PrefillState(prompt_tokens(rid, msg["tokens"]))
+        chunk = int(msg.get("chunk", 64))
+        intervals = []
+        while state.done < state.tokens.shape[1]:
+            n = min(chunk, state.tokens.shape[1] - state.done)
+            if time.monotonic() + n * per_token > msg["deadline"]:
+                break  # the next chunk would overrun the bubble: stop at this boundary
+            t0 = time.monotonic()
+            ran = prefill_chunk(model, state, n)
+            t1 = time.monotonic()
+            intervals.append([t0, t1, ran])
+            per_token = 0.8 * per_token + 0.2 * (t1 - t0) / ran
+        tell({"type": "progress", "rid": rid, "done": state.done, "total": int(state.tokens.shape[1]),
+              "intervals": intervals})
+        if state.done == state.tokens.shape[1]:
+            finished = intervals[-1][1] if intervals else time.monotonic()  # the first token exists now
+            states.pop(rid)
+            outbox.put((rid, msg["decode"], msg["output_tokens"], int(state.logits.argmax(-1)), pack(state),
+                        finished))
+
+
+def main() -> int:
+    with open(sys.argv[1]) as fh:
+        run(json.load(fh))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

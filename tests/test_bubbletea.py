@@ -1,0 +1,115 @@
+"""BubbleTea without a network: the workload, chunked prefill, bubble prediction, the
+prefill-time profile, and the controller's accounting (every request completed or rejected)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agents.bubbletea.controller import Controller
+from agents.bubbletea.inference import PrefillState, decode, load_model, pack, prefill_chunk, prompt_tokens, unpack
+from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles, bubbles_of
+from agents.bubbletea.workload import azure_trace, poisson
+
+
+def test_azure_trace_keeps_real_arrivals_and_scales_them():
+    one = azure_trace("conv", duration_s=30, rate_scale=1.0, token_scale=1.0, max_prompt_tokens=10**6,
+                      max_output_tokens=10**6)
+    fast = azure_trace("conv", duration_s=30, rate_scale=4.0, token_scale=0.5, max_prompt_tokens=256)
+    assert len(fast) > 3 * len(one) > 0
+    assert all(b.arrival_s >= a.arrival_s for a, b in zip(fast, fast[1:]))
+    assert fast[0].prompt_tokens == min(256, round(one[0].prompt_tokens * 0.5))
+    assert max(r.prompt_tokens for r in fast) <= 256
+    with pytest.raises(ValueError, match="choose one of"):
+        azure_trace("chat")
+    p = poisson(20.0, 50.0, seed=1)
+    assert 800 < len(p) < 1200  # ~ rate x duration
+
+
+def test_chunked_prefill_equals_one_pass_and_the_cache_decodes_after_the_wire():
+    model = load_model(2, 64, 4, 256)
+    whole = PrefillState(prompt_tokens(3, 100))
+    prefill_chunk(model, whole, 100)
+    chunked = PrefillState(prompt_tokens(3, 100))
+    while chunked.done < 100:
+        prefill_chunk(model, chunked, 32)
+    assert torch.allclose(whole.logits, chunked.logits, atol=1e-5)
+    with torch.no_grad():  # the trainer's own forward pass gives the same next-token logits
+        x = prompt_tokens(3, 100)
+        h = model.tok(x) + model.pos(torch.arange(100))
+        for block in model.blocks:
+            h = block(h)
+        ref = model.head(model.ln_f(h[:, -1]))
+    assert torch.allclose(ref, whole.logits, atol=1e-5)
+    cache = unpack(pack(chunked))
+    assert decode(model, cache["keys"], cache["values"], cache["logits"], 6) == \
+        decode(model, whole.keys, whole.values, whole.logits, 6)
+
+
+def _iteration(it, start, busy):
+    """events for one iteration: busy intervals (s, e) relative to start, recv between."""
+    events, cursor = [], start
+    for s, e in busy:
+        if start + s > cursor:
+            events.append(["recv", 0, cursor, start + s, it])
+        events.append(["forward", 0, start + s, start + e, it])
+        cursor = start + e
+    return {"type": "events", "it": it, "events": events, "iteration_done": True, "end": cursor}
+
+
+def test_bubbles_are_predicted_conservatively_from_recent_iterations():
+    w = WorkerBubbles()
+    layout = [(0.0, 0.1), (0.3, 0.4), (0.5, 0.6)]  # bubbles: 0.1-0.3, 0.4-0.5
+    start = 0.0
+    for it, stretch in enumerate((1.0, 0.9, 1.0)):  # the middle iteration's bubble is shorter
+        busy = [(s, e) if s < 0.3 else (s - 0.2 * (1 - stretch) * 10 * 0.1, e) for s, e in layout]
+        msg = _iteration(it, start, busy)
+        w.add(msg)
+        start = msg["end"]
+    predicted = w.predict()
+    assert [round(o, 3) for o, _ in predicted] == [0.1, 0.4]
+    assert predicted[0][1] == pytest.approx(0.2 - 0.02)  # the shortest seen, not the latest
+    assert bubbles_of(_iteration(0, 0.0, layout)["events"], 0.0, 0.6) == [(pytest.approx(0.1), pytest.approx(0.2)),
+                                                                         (pytest.approx(0.4), pytest.approx(0.1))]
+    windows = w.windows(now=w.last_end, margin_s=0.003, margin_frac=0.1)
+    assert windows[0][0] == pytest.approx(w.last_end + 0.1)
+    assert windows[0][1] == pytest.approx(w.last_end + 0.1 + 0.18 - 0.018)  # less the margin
+
+
+def test_prefill_profile_fits_a_line():
+    p = PrefillProfile([(16, 0.003), (64, 0.006), (256, 0.018)])
+    assert p.seconds(128) == pytest.approx(0.010, rel=0.1)
+    assert p.tokens_within(0.010) == pytest.approx(128, rel=0.15)
+
+
+def test_controller_accounts_for_every_request():
+    cfg = {"servers": {"s0r0": "/nonexistent"}, "warmup_iterations": 1, "interleave": False, "slo_ttft_s": 0.5,
+           "margin_s": 0.001, "margin_frac": 0.1, "chunk_tokens": 32, "max_prompt_tokens": 64, "decode": ["x", 1],
+           "workload": {"source": "poisson", "rate_per_s": 200.0, "duration_s": 0.4, "seed": 2}}
+    ctl = Controller(cfg)
+    ctl.sock = None
+    ctl._send = lambda name, msg: sent.append(msg)
+    sent = []
+    ctl.on_report({"type": "ready", "worker": "s0r0", "profile": [[16, 0.001], [64, 0.002]]})
+    import time as _t
+    now = _t.monotonic()
+    # one warm-up iteration with a long bubble, then the worker is in its next iteration
+    ctl.on_telemetry(dict(_iteration(0, now - 1.0, [(0.0, 0.05), (0.95, 1.0)]), worker="s0r0"))
+    assert ctl.t0 is not None
+    ctl.bubbles["s0r0"].history.append([(0.0, 10.0)])  # the iteration under way: one long bubble
+    ctl.bubbles["s0r0"].last_end = _t.monotonic()
+    ctl.tick(_t.monotonic() + 0.2)
+    assert sent and sent[0]["type"] == "prefill"
+    rid = sent[0]["rid"]
+    ctl.on_report({"type": "progress", "worker": "s0r0", "rid": rid, "done": sent[0]["tokens"],
+                   "total": sent[0]["tokens"], "intervals": [[0.0, 0.001, sent[0]["tokens"]]]})
+    ctl.on_report({"type": "prefilled", "worker": "s0r0", "rid": rid, "kv_bytes": 10, "kv_send_s": 0.001,
+                   "at": ctl.t0 + 0.3})
+    ctl.on_report({"type": "decoded", "worker": "decode", "rid": rid, "tokens": 4, "received": 0.0,
+                   "done": ctl.t0 + 0.35})
+    ctl.tick(_t.monotonic() + 1.0)  # the rest waited past the SLO
+    result = ctl.finish()
+    statuses = [r["status"] for r in result["requests"]]
+    assert statuses.count("completed") == 1
+    assert set(statuses) <= {"completed", "rejected"}
+    assert all(r.get("reason") for r in result["requests"] if r["status"] == "rejected")
