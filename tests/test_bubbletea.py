@@ -57,23 +57,25 @@ def _iteration(it, start, busy):
     return {"type": "events", "it": it, "events": events, "iteration_done": True, "end": cursor}
 
 
-def test_bubbles_are_predicted_conservatively_from_recent_iterations():
+def test_waits_are_predicted_conservatively_from_recent_iterations():
     w = WorkerBubbles()
-    layout = [(0.0, 0.1), (0.3, 0.4), (0.5, 0.6)]  # bubbles: 0.1-0.3, 0.4-0.5
     start = 0.0
-    for it, stretch in enumerate((1.0, 0.9, 1.0)):  # the middle iteration's bubble is shorter
-        busy = [(s, e) if s < 0.3 else (s - 0.2 * (1 - stretch) * 10 * 0.1, e) for s, e in layout]
+    for it, second in enumerate((0.10, 0.08, 0.10)):  # the second wait was shorter once
+        busy = [(0.0, 0.1), (0.3, 0.4), (0.4 + second, 0.6 + second)]  # waits: 0.2, then `second`
         msg = _iteration(it, start, busy)
+        for e in msg["events"]:
+            e[1] = 1  # microbatch 1: a wait for a peer, not the end-of-iteration wait
         w.add(msg)
         start = msg["end"]
-    predicted = w.predict()
-    assert [round(o, 3) for o, _ in predicted] == [0.1, 0.4]
-    assert predicted[0][1] == pytest.approx(0.2 - 0.02)  # the shortest seen, not the latest
-    assert bubbles_of(_iteration(0, 0.0, layout)["events"], 0.0, 0.6) == [(pytest.approx(0.1), pytest.approx(0.2)),
-                                                                         (pytest.approx(0.4), pytest.approx(0.1))]
-    windows = w.windows(now=w.last_end, margin_s=0.003, margin_frac=0.1)
-    assert windows[0][0] == pytest.approx(w.last_end + 0.1)
-    assert windows[0][1] == pytest.approx(w.last_end + 0.1 + 0.18 - 0.018)  # less the margin
+    assert w.predict(0) == pytest.approx(0.2)
+    assert w.predict(1) == pytest.approx(0.08)  # the shortest seen, not the latest
+    assert w.predict(5) == 0.0  # never seen: not relied on
+    assert bubbles_of(_iteration(0, 0.0, [(0.0, 0.1), (0.3, 0.4)])["events"], 0.0, 0.4) == \
+        [(pytest.approx(0.1), pytest.approx(0.2))]
+    w.on_wait({"it": 3, "n": 0, "t": 10.0})  # announced live by the worker
+    s0, e0 = w.window(now=10.0, margin_s=0.006, margin_frac=0.1)
+    assert s0 == 10.0 and e0 == pytest.approx(10.0 + 0.2 - 0.02)
+    assert w.window(now=10.5, margin_s=0.006, margin_frac=0.1) is None  # its predicted end has passed
 
 
 def test_prefill_profile_fits_a_line():
@@ -96,8 +98,8 @@ def test_controller_accounts_for_every_request():
     # one warm-up iteration with a long bubble, then the worker is in its next iteration
     ctl.on_telemetry(dict(_iteration(0, now - 1.0, [(0.0, 0.05), (0.95, 1.0)]), worker="s0r0"))
     assert ctl.t0 is not None
-    ctl.bubbles["s0r0"].history.append([(0.0, 10.0)])  # the iteration under way: one long bubble
-    ctl.bubbles["s0r0"].last_end = _t.monotonic()
+    ctl.bubbles["s0r0"].history.extend([[10.0], [10.0]])  # its first wait lasts 10 s every iteration
+    ctl.bubbles["s0r0"].on_wait({"it": 1, "n": 0, "t": _t.monotonic()})
     ctl.tick(_t.monotonic() + 0.2)
     assert sent and sent[0]["type"] == "prefill"
     rid = sent[0]["rid"]
