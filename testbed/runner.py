@@ -403,11 +403,7 @@ class TrainingRun:
             self._to_bubbletea(dict(msg, worker=w.slot.name))
 
     def _to_bubbletea(self, msg: dict) -> None:
-        if self._bt_sock is None:
-            return
-        try:
-            self._bt_sock.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
-        except OSError:
+        if self._bt_sock is not None and not _send_line(self._bt_sock, msg):
             self._bt_sock = None  # its death is logged by BubbleTeaSide.check
 
     # -- Atlas ----------------------------------------------------------------------------
@@ -467,9 +463,7 @@ class TrainingRun:
         self._atlas_procs[name] = proc
 
     def _to_controller(self, msg: dict) -> None:
-        try:
-            self._controller.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
-        except OSError:
+        if not _send_line(self._controller, msg):
             self._controller_gone("stopped reading")
 
     def _from_controller(self, msg: dict) -> None:
@@ -554,6 +548,15 @@ class TrainingRun:
             pass
         raise RunError(f"worker {w.slot.name} (stage {w.slot.stage}, replica {w.slot.replica}, "
                        f"{w.host.name} in {w.slot.dc}) died ({how}){tail}")
+
+
+def _send_line(sock: socket.socket, msg: dict) -> bool:
+    """One JSON line to a controller; False when it no longer reads."""
+    try:
+        sock.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+        return True
+    except OSError:
+        return False
 
 
 def _enter_container(proc: subprocess.Popen, cgroup: Path, timeout: float = 10.0) -> None:

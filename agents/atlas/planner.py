@@ -155,11 +155,3 @@ def _why_slower(c: Candidate, best: Candidate) -> str:
     if c.stages > best.stages and not reasons:
         reasons.append("a deeper pipeline fills and drains longer")
     return f"{ratio:.2f}x slower" + (f": {', '.join(reasons)}" if reasons else "")
-
-
-def best_experiment(exp: Experiment, **kw) -> tuple[Experiment, Candidate]:
-    ranked = search(exp, **kw)
-    if not ranked or ranked[0].iteration_time_s is None:
-        reasons = "; ".join(sorted({c.why_not for c in ranked}))[:300]
-        raise PlanError(f"no candidate placement fits: {reasons}")
-    return _experiment(exp, ranked[0]), ranked[0]

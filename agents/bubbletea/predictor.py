@@ -13,22 +13,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-BUSY = ("forward", "backward", "optimizer")
+from testbed.metrics import worker_iteration
 
 
-def bubbles_of(events: list, start: float, end: float, min_s: float = 0.005) -> list[tuple[float, float]]:
-    """Maximal non-busy runs of one iteration's intervals, as (offset from start, length)."""
-    out, run = [], None
-    for kind, _mb, s, e, *_ in sorted(events, key=lambda ev: ev[2]):
-        if kind in BUSY:
-            if run is not None and s - run >= min_s:
-                out.append((run - start, s - run))
-            run = None
-        elif run is None:
-            run = s
-    if run is not None and end - run >= min_s:
-        out.append((run - start, end - run))
-    return out
+def bubbles_of(events: list, start: float, end: float) -> list[tuple[float, float]]:
+    """Maximal non-busy runs of one iteration's intervals, as (offset from start, length):
+    the run's own bubble accounting (``metrics.worker_iteration``), relative to ``start``."""
+    return [(s - start, d) for s, d in worker_iteration(events, start, end)["bubbles"]]
 
 
 @dataclass
