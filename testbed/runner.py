@@ -310,7 +310,10 @@ class TrainingRun:
                     sel.register(conn, selectors.EVENT_READ, "conn")
                     continue
                 conn = key.fileobj
-                chunk = conn.recv(1 << 20)
+                try:
+                    chunk = conn.recv(1 << 20)
+                except ConnectionResetError:  # a peer killed with data unread: an end like any other
+                    chunk = b""
                 if not chunk:
                     sel.unregister(conn)
                     if conn is self._controller:
