@@ -17,6 +17,7 @@ request ends completed or rejected: none is lost.  Results go to ``results`` (JS
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -52,6 +53,7 @@ class Controller:
         self.prefill_intervals: dict[str, list] = {name: [] for name in cfg["servers"]}
         self.t0: float | None = None
         self.next_arrival = 0
+        self._swept = 0.0
         self.iterations_done: dict[str, int] = {}
 
     # -- inputs -------------------------------------------------------------------------
@@ -132,9 +134,9 @@ class Controller:
             self.queue.append(rid)
             self.next_arrival += 1
         slo = self.cfg["slo_ttft_s"]
-        for rid in list(self.queue):
-            r = self.state[rid]
-            if elapsed - r["arrival_s"] > slo:
+        if now - self._swept >= 0.05:  # the queue can hold thousands under overload: sweep it 20x a second
+            self._swept = now
+            for rid in [rid for rid in self.queue if elapsed - self.state[rid]["arrival_s"] > slo]:
                 self._reject(rid, f"TTFT SLO: not prefilled within {slo:.2f} s (no bubble room in time)")
         if not self.queue:
             return
@@ -151,13 +153,13 @@ class Controller:
             chunk = self.cfg["chunk_tokens"]
             if srv["profile"].seconds(chunk) > room:
                 continue  # not even one chunk fits before the bubble ends
-            mine = [rid for rid in self.queue if rid in srv["sticky"]]
+            mine = [rid for rid in srv["sticky"] if rid in self.queue]
             # under overload serve the freshest request (the stale ones reach the SLO and are
-            # rejected): the requests served keep a short TTFT
-            free = [rid for rid in reversed(self.queue)
-                    if not any(rid in s["sticky"] for s in self.servers.values())]
+            # rejected): the requests served keep a short TTFT.  Lazily: the first that fits wins
+            sticky = set().union(*(x["sticky"] for x in self.servers.values()))
+            free = (rid for rid in reversed(self.queue) if rid not in sticky)
             rid = None
-            for cand in mine + free:
+            for cand in itertools.chain(mine, free):
                 r = self.state[cand]
                 left = r["prompt_tokens"] - r.get("prefilled_tokens", 0)
                 if elapsed - r["arrival_s"] + srv["profile"].seconds(left) > slo:
