@@ -54,23 +54,27 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
 @pytest.mark.parametrize("victim", ["controller", "agent-dc1"])
 def test_a_killed_atlas_process_leaves_training_running_under_fair_sharing(tmp_path, victim):
     skip_unless_network("tun")
-    run = TrainingRun(_exp("temporal", iterations=9), tmp_path / victim)
-    state = {}
+    iterations = 14
+    run = TrainingRun(_exp("temporal", iterations=iterations), tmp_path / victim)
+    state = {"samples": []}
 
-    def watch(worker, msg):
+    def watch(worker, msg):  # the link's scheduler at every iteration after the kill
         if not msg.get("iteration_done") or worker != "s1r1":
             return
-        if msg["it"] == 3 and "killed" not in state:
+        if msg["it"] == 2 and "killed" not in state:
             state["killed"] = time.monotonic()
             os.kill(run._atlas_procs[victim].pid, signal.SIGKILL)
-        if msg["it"] >= 6 and "sched" not in state and time.monotonic() - state.get("killed", 1e18) > 2.5:
-            state["sched"] = run.net.link("dc1", "dc2").delay_line_stats()["sched"]
+        elif "killed" in state:
+            sched = run.net.link("dc1", "dc2").delay_line_stats()["sched"]
+            state["samples"].append((time.monotonic() - state["killed"], sched))
 
     run.subscribe(watch)
     result = run.run()
     losses = [it["loss"] for it in result["iterations"]]
-    assert len(losses) == 9 and all(loss is not None for loss in losses)  # no hang, no lost iteration
-    assert "killed" in state and "sched" in state
-    assert state["sched"] is None  # dc1->dc2 is one FIFO again: fair sharing restored
+    assert len(losses) == iterations and all(loss is not None for loss in losses)  # no hang, no lost iteration
+    lease = run.exp.atlas.lease_s
+    late = [sched for after, sched in state["samples"] if after > 1.5 * lease]
+    assert late, f"the run ended within {1.5 * lease:.1f} s of the kill: {state['samples']}"
+    assert all(sched is None for sched in late)  # dc1->dc2 is one FIFO again: fair sharing restored
     log = "\n".join(result["log"])
     assert f"atlas {victim}" in log and "training continues" in log, log
