@@ -90,11 +90,12 @@ class BubbleTeaSpec(_Strict):
     slo_ttft_s: float = Field(2.0, gt=0, description="a request not prefilled within this is rejected")
     margin_s: float = Field(0.006, ge=0, description="kept free before a predicted bubble's end (>= one "
                                                         "5 ms CFS period: the quota a prefill used is gone)")
-    margin_frac: float = Field(0.1, ge=0, lt=1, description="... or this fraction of the bubble, the larger")
+    margin_frac: float = Field(0.03, ge=0, lt=1, description="... or this fraction of the bubble, the larger")
     chunk_tokens: int = Field(32, ge=1, description="prefill chunk: the points where a prefill can stop")
     interleave: bool = Field(True, description="serve every other steady iteration only: the same run "
                                                "measures training with and without prefills")
-    decode_dc: str | None = Field(None, description="DC of the decode worker (default: the first)")
+    decode_dc: str | None = Field(None, description="one decode worker, in this DC, for all prefills "
+                                                    "(default: one per DC, so KV caches stay off the WAN)")
     model: BubbleModelSpec = BubbleModelSpec()
 
 

@@ -135,6 +135,7 @@ class TrainingRun:
         self._controller: socket.socket | None = None  # Atlas's
         self._bt_sock: socket.socket | None = None  # BubbleTea's controller
         self._bt = None
+        self._bt_ready = False  # its prefill servers have loaded and profiled their model
         self._containers = None
         self._atlas_procs: dict[str, subprocess.Popen] = {}
         self._atlas_dead: set[str] = set()
@@ -174,10 +175,8 @@ class TrainingRun:
                     self._bt = BubbleTeaSide(self, net, server_path)
                     try:
                         cgroups = {n: w.cgroup for n, w in self.workers.items()}
-                        cgroups["_decode"] = self._containers.make(
-                            "decode", exp.topo.dc(exp.bubbletea.decode_dc or exp.topo.dcs[0].name).host.cpus) \
-                            if self._containers is not None else None
-                        self._bt.start(cgroups)
+                        self._bt.start(cgroups, lambda name, dc: self._containers.make(
+                            name, exp.topo.dc(dc).host.cpus) if self._containers is not None else None)
                     except BubbleTeaError as exc:
                         raise RunError(str(exc)) from None
                 self._collect(server)
@@ -343,6 +342,7 @@ class TrainingRun:
                         self._from_controller(msg)
                         continue
                     if owner[conn] == "bubbletea":
+                        self._bt_ready = self._bt_ready or msg.get("type") == "ready"
                         continue
                     self._handle(owner[conn], msg)
             now = time.monotonic()
@@ -354,8 +354,10 @@ class TrainingRun:
                     self._bt.check()
                 if not self.go_time and now - started > _READY_TIMEOUT_S:
                     waiting = [n for n, w in self.workers.items() if not w.ready]
-                    raise RunError(f"workers {', '.join(waiting)} not ready after {_READY_TIMEOUT_S:.0f} s")
-            if not self.go_time and all(w.ready for w in self.workers.values()):
+                    if not self._bubbletea_ready():
+                        waiting.append("bubbletea (prefill servers)")
+                    raise RunError(f"{', '.join(waiting)} not ready after {_READY_TIMEOUT_S:.0f} s")
+            if not self.go_time and all(w.ready for w in self.workers.values()) and self._bubbletea_ready():
                 self.go_time = time.monotonic()
                 for w in self.workers.values():
                     w.sock.sendall(b'{"type":"go"}\n')
@@ -404,6 +406,11 @@ class TrainingRun:
             self._to_controller(dict(msg, worker=w.slot.name))
         if self._bt_sock is not None and kind in ("events", "wait"):
             self._to_bubbletea(dict(msg, worker=w.slot.name))
+
+    def _bubbletea_ready(self) -> bool:
+        """Training starts once BubbleTea's inference model is loaded and profiled beside every
+        stage (as it would be on the GPUs before a job starts), or once BubbleTea is gone."""
+        return self._bt is None or self._bt_ready or self._bt.dead
 
     def _to_bubbletea(self, msg: dict) -> None:
         if self._bt_sock is not None and not _send_line(self._bt_sock, msg):

@@ -86,7 +86,7 @@ def test_prefill_profile_fits_a_line():
 
 def test_controller_accounts_for_every_request():
     cfg = {"servers": {"s0r0": "/nonexistent"}, "warmup_iterations": 1, "interleave": False, "slo_ttft_s": 0.5,
-           "margin_s": 0.001, "margin_frac": 0.1, "chunk_tokens": 32, "max_prompt_tokens": 64, "decode": ["x", 1],
+           "margin_s": 0.001, "margin_frac": 0.1, "chunk_tokens": 32, "max_prompt_tokens": 64, "decode": {"s0r0": ["x", 1]},
            "workload": {"source": "poisson", "rate_per_s": 200.0, "duration_s": 0.4, "seed": 2}}
     ctl = Controller(cfg)
     ctl.sock = None

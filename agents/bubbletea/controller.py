@@ -55,6 +55,7 @@ class Controller:
         self.next_arrival = 0
         self._swept = 0.0
         self.iterations_done: dict[str, int] = {}
+        self.ready = False
 
     # -- inputs -------------------------------------------------------------------------
     def on_telemetry(self, msg: dict) -> None:
@@ -79,6 +80,9 @@ class Controller:
         kind, name = msg.get("type"), msg.get("worker")
         if kind == "ready":
             self.servers[name]["profile"] = PrefillProfile([tuple(p) for p in msg["profile"]])
+            if all(s["profile"] is not None for s in self.servers.values()):
+                self.ready = True  # training may start: the run waits for this
+                _log("every prefill server has profiled its model: ready")
             return
         if kind == "decode_ready" or kind == "decode_error":
             return
@@ -177,7 +181,7 @@ class Controller:
             srv["sticky"].add(rid)
             self._send(name, {"type": "prefill", "rid": rid, "tokens": r["prompt_tokens"],
                               "output_tokens": r["output_tokens"], "deadline": window[1], "chunk": chunk,
-                              "decode": self.cfg["decode"]})
+                              "decode": self.cfg["decode"][name]})
 
     def _send(self, name: str, msg: dict) -> None:
         try:
@@ -211,6 +215,7 @@ def run(cfg: dict) -> None:
     stopping = [False]
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
     buf = b""
+    told_ready = False
     _log(f"up: {len(ctl.requests)} requests, {len(ctl.servers)} prefill servers")
     while not stopping[0]:
         ready, _, _ = select.select([tel, sock], [], [], 0.004)
@@ -235,6 +240,9 @@ def run(cfg: dict) -> None:
                     ctl.on_report(json.loads(sock.recv(65536)))
                 except BlockingIOError:
                     break
+        if ctl.ready and not told_ready:
+            tel.sendall(b'{"type":"ready"}\n')
+            told_ready = True
         ctl.tick(time.monotonic())
     # let prefills and decodes under way finish (briefly), then account for everything
     deadline = time.monotonic() + cfg.get("drain_s", 3.0)

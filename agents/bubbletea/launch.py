@@ -3,8 +3,8 @@
 How it fits: ``runner.TrainingRun`` calls ``BubbleTeaSide.start`` after the workers are
 launched (when ``bubbletea.enabled``): one prefill server per training worker in the
 worker's host namespace and in an idle-priority child cgroup of the worker's CPU container
-(``cpu.idle = 1``), one decode worker on a host of the decode DC that training leaves free,
-and the controller.  After training, ``summarise`` reads the controller's results and adds
+(``cpu.idle = 1``), one decode worker per DC on a host training leaves free (KV caches stay
+inside their DC; ``decode_dc`` puts a single one in that DC instead), and the controller.  After training, ``summarise`` reads the controller's results and adds
 BubbleTea's figures to the run's summary: utilization with and without prefill (from the
 timelines, and from CPU time against the quota), the training slowdown between the
 iterations served and those not served (interleaved), request accounting and TTFT.
@@ -36,6 +36,16 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def _lower_weight(cgroup: Path) -> None:
+    """A decode worker has devices of its own in a real deployment; here it shares the
+    machine's cores with the training devices, so when they contend it yields (1/8 of a
+    device's weight) without starving: SCHED_IDLE starved it on a busy machine."""
+    for name, value in (("cpu.shares", "128"), ("cpu.weight", "12")):
+        if (cgroup / name).exists():
+            (cgroup / name).write_text(value)
+            return
+
+
 class BubbleTeaSide:
     def __init__(self, run, net, server_path: Path):
         self.run, self.net, self.spec = run, net, run.exp.bubbletea
@@ -44,21 +54,29 @@ class BubbleTeaSide:
         self.server_pids: dict[str, int] = {}
         self.results_path = self.state / "bubbletea-results.json"
         self.telemetry = server_path
+        self.dead = False  # the controller has died (and the run's log says so)
 
-    def _decode_host(self):
+    def _decode_hosts(self) -> dict[str, object]:
+        """The decode worker of each DC with prefill servers (a host training leaves free), so
+        KV caches stay inside their DC; or one for all in ``decode_dc``."""
         exp = self.run.exp
-        dc = self.spec.decode_dc or exp.topo.dcs[0].name
-        if dc not in {d.name for d in exp.topo.dcs}:
-            raise BubbleTeaError(f"bubbletea.decode_dc: no DC {dc!r} in topology {exp.topo.name}")
-        used = {s.host_index for s in exp.workers() if s.dc == dc}
-        free = [i for i in range(exp.topo.dc(dc).hosts) if i not in used]
-        if not free:
-            raise BubbleTeaError(f"bubbletea.decode_dc: DC {dc!r} has no host left for the decode worker "
-                                 f"(training uses all {exp.topo.dc(dc).hosts}; add one to the topology)")
-        return self.net.host(dc, free[-1])
+        names = {d.name for d in exp.topo.dcs}
+        if self.spec.decode_dc is not None and self.spec.decode_dc not in names:
+            raise BubbleTeaError(f"bubbletea.decode_dc: no DC {self.spec.decode_dc!r} in topology {exp.topo.name}")
+        dcs = [self.spec.decode_dc] if self.spec.decode_dc else sorted({s.dc for s in exp.workers()})
+        hosts = {}
+        for dc in dcs:
+            used = {s.host_index for s in exp.workers() if s.dc == dc}
+            free = [i for i in range(exp.topo.dc(dc).hosts) if i not in used]
+            if not free:
+                raise BubbleTeaError(f"bubbletea: DC {dc!r} has no host left for a decode worker "
+                                     f"(training uses all {exp.topo.dc(dc).hosts}; add one to the topology)")
+            hosts[dc] = self.net.host(dc, free[-1])
+        return hosts
 
-    def start(self, containers: dict[str, Path | None]) -> None:
-        """``containers``: each worker's CPU container, and ``_decode``: the decode worker's."""
+    def start(self, containers: dict[str, Path | None], make_container) -> None:
+        """``containers``: each worker's CPU container; ``make_container(name, dc)``: a new one
+        for a decode worker, sized like that DC's hosts (None without cgroups)."""
         from testbed.runner import _enter_container
 
         spec, reg = self.spec, self.net.registry
@@ -66,13 +84,17 @@ class BubbleTeaSide:
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         ctl_sock = str(self.state / "bubbletea-controller.sock")
         reg.file(ctl_sock)
-        decode_host = self._decode_host()
-        dcfg = {"model": model, "controller": ctl_sock, "ip": decode_host.ip, "port": 29700}
-        decode_cgroup = containers.get("_decode")  # its own CPU container, like any device here
-        self.procs["decode"] = self._spawn_in(decode_host, "decode", dcfg, "agents.bubbletea.decode", env,
-                                              decode_cgroup)
-        if decode_cgroup is not None:
-            _enter_container(self.procs["decode"], decode_cgroup)
+        decoders = {}
+        for dc, host in self._decode_hosts().items():
+            dcfg = {"model": model, "controller": ctl_sock, "ip": host.ip, "port": 29700}
+            cgroup = make_container(f"decode-{dc}", dc)  # its own CPU container, like any device here
+            if cgroup is not None:
+                _lower_weight(cgroup)
+            name = f"decode-{dc}"
+            self.procs[name] = self._spawn_in(host, name, dcfg, "agents.bubbletea.decode", env, cgroup)
+            if cgroup is not None:
+                _enter_container(self.procs[name], cgroup)
+            decoders[dc] = [host.ip, 29700]
         servers = {}
         for name, w in self.run.workers.items():
             listen = str(self.state / f"bubbletea-{name}.sock")
@@ -92,6 +114,9 @@ class BubbleTeaSide:
             proc = self._spawn_in(w.host, f"server-{name}", cfg, "agents.bubbletea.server", env, child)
             if w.cpu is not None:
                 os.sched_setaffinity(proc.pid, {w.cpu})  # the worker's core: idle priority works there
+            # SCHED_IDLE (inherited by its threads): any waking task preempts it at once, also the
+            # workers of other containers on that core (cpu.idle acts only inside its parent)
+            os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
             if child is not None:
                 _enter_container(proc, child)
             self.procs[f"server-{name}"] = proc
@@ -100,7 +125,9 @@ class BubbleTeaSide:
         exp = self.run.exp
         ccfg = {
             "telemetry": str(self.telemetry), "listen": ctl_sock, "results": str(self.results_path),
-            "servers": servers, "decode": [decode_host.ip, 29700],
+            "servers": servers,
+            "decode": {name: decoders.get(w.slot.dc) or next(iter(decoders.values()))
+                       for name, w in self.run.workers.items()},
             "warmup_iterations": exp.training.warmup_iterations,
             "interleave": spec.interleave, "slo_ttft_s": spec.slo_ttft_s, "margin_s": spec.margin_s,
             "margin_frac": spec.margin_frac, "chunk_tokens": spec.chunk_tokens,
@@ -121,7 +148,7 @@ class BubbleTeaSide:
         reg.process(proc.pid, "bubbletea-controller", own_netns=False)
         self.procs["controller"] = proc
         self.run.log(f"bubbletea: {len(servers)} prefill servers (idle-priority, in the workers' containers), "
-                     f"decode worker on {decode_host.name}, controller started ({spec.source} workload)")
+                     f"decode worker(s) in {', '.join(decoders)}, controller started ({spec.source} workload)")
 
     def _spawn_in(self, host, name: str, cfg: dict, module: str, env: dict, cgroup) -> subprocess.Popen:
         path = self.state / f"bubbletea-{name}.json"
@@ -138,8 +165,8 @@ class BubbleTeaSide:
 
     def check(self) -> None:
         ctl = self.procs.get("controller")
-        if ctl is not None and ctl.poll() is not None and not getattr(self, "_ctl_dead", False):
-            self._ctl_dead = True
+        if ctl is not None and ctl.poll() is not None and not self.dead:
+            self.dead = True
             at = min((w.iterations_done for w in self.run.workers.values()), default=0)
             self.run.log(f"bubbletea controller died (exit {ctl.returncode}) at iteration {at}: no more prefills "
                          "are dispatched; training continues unaffected")

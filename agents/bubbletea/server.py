@@ -83,7 +83,8 @@ def run(cfg: dict) -> None:
             tell({"type": "prefilled", "rid": rid, "kv_bytes": len(blob), "kv_send_s": sent, "first_token": first,
                   "at": finished})
 
-    threading.Thread(target=ship, daemon=True).start()
+    for _ in range(cfg.get("kv_senders", 4)):  # a cache takes a few WAN round trips: several at once
+        threading.Thread(target=ship, daemon=True).start()
     per_token = max(1e-5, profile[-1][1] / profile[-1][0])
     while True:
         data = sock.recv(65536)
