@@ -198,7 +198,9 @@ def summarise(run, result: dict, out_dir: Path) -> dict:
     data = json.loads(path.read_text()) if path.exists() else {"requests": [], "prefill_intervals": {}}
     steady = result["summary"]["steady_state_iterations"]
     spec = run.exp.bubbletea
-    first = steady[0] if steady else 0
+    # the controller's rule (its iteration count from the warm-up on): with Atlas the steady
+    # state starts later, and counting from there swapped served and unserved
+    first = run.exp.training.warmup_iterations
     served = [k for k in steady if not spec.interleave or (k - first) % 2 == 1]
     unserved = [k for k in steady if k not in served] if spec.interleave else []
     ends = {k: max(w.iteration_end[k] for w in run.workers.values()) for k in range(run.exp.training.iterations)}
