@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from agents.bubbletea.controller import Controller
-from agents.bubbletea.inference import PrefillState, decode, load_model, pack, prefill_chunk, prompt_tokens, unpack
+from agents.bubbletea.inference import (PrefillState, decode, decode_batch, load_model, pack, prefill_chunk,
+                                       prompt_tokens, unpack)
 from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles, bubbles_of
 from agents.bubbletea.workload import azure_trace, poisson
 
@@ -44,6 +45,21 @@ def test_chunked_prefill_equals_one_pass_and_the_cache_decodes_after_the_wire():
     cache = unpack(pack(chunked))
     assert decode(model, cache["keys"], cache["values"], cache["logits"], 6) == \
         decode(model, whole.keys, whole.values, whole.logits, 6)
+
+
+def test_a_batch_decodes_the_same_tokens_as_one_request_at_a_time():
+    model = load_model(2, 64, 4, 128)
+    caches, steps = [], []
+    for rid, n in enumerate([5, 40, 100, 127, 64]):  # 127: room for one position, two tokens
+        state = PrefillState(prompt_tokens(rid, n))
+        while state.done < n:
+            prefill_chunk(model, state, 32)
+        caches.append(unpack(pack(state)))
+        steps.append(12 if rid % 2 else 5)
+    alone = [decode(model, [k.clone() for k in c["keys"]], [v.clone() for v in c["values"]], c["logits"], n)
+             for c, n in zip(caches, steps)]
+    assert decode_batch(model, caches, steps) == alone
+    assert [len(t) for t in alone] == [5, 12, 5, 2, 5]
 
 
 def _iteration(it, start, busy):
@@ -101,10 +117,15 @@ def test_controller_accounts_for_every_request():
     ctl.bubbles["s0r0"].history.extend([[10.0], [10.0]])  # its first wait lasts 10 s every iteration
     ctl.bubbles["s0r0"].on_wait({"it": 1, "n": 0, "t": _t.monotonic()})
     ctl.tick(_t.monotonic() + 0.2)
-    assert sent and sent[0]["type"] == "prefill"
-    rid = sent[0]["rid"]
-    ctl.on_report({"type": "progress", "worker": "s0r0", "rid": rid, "done": sent[0]["tokens"],
-                   "total": sent[0]["tokens"], "intervals": [[0.0, 0.001, sent[0]["tokens"]]]})
+    assert sent and sent[0]["type"] == "prefill" and len(sent[0]["jobs"]) > 1  # several for one bubble
+    jobs = sent[0]["jobs"]
+    rid = jobs[0]["rid"]
+    for i, job in enumerate(jobs):  # the server finished the first, then its deadline came
+        done = job["tokens"] if i == 0 else 0
+        ctl.on_report({"type": "progress", "worker": "s0r0", "rid": job["rid"], "done": done, "total": job["tokens"],
+                       "intervals": [[0.0, 0.001, done]] if done else [], "last": i == len(jobs) - 1})
+    assert ctl.servers["s0r0"]["busy"] is None and not ctl.servers["s0r0"]["sticky"] - {rid}
+    assert all(job["rid"] in ctl.queue for job in jobs[1:])  # back in the queue, for any server
     ctl.on_report({"type": "prefilled", "worker": "s0r0", "rid": rid, "kv_bytes": 10, "kv_send_s": 0.001,
                    "at": ctl.t0 + 0.3})
     ctl.on_report({"type": "decoded", "worker": "decode", "rid": rid, "tokens": 4, "received": 0.0,

@@ -3,20 +3,23 @@
 How it fits: ``testbed run`` starts it (root namespace) with the experiment's
 ``bubbletea`` section.  It connects to the run's telemetry socket as
 ``bubbletea-controller`` (the orchestrator forwards every worker's timeline), and talks to
-the prefill servers (one per training worker) and the decode worker over Unix datagrams.
+the prefill servers (one per training worker) and the decode workers over Unix datagrams.
 Once every worker is past the warm-up iterations it replays the workload in real time:
 each arriving request waits in one queue; whenever a server is idle and its worker is in a
-predicted bubble (``predictor.py``), the head request (or the one already part-prefilled
-there) is sent with a deadline at the bubble's end less a margin, in chunks the server stops
-between.  A request that has waited longer than the TTFT SLO, or that cannot fit, is
-rejected with the reason; when the run ends the rest are rejected ("run ended").  Every
-request ends completed or rejected: none is lost.  Results go to ``results`` (JSON).
+predicted bubble (``predictor.py``), the request already part-prefilled there, then the
+freshest ones, as many as the bubble holds, are sent in one message with a deadline at the
+bubble's end less a margin; the server runs them in order, chunk by chunk, and stops
+between chunks at the deadline.  A request that has waited longer than the TTFT SLO, or
+that cannot fit, is rejected with the reason; when the run ends the rest are rejected ("run
+ended").  Every request ends completed or rejected: none is lost.  Results go to
+``results`` (JSON).
 
     python -m agents.bubbletea.controller CONFIG.json
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import os
@@ -92,7 +95,10 @@ class Controller:
             return
         if kind == "progress":
             srv = self.servers[name]
-            srv["busy"] = None
+            if msg.get("last", True):
+                srv["busy"] = None
+            if msg["done"] == 0:
+                srv["sticky"].discard(rid)  # not started there: any server may take it
             for s, e, n in msg["intervals"]:
                 self.prefill_intervals[name].append([s, e, rid])
                 srv["profile"].add(n, e - s)
@@ -100,8 +106,8 @@ class Controller:
             r.setdefault("prefill_s", 0.0)
             r["prefill_s"] += sum(e - s for s, e, _ in msg["intervals"])
             if msg["done"] < msg["total"] and r["status"] == "prefilling":
-                r["status"] = "queued"  # continues in a later bubble, on the same server
-                self.queue.insert(0, rid)
+                r["status"] = "queued"  # continues in a later bubble (on the same server if begun)
+                bisect.insort(self.queue, rid, key=lambda x: self.state[x]["arrival_s"])  # its place by arrival
         elif kind == "prefilled":
             r["status"] = "decoding"
             r["ttft_s"] = msg["at"] - (self.t0 + r["arrival_s"])
@@ -111,9 +117,8 @@ class Controller:
             r["status"] = "completed"
             r["generated_tokens"] = msg["tokens"]
             r["completed_s"] = msg["done"] - self.t0
-        elif kind == "error":
+        elif kind == "error":  # from a KV transfer: the server itself is not held up by it
             self._reject(rid, msg["error"])
-            self.servers[name]["busy"] = None
 
     # -- decisions ----------------------------------------------------------------------
     def _reject(self, rid: int, reason: str) -> None:
@@ -159,29 +164,34 @@ class Controller:
                 continue  # not even one chunk fits before the bubble ends
             mine = [rid for rid in srv["sticky"] if rid in self.queue]
             # under overload serve the freshest request (the stale ones reach the SLO and are
-            # rejected): the requests served keep a short TTFT.  Lazily: the first that fits wins
+            # rejected): the requests served keep a short TTFT.  Lazily, and as many as the
+            # bubble holds (the last may be cut at a chunk boundary): no round trip between them
             sticky = set().union(*(x["sticky"] for x in self.servers.values()))
             free = (rid for rid in reversed(self.queue) if rid not in sticky)
-            rid = None
+            jobs, planned = [], 0.0
             for cand in itertools.chain(mine, free):
+                if planned >= room or len(jobs) >= self.cfg.get("max_jobs", 8):
+                    break
                 r = self.state[cand]
                 left = r["prompt_tokens"] - r.get("prefilled_tokens", 0)
                 if elapsed - r["arrival_s"] + srv["profile"].seconds(left) > slo:
                     self._reject(cand, f"TTFT SLO: {left} tokens cannot be prefilled within {slo:.2f} s")
                     continue
-                rid = cand
-                break
-            if rid is None:
+                jobs.append(cand)
+                planned += srv["profile"].seconds(left)
+            if not jobs:
                 continue
-            r = self.state[rid]
-            self.queue.remove(rid)
-            r["status"] = "prefilling"
-            r.setdefault("worker", name)
-            srv["busy"], srv["sent"] = rid, now
-            srv["sticky"].add(rid)
-            self._send(name, {"type": "prefill", "rid": rid, "tokens": r["prompt_tokens"],
-                              "output_tokens": r["output_tokens"], "deadline": window[1], "chunk": chunk,
-                              "decode": self.cfg["decode"][name]})
+            for rid in jobs:
+                r = self.state[rid]
+                self.queue.remove(rid)
+                r["status"] = "prefilling"
+                r.setdefault("worker", name)
+                srv["sticky"].add(rid)
+            srv["busy"], srv["sent"] = jobs, now
+            self._send(name, {"type": "prefill", "deadline": window[1], "chunk": chunk,
+                              "decode": self.cfg["decode"][name],
+                              "jobs": [{"rid": rid, "tokens": self.state[rid]["prompt_tokens"],
+                                        "output_tokens": self.state[rid]["output_tokens"]} for rid in jobs]})
 
     def _send(self, name: str, msg: dict) -> None:
         try:

@@ -3,8 +3,9 @@
 How it fits: ``testbed run`` starts one on a host of the decode DC that training does not
 use (prefill and decode disaggregated, as in Splitwise/DistServe).  Prefill servers connect
 over TCP through the emulated WAN and send ``!QQQ`` (request id, output tokens, cache bytes)
-then the cache; the worker acknowledges with one byte, generates greedily, and reports each
-completed request to the controller (Unix datagram).
+then the cache; the worker acknowledges with one byte, generates greedily (the caches that
+have arrived decode together as one batch, up to ``max_batch``), and reports each completed
+request to the controller (Unix datagram).
 
     python -m agents.bubbletea.decode CONFIG.json
 """
@@ -33,7 +34,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 def run(cfg: dict) -> None:
     import torch
 
-    from agents.bubbletea.inference import decode, load_model, unpack
+    from agents.bubbletea.inference import decode_batch, load_model, unpack
 
     torch.set_num_threads(1)
     m = cfg["model"]
@@ -58,13 +59,19 @@ def run(cfg: dict) -> None:
                 return
             work.put((rid, steps, blob, time.monotonic()))
 
-    def decoder() -> None:
+    def decoder() -> None:  # batches what has arrived: one forward per step for all of it
         while True:
-            rid, steps, blob, received = work.get()
-            cache = unpack(blob)
-            tokens = decode(model, cache["keys"], cache["values"], cache["logits"], steps)
-            tell({"type": "decoded", "rid": rid, "tokens": len(tokens), "received": received,
-                  "done": time.monotonic()})
+            batch = [work.get()]
+            while len(batch) < cfg.get("max_batch", 16):
+                try:
+                    batch.append(work.get_nowait())
+                except queue.Empty:
+                    break
+            caches = [unpack(blob) for _rid, _steps, blob, _received in batch]
+            tokens = decode_batch(model, caches, [steps for _rid, steps, _blob, _received in batch])
+            done = time.monotonic()
+            for (rid, _steps, _blob, received), out in zip(batch, tokens):
+                tell({"type": "decoded", "rid": rid, "tokens": len(out), "received": received, "done": done})
 
     threading.Thread(target=decoder, daemon=True).start()
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

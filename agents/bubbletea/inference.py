@@ -4,7 +4,9 @@ How it fits: the model is the trainer's GPT (``agents/trainer/model.py``) built 
 so its weights are real and reproducible.  ``prefill`` runs a prompt through it one chunk
 at a time, keeping each layer's keys and values (the KV cache); a chunk attends to the cache
 of the chunks before it, so a prefill cut at a chunk boundary continues later exactly where
-it stopped.  ``decode`` generates tokens one at a time from a received cache (greedy).
+it stopped.  ``decode`` generates tokens one at a time from a received cache (greedy);
+``decode_batch`` does the same for several caches at once (right-padded, masked), as a
+decode server batches: one forward per step for the whole batch.
 ``pack``/``unpack`` put a cache on the wire.
 """
 
@@ -89,6 +91,53 @@ def decode(model: GPT, keys: list, values: list, first_logits: torch.Tensor, ste
         logits = _forward(model, torch.tensor([[out[-1]]]), keys, values, pos)
         out.append(int(logits.argmax(-1)))
         pos += 1
+    return out
+
+
+@torch.no_grad()
+def decode_batch(model: GPT, caches: list[dict], steps: list[int]) -> list[list[int]]:
+    """``decode`` for several received caches (``unpack``'s dicts) at once: the same tokens,
+    one forward per step for the whole batch (caches right-padded to the longest, room for
+    the new tokens allocated once, padding masked out of attention)."""
+    lens = [c["keys"][0].shape[2] for c in caches]
+    batch, longest, limit = len(caches), max(lens), model.cfg.seq_len
+    room = longest + max(steps)
+    keys, values = [], []
+    for i in range(len(caches[0]["keys"])):
+        k0 = caches[0]["keys"][i]
+        kk = k0.new_zeros(batch, k0.shape[1], room, k0.shape[3])
+        vv = kk.clone()
+        for j, (c, n) in enumerate(zip(caches, lens)):
+            kk[j, :, :n] = c["keys"][i][0]
+            vv[j, :, :n] = c["values"][i][0]
+        keys.append(kk)
+        values.append(vv)
+    valid = torch.zeros(batch, room, dtype=torch.bool)
+    for j, n in enumerate(lens):
+        valid[j, :n] = True
+    out = [[int(c["logits"].argmax(-1))] for c in caches]
+    pos = torch.tensor(lens)
+    col = longest
+    while any(len(o) < n and p < limit for o, n, p in zip(out, steps, pos.tolist())):
+        x = torch.tensor([[o[-1]] for o in out])
+        h = model.tok(x) + model.pos(pos.clamp(max=limit - 1))[:, None, :]
+        valid[:, col] = True
+        mask = valid[:, None, None, :col + 1]
+        for i, blk in enumerate(model.blocks):
+            b, t, c = h.shape
+            q, k, v = blk.qkv(blk.ln1(h)).split(c, dim=2)
+            q, k, v = (z.view(b, t, blk.heads, c // blk.heads).transpose(1, 2) for z in (q, k, v))
+            keys[i][:, :, col:col + 1] = k
+            values[i][:, :, col:col + 1] = v
+            y = F.scaled_dot_product_attention(q, keys[i][:, :, :col + 1], values[i][:, :, :col + 1], attn_mask=mask)
+            h = h + blk.proj(y.transpose(1, 2).reshape(b, t, c))
+            h = h + blk.out(F.gelu(blk.fc(blk.ln2(h))))
+        nxt = model.head(model.ln_f(h[:, -1])).argmax(-1).tolist()
+        for j, (o, n, p) in enumerate(zip(out, steps, pos.tolist())):
+            if len(o) < n and p < limit:
+                o.append(nxt[j])
+        pos = pos + 1
+        col += 1
     return out
 
 

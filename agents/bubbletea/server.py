@@ -12,10 +12,12 @@ cache over TCP through the emulated network to a decode worker, and reports.
 
     python -m agents.bubbletea.server CONFIG.json
 
-Messages (Unix datagrams, JSON) in: ``{"type": "prefill", "rid", "tokens", "output_tokens",
-"deadline", "chunk", "decode": [ip, port]}``, ``{"type": "drop", "rid"}``, ``{"type": "stop"}``.
-Out, to the controller: ``{"type": "ready", "profile": [[tokens, seconds], ..]}``,
-``{"type": "progress", "rid", "done", "total", "intervals": [[start, end, tokens], ..]}``,
+Messages (Unix datagrams, JSON) in: ``{"type": "prefill", "jobs": [{"rid", "tokens",
+"output_tokens"}, ..], "deadline", "chunk", "decode": [ip, port]}`` (the jobs run in order,
+with no round trip between them, until the deadline), ``{"type": "drop", "rid"}``,
+``{"type": "stop"}``.  Out, to the controller: ``{"type": "ready", "profile": [[tokens,
+seconds], ..]}``, per job ``{"type": "progress", "rid", "done", "total", "intervals":
+[[start, end, tokens], ..], "last"}`` (``last``: the server is free again),
 ``{"type": "prefilled", "rid", "kv_bytes", "kv_send_s", "first_token"}``, ``{"type": "error", ..}``.
 """
 
@@ -74,7 +76,8 @@ def run(cfg: dict) -> None:
 
     def ship() -> None:  # KV caches leave in the background: the next prefill need not wait
         while True:
-            rid, decode, output_tokens, first, blob, finished = outbox.get()
+            rid, decode, output_tokens, first, state, finished = outbox.get()
+            blob = pack(state)
             try:
                 sent = _send_kv(decode, rid, output_tokens, blob)
             except OSError as exc:
@@ -97,28 +100,34 @@ def run(cfg: dict) -> None:
             continue
         if kind != "prefill":
             continue
-        rid = msg["rid"]
-        state = states.get(rid)
-        if state is None:
-            state = states[rid] = PrefillState(prompt_tokens(rid, msg["tokens"]))
         chunk = int(msg.get("chunk", 64))
-        intervals = []
-        while state.done < state.tokens.shape[1]:
-            n = min(chunk, state.tokens.shape[1] - state.done)
-            if time.monotonic() + n * per_token > msg["deadline"]:
-                break  # the next chunk would overrun the bubble: stop at this boundary
-            t0 = time.monotonic()
-            ran = prefill_chunk(model, state, n)
-            t1 = time.monotonic()
-            intervals.append([t0, t1, ran])
-            per_token = 0.8 * per_token + 0.2 * (t1 - t0) / ran
-        tell({"type": "progress", "rid": rid, "done": state.done, "total": int(state.tokens.shape[1]),
-              "intervals": intervals})
-        if state.done == state.tokens.shape[1]:
-            finished = intervals[-1][1] if intervals else time.monotonic()  # the first token exists now
-            states.pop(rid)
-            outbox.put((rid, msg["decode"], msg["output_tokens"], int(state.logits.argmax(-1)), pack(state),
-                        finished))
+        stopped = False
+        jobs = msg["jobs"]
+        for i, job in enumerate(jobs):  # in order, until the deadline; the last report says so
+            rid = job["rid"]
+            state = states.get(rid)
+            intervals = []
+            if state is None and not stopped:
+                state = states[rid] = PrefillState(prompt_tokens(rid, job["tokens"]))
+            while state is not None and not stopped and state.done < state.tokens.shape[1]:
+                n = min(chunk, state.tokens.shape[1] - state.done)
+                if time.monotonic() + n * per_token > msg["deadline"]:
+                    stopped = True  # the next chunk would overrun the bubble: stop at this boundary
+                    break
+                t0 = time.monotonic()
+                ran = prefill_chunk(model, state, n)
+                t1 = time.monotonic()
+                intervals.append([t0, t1, ran])
+                per_token = 0.8 * per_token + 0.2 * (t1 - t0) / ran
+            done = state.done if state is not None else 0
+            total = int(state.tokens.shape[1]) if state is not None else job["tokens"]
+            tell({"type": "progress", "rid": rid, "done": done, "total": total, "intervals": intervals,
+                  "last": i == len(jobs) - 1})
+            if state is not None and state.done == total:
+                finished = intervals[-1][1] if intervals else time.monotonic()  # the first token exists now
+                states.pop(rid)
+                outbox.put((rid, msg["decode"], job["output_tokens"], int(state.logits.argmax(-1)), state,
+                            finished))
 
 
 def main() -> int:
