@@ -235,6 +235,11 @@ class TrainingRun:
                 "telemetry": str(server_path), "port": _PORT, "device": device,
                 "announce_waits": exp.bubbletea.enabled,
             }
+            if exp.bubbletea.enabled:  # the wait under way, for the prefill server beside it
+                board = wait_board_path(cfg_dir, slot.name)
+                board.write_bytes(bytes(8))
+                net.registry.file(board)
+                cfg["wait_board"] = str(board)
             for key, peer_stage in (("next", slot.stage + 1), ("prev", slot.stage - 1)):
                 peer = by_key.get((peer_stage, slot.replica))
                 if peer is None:
@@ -567,6 +572,11 @@ def _send_line(sock: socket.socket, msg: dict) -> bool:
         return True
     except OSError:
         return False
+
+
+def wait_board_path(cfg_dir: Path, worker: str) -> Path:
+    """The 8-byte file where a worker shows the wait it is in (BubbleTea reads it)."""
+    return cfg_dir / f"{worker}.board"
 
 
 def _enter_container(proc: subprocess.Popen, cgroup: Path, timeout: float = 10.0) -> None:

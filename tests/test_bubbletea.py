@@ -3,6 +3,8 @@ prefill-time profile, and the controller's accounting (every request completed o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,3 +138,20 @@ def test_controller_accounts_for_every_request():
     assert statuses.count("completed") == 1
     assert set(statuses) <= {"completed", "rejected"}
     assert all(r.get("reason") for r in result["requests"] if r["status"] == "rejected")
+
+
+def test_the_wait_board_shows_a_wait_to_another_process(tmp_path):
+    import subprocess
+    import sys
+
+    from agents.trainer.waitboard import WaitBoard, wait_id
+
+    path = tmp_path / "s0r0.board"
+    path.write_bytes(bytes(8))
+    board = WaitBoard(str(path))
+    assert board.read() == 0
+    board.show(wait_id(12, 3))
+    seen = subprocess.run([sys.executable, "-c", "import sys; from agents.trainer.waitboard import WaitBoard; "
+                           f"print(WaitBoard({str(path)!r}).read())"], capture_output=True, text=True,
+                          cwd=str(Path(__file__).resolve().parent.parent), check=True).stdout
+    assert int(seen) == wait_id(12, 3) != wait_id(12, 2) != 0

@@ -31,6 +31,7 @@ import time
 
 from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles
 from agents.bubbletea.workload import azure_trace, poisson
+from agents.trainer.waitboard import wait_id
 
 
 def _log(msg: str) -> None:
@@ -188,7 +189,8 @@ class Controller:
                 r.setdefault("worker", name)
                 srv["sticky"].add(rid)
             srv["busy"], srv["sent"] = jobs, now
-            self._send(name, {"type": "prefill", "deadline": window[1], "chunk": chunk,
+            wait = wait_id(*self.bubbles[name].current[:2])  # the server stops when this wait ends
+            self._send(name, {"type": "prefill", "deadline": window[1], "chunk": chunk, "wait": wait,
                               "decode": self.cfg["decode"][name],
                               "jobs": [{"rid": rid, "tokens": self.state[rid]["prompt_tokens"],
                                         "output_tokens": self.state[rid]["output_tokens"]} for rid in jobs]})

@@ -77,7 +77,7 @@ class BubbleTeaSide:
     def start(self, containers: dict[str, Path | None], make_container) -> None:
         """``containers``: each worker's CPU container; ``make_container(name, dc)``: a new one
         for a decode worker, sized like that DC's hosts (None without cgroups)."""
-        from testbed.runner import _enter_container
+        from testbed.runner import _enter_container, wait_board_path
 
         spec, reg = self.spec, self.net.registry
         model = spec.model.model_dump()
@@ -99,7 +99,8 @@ class BubbleTeaSide:
         for name, w in self.run.workers.items():
             listen = str(self.state / f"bubbletea-{name}.sock")
             reg.file(listen)
-            cfg = {"worker": name, "listen": listen, "controller": ctl_sock, "model": model}
+            cfg = {"worker": name, "listen": listen, "controller": ctl_sock, "model": model,
+                   "wait_board": str(wait_board_path(self.state / "workers", name))}
             parent = containers.get(name)
             child = None
             if parent is not None:  # an idle-priority co-tenant of the worker's own quota

@@ -6,9 +6,11 @@ How it fits: ``testbed run`` starts one server per training worker, on the worke
 shared GPU would), and the kernel runs it only when the worker leaves the quota unused.
 The BubbleTea controller sends it prefill jobs with a deadline (the predicted bubble's end
 less a margin).  It runs the prompt chunk by chunk and stops at the first chunk boundary
-where the next chunk, at its measured speed, would pass the deadline; the request's cache
-stays here and the next job for it continues.  When the prompt is done it ships the KV
-cache over TCP through the emulated network to a decode worker, and reports.
+where the next chunk, at its measured speed, would pass the deadline, or where the
+worker's wait board (``agents/trainer/waitboard.py``) shows that the wait it was sent for is
+over; the request's cache stays here and the next job for it continues.  When the prompt is done it ships the KV
+cache over TCP through the emulated network to its DC's decode worker (in the background,
+but only inside a bubble), and reports.
 
     python -m agents.bubbletea.server CONFIG.json
 
@@ -26,11 +28,15 @@ from __future__ import annotations
 import json
 import os
 import queue
+from collections import deque
 import socket
 import struct
 import sys
 import threading
 import time
+
+
+_KV_GUARD_S = 0.002  # no KV transfer starts this close to a bubble's end
 
 
 def _send_kv(decode: list, rid: int, output_tokens: int, blob: bytes) -> float:
@@ -46,6 +52,7 @@ def run(cfg: dict) -> None:
     import torch
 
     from agents.bubbletea.inference import PrefillState, load_model, pack, prefill_chunk, prompt_tokens
+    from agents.trainer.waitboard import WaitBoard
 
     torch.set_num_threads(1)
     m = cfg["model"]
@@ -74,9 +81,22 @@ def run(cfg: dict) -> None:
     states: dict[int, PrefillState] = {}
     outbox: queue.Queue = queue.Queue()
 
-    def ship() -> None:  # KV caches leave in the background: the next prefill need not wait
+    # KV caches leave in the background (the next prefill need not wait), but only inside a
+    # bubble: packing and sending draw on the worker's quota, and a send started as the
+    # bubble ends would leave the training op that follows a spent CFS period
+    gate = threading.Condition()
+    bubble = {"deadline": 0.0}
+
+    board = WaitBoard(cfg["wait_board"]) if cfg.get("wait_board") else None
+
+    def in_bubble() -> bool:
+        return time.monotonic() < bubble["deadline"] - _KV_GUARD_S and (board is None or board.read() != 0)
+
+    def ship() -> None:
         while True:
             rid, decode, output_tokens, first, state, finished = outbox.get()
+            with gate:
+                gate.wait_for(in_bubble)
             blob = pack(state)
             try:
                 sent = _send_kv(decode, rid, output_tokens, blob)
@@ -88,7 +108,9 @@ def run(cfg: dict) -> None:
 
     for _ in range(cfg.get("kv_senders", 4)):  # a cache takes a few WAN round trips: several at once
         threading.Thread(target=ship, daemon=True).start()
-    per_token = max(1e-5, profile[-1][1] / profile[-1][0])
+    # a chunk's wall time varies several-fold (the quota runs out mid-chunk and the kernel
+    # throttles at tick granularity): judge the next chunk by the slow end of the recent ones
+    recent = deque([max(1e-5, profile[-1][1] / profile[-1][0])], maxlen=32)
     while True:
         data = sock.recv(65536)
         msg = json.loads(data)
@@ -100,6 +122,9 @@ def run(cfg: dict) -> None:
             continue
         if kind != "prefill":
             continue
+        with gate:
+            bubble["deadline"] = msg["deadline"]
+            gate.notify_all()
         chunk = int(msg.get("chunk", 64))
         stopped = False
         jobs = msg["jobs"]
@@ -111,14 +136,18 @@ def run(cfg: dict) -> None:
                 state = states[rid] = PrefillState(prompt_tokens(rid, job["tokens"]))
             while state is not None and not stopped and state.done < state.tokens.shape[1]:
                 n = min(chunk, state.tokens.shape[1] - state.done)
+                per_token = sorted(recent)[int(0.9 * (len(recent) - 1))]
                 if time.monotonic() + n * per_token > msg["deadline"]:
                     stopped = True  # the next chunk would overrun the bubble: stop at this boundary
+                    break
+                if board is not None and board.read() != msg.get("wait", board.read()):
+                    stopped = True  # the wait is over earlier than predicted: training runs now
                     break
                 t0 = time.monotonic()
                 ran = prefill_chunk(model, state, n)
                 t1 = time.monotonic()
                 intervals.append([t0, t1, ran])
-                per_token = 0.8 * per_token + 0.2 * (t1 - t0) / ran
+                recent.append((t1 - t0) / ran)
             done = state.done if state is not None else 0
             total = int(state.tokens.shape[1]) if state is not None else job["tokens"]
             tell({"type": "progress", "rid": rid, "done": done, "total": total, "intervals": intervals,

@@ -59,6 +59,7 @@ def run(cfg: dict) -> None:
     from agents.trainer.data import Corpus
     from agents.trainer.model import ModelConfig, build_model, loss_fn, stage_module
     from agents.trainer.transport import Endpoint
+    from agents.trainer.waitboard import WaitBoard, wait_id
     from testbed import schedules as sch
 
     torch.set_num_threads(1)
@@ -155,6 +156,7 @@ def run(cfg: dict) -> None:
         events = []
 
     announce = bool(cfg.get("announce_waits"))  # BubbleTea: say when a wait for a peer begins
+    board = WaitBoard(cfg["wait_board"]) if cfg.get("wait_board") else None  # ... and show while it lasts
     for it in range(tr["iterations"]):
         inputs, outputs, losses = {}, {}, []
         waits = 0
@@ -166,10 +168,14 @@ def run(cfg: dict) -> None:
             k, i = op.kind, op.mb
             if announce and k in (sch.RECV_ACT, sch.RECV_GRAD):
                 tel.send({"type": "wait", "it": it, "n": waits, "t": time.monotonic()})
+                if board is not None:
+                    board.show(wait_id(it, waits))
                 waits += 1
             if k == sch.RECV_ACT:
                 x = act_in.recv(timeout=cfg.get("recv_timeout_s", 300)).to(device).requires_grad_(True)
                 inputs[i] = x
+                if board is not None:
+                    board.show(0)
                 mark("recv", i, it)
             elif k == sch.FORWARD:
                 if stage == 0:
@@ -188,6 +194,8 @@ def run(cfg: dict) -> None:
             elif k == sch.RECV_GRAD:
                 g = grad_in.recv(timeout=cfg.get("recv_timeout_s", 300)).to(device)
                 outputs[i] = (outputs[i], g)
+                if board is not None:
+                    board.show(0)
                 mark("recv", i, it)
             elif k == sch.BACKWARD:
                 if stage == stages - 1:
