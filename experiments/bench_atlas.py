@@ -10,6 +10,10 @@
    ``results/atlas-vs-baseline/a/timeline.json`` exists), versus one-way WAN delay, link
    bandwidth, the number of DP pipelines and the number of DCs.  Writes ``sweep.csv`` and
    ``sweep.png``.
+3. With ``--emulator-sweep``: (a) against (c) on the emulator at four of those points
+   (10 ms / 110 Mbit/s; 50 ms; 50 Mbit/s; 25 Mbit/s; two pipelines, 0.25-core hosts), each
+   with the simulator's prediction from that run's own profile.  Writes
+   ``emulator-sweep.csv``.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ def precision() -> None:
                       flush=True)
 
 
-def _job(tmp: Path, delay_ms: float, rate_mbps: float, replicas: int, dcs: int):
+def _job(tmp: Path, delay_ms: float, rate_mbps: float, replicas: int, dcs: int, cpus: float = 0.0):
     base = load_experiment(REPO / "experiments" / "atlas-vs-baseline.yaml")
     names = [f"dc{i}" for i in range(dcs)]
-    topo = {"name": "sweep", "dcs": [{"name": n, "hosts": replicas} for n in names],
+    host = {"host": {"cpus": cpus}} if cpus else {}
+    topo = {"name": "sweep", "dcs": [{"name": n, "hosts": replicas, **host} for n in names],
             "wan": [{"a": a, "b": b, "delay_ms": delay_ms, "rate_mbps": rate_mbps}
                     for i, a in enumerate(names) for b in names[i + 1:]]}
     path = tmp / f"topo-{delay_ms}-{rate_mbps}-{replicas}-{dcs}.yaml"
@@ -125,6 +130,48 @@ def sweep(out_dir: Path) -> None:
     print(f"wrote {out_dir}/sweep.csv and sweep.png")
 
 
+def emulator_sweep(out_dir: Path) -> None:
+    """(a) and (c) on the emulator at a few points of the sweep, each against the simulator fed
+    that point's own profiled compute: the sweep's claims where this machine can run them."""
+    from testbed.runner import TrainingRun
+
+    tmp = Path(tempfile.mkdtemp(prefix="gtb-bench-atlas-emu-"))
+    # hosts of 0.25 core, as in aws-us3 (uncontained, six workers would share two cores and
+    # their compute times would be the contention's); two pipelines: three would need 2.25
+    points = [("base", dict(delay_ms=10, rate_mbps=110, replicas=2, dcs=3, cpus=0.25)),
+              ("delay 50 ms", dict(delay_ms=50, rate_mbps=110, replicas=2, dcs=3, cpus=0.25)),
+              ("50 Mbit/s", dict(delay_ms=10, rate_mbps=50, replicas=2, dcs=3, cpus=0.25)),
+              ("25 Mbit/s", dict(delay_ms=10, rate_mbps=25, replicas=2, dcs=3, cpus=0.25))]
+    rows = []
+    for label, kw in points:
+        exp = _job(tmp, **kw)
+        measured = {}
+        for name, conn, sharing in (("a", 1, "fair"), ("c", 4, "temporal")):
+            data = exp.model_dump()
+            data.update(topology=exp.topology_file, compare=None, name=f"sweep-{name}")
+            data["parallel"]["connections"] = conn
+            data["training"]["iterations"] = 7
+            data["atlas"]["sharing"] = sharing
+            run_dir = out_dir / "emulator" / label.replace(" ", "-").replace("/", "") / name
+            result = TrainingRun(parse_experiment(data, "bench-atlas"), run_dir).run()
+            measured[name] = result["summary"]["mean_iteration_time_s"]
+            if name == "a":
+                times, _ = profiled_stage_times(run_dir / "timeline.json", exp.parallel.stages)
+        predicted = speedups(exp, times)
+        row = {"point": label, **kw, "a_s": measured["a"], "c_s": measured["c"],
+               "a_predicted_s": predicted["a"], "c_predicted_s": predicted["c"],
+               "c_over_a_measured": round(measured["a"] / measured["c"], 3),
+               "c_over_a_predicted": round(predicted["a"] / predicted["c"], 3)}
+        rows.append(row)
+        print(f"  emulator, {label:>12}: a {measured['a']:.3f} s, c {measured['c']:.3f} s; c/a measured "
+              f"{row['c_over_a_measured']:.3f}x, predicted {row['c_over_a_predicted']:.3f}x", flush=True)
+    with open(out_dir / "emulator-sweep.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {out_dir}/emulator-sweep.csv")
+
+
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -152,11 +199,15 @@ def _plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-emulator", action="store_true", help="only the simulator sweep")
+    ap.add_argument("--emulator-sweep", action="store_true",
+                    help="also (a) against (c) on the emulator at four sweep points (about 6 minutes)")
     ap.add_argument("--out", type=Path, default=Path("results/bench-atlas"))
     args = ap.parse_args()
     if not args.skip_emulator:
         precision()
     sweep(args.out)
+    if args.emulator_sweep:
+        emulator_sweep(args.out)
 
 
 if __name__ == "__main__":
