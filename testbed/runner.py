@@ -359,9 +359,10 @@ class TrainingRun:
                     self._bt.check()
                 if not self.go_time and now - started > _READY_TIMEOUT_S:
                     waiting = [n for n, w in self.workers.items() if not w.ready]
+                    parts = [f"workers {', '.join(waiting)}"] if waiting else []
                     if not self._bubbletea_ready():
-                        waiting.append("bubbletea (prefill servers)")
-                    raise RunError(f"{', '.join(waiting)} not ready after {_READY_TIMEOUT_S:.0f} s")
+                        parts.append("BubbleTea's prefill servers")
+                    raise RunError(f"{' and '.join(parts)} not ready after {_READY_TIMEOUT_S:.0f} s")
             if not self.go_time and all(w.ready for w in self.workers.values()) and self._bubbletea_ready():
                 self.go_time = time.monotonic()
                 for w in self.workers.values():
