@@ -96,6 +96,14 @@ _ETH = 14
 _RATE_FACTOR = 0.97  # the line paces a little under the HTB cap behind it
 
 
+def _class_queue_bytes(rate_mbps: float, delay_s: float) -> int:
+    """A class's queue: room for its whole window while another class owns the link.  A
+    waiting pipeline's tail dropped there costs it a retransmission timeout (no duplicate
+    ACKs behind a tail): with 500 KB queues, a 50 ms link lost 300 packets a run to the
+    waiting pipeline and Atlas ran 28% slower than fair sharing.  4 x the path's BDP."""
+    return int(max(500_000, 4 * rate_mbps * 1e6 / 8 * 2 * delay_s))
+
+
 class _Scheduler:
     """Per-class drop-tail queues served owner-first through a token bucket of wire bytes."""
 
@@ -289,7 +297,8 @@ class DelayLine:
                 rate = spec.get("rate_mbps") or (old.rate * 8 / 1e6 / _RATE_FACTOR if old else None)
                 if not rate or rate <= 0:
                     raise ValueError("a scheduler needs rate_mbps > 0")
-                lane.sched = _Scheduler(spec["classes"], float(rate), int(spec.get("queue_bytes", 500_000)), now)
+                queue = spec.get("queue_bytes") or _class_queue_bytes(float(rate), lane.delay_s)
+                lane.sched = _Scheduler(spec["classes"], float(rate), int(queue), now)
             else:
                 lane.sched = None
             if old is not None:  # nothing queued is lost: it goes on through the new path

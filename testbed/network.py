@@ -188,11 +188,11 @@ class WanDirection:
 
     # -- temporal sharing: the strict-priority scheduler inside the delay line --------------
     def schedule_classes(self, classes: dict[str, list[tuple[str | None, str | None]]],
-                         queue_bytes: int = 500_000) -> None:
+                         queue_bytes: int | None = None) -> None:
         """Put per-class (per-pipeline) queues served owner-first in front of this link.
         ``classes``: name -> (src, dst) address pairs (None = any).  See ``delayline.py``."""
         self._sched({"classes": {n: [list(m) for m in ms] for n, ms in classes.items()},
-                     "rate_mbps": self.params.rate_mbps, "queue_bytes": queue_bytes})
+                     "rate_mbps": self.params.rate_mbps, "queue_bytes": queue_bytes})  # None: the line sizes it
 
     def set_order(self, order: list[str]) -> None:
         """Strict priority: the first class with data owns the link."""

@@ -46,6 +46,7 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
     assert set(run.atlas_plans[0]["offsets"].values()) == {0.0}
     assert seen["sched"] is not None and seen["sched"]["order"] == ["r0", "r1"]
     assert sum(seen["sched"]["bytes_out"].values()) > 0
+    assert sum(seen["sched"]["drops"].values()) == 0  # a waiting pipeline is held, never dropped
     logs = (tmp_path / "temporal" / "atlas-logs" / "agent-dc1.log").read_text()
     assert "plan applied on dc1->dc2" in logs
     assert (tmp_path / "temporal" / "atlas-plans.json").exists()
