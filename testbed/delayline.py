@@ -307,6 +307,13 @@ class DelayLine:
             lane.wake = now
         if lane.sched is not None:
             names = set(lane.sched.names)
+            if "rate_mbps" in spec and "classes" not in spec:  # the link's rate changed under us
+                rate = float(spec["rate_mbps"])
+                if rate <= 0:
+                    raise ValueError("rate_mbps must be > 0")
+                lane.sched.rate = rate * 1e6 / 8 * _RATE_FACTOR
+                lane.sched.depth = max(2 * 65536 + 4096, lane.sched.rate * 0.002)
+                lane.wake = now
             if "order" in spec:
                 order = list(spec["order"])
                 if set(order) != names:

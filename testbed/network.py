@@ -136,6 +136,8 @@ class WanDirection:
         old = self.params
         if new.rate_mbps != old.rate_mbps:
             self.shaper.set_rate(new.rate_mbps)
+            if self.delay_client is not None and self.delay_line_stats().get("sched") is not None:
+                self._sched({"rate_mbps": new.rate_mbps})  # Atlas's scheduler paces to the link
         if new.queue_bytes != old.queue_bytes and new.queue_bytes is not None:
             self.shaper.set_queue(new.queue_bytes)
         delay_changed = (new.delay_ms, new.jitter_ms) != (old.delay_ms, old.jitter_ms)

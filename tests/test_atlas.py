@@ -72,6 +72,31 @@ def test_telemetry_window_takes_medians_of_recent_iterations():
     assert w.typical_message() == 4096 and w.min_iterations(2) == 4
 
 
+def test_the_plan_follows_a_link_whose_rate_changes_under_the_run():
+    w = TelemetryWindow(keep_iterations=3, transfer_delays={"xfer_act:1": 0.010})
+    size = 125_000  # 10 ms at 100 Mbit/s, 20 ms at 50
+
+    def iteration(it, rate_bytes_s, contended=()):
+        xfers = []
+        for mb in range(6):
+            t0 = it + mb * 0.1
+            serial = size / rate_bytes_s * (2 if mb in contended else 1)  # shared with the other pipeline
+            xfers.append(["xfer_act", mb, t0, t0 + 0.010 + serial, size, it])
+        w.add("s1r0", {"type": "events", "events": [["forward", mb, it, it + 0.05, it] for mb in range(6)],
+                       "transfers": xfers, "iteration_done": True, "it": it})
+
+    assert w.link_rate() is None  # nothing measured yet: the controller uses the topology's rate
+    for it in range(3):
+        iteration(it, 12.5e6, contended=(1, 2, 3))  # half the transfers shared: the uncontended rule
+    assert w.link_rate() == pytest.approx(12.5e6, rel=0.01)
+    before = make_plan(2, 0.05, size, w.link_rate(), enforced=True)
+    for it in range(3, 6):
+        iteration(it, 6.25e6)  # the link now runs at half the rate
+    assert w.link_rate() == pytest.approx(6.25e6, rel=0.01)
+    after = make_plan(2, 0.05, size, w.link_rate(), enforced=True)
+    assert after.transfer_s == pytest.approx(2 * before.transfer_s) and after.moved(before, 0.1)
+
+
 def test_priority_policy_gives_the_owner_the_whole_link_and_the_rest_what_it_leaves():
     sim = Simulator(PriorityPolicy(["r0", "r1"]))
     link = Link("a->b", bandwidth=1e6, delay=0.0)

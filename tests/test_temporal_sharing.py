@@ -46,6 +46,10 @@ def test_scheduler_refuses_bad_plans_in_one_line():
         link.schedule_classes({"p0": [(net.host("east", 0).ip, None)], "p1": [(net.host("east", 1).ip, None)]})
         with pytest.raises(NetworkError, match="must name exactly"):
             link.set_order(["p0", "p7"])
+        rate_before = link.delay_line_stats()["sched"]["rate_bytes_s"]
+        link.set(rate_mbps=25)  # a link changed under a schedule: the scheduler paces to it
+        rate_after = link.delay_line_stats()["sched"]["rate_bytes_s"]
         link.clear_schedule()
-        rtts_ok = iperf3(net, net.host("east"), net.host("west"), seconds=1)["goodput_mbps"] > 40
+        rtts_ok = iperf3(net, net.host("east"), net.host("west"), seconds=1)["goodput_mbps"] > 20
     assert rtts_ok
+    assert rate_after == pytest.approx(rate_before / 2)

@@ -57,6 +57,23 @@ def _log(dc: str, msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} atlas agent {dc}: {msg}", flush=True)
 
 
+def _apply(line, lane: str, link: dict, lease: float, active: bool, dc: str, name: str) -> bool:
+    """The classes once; a later plan only reorders (the queues, and the rate, which follows
+    the link's own changes, stay as they are).  A line that lost its scheduler meanwhile (its
+    lease ran out) gets the whole plan again."""
+    for whole in ((False, True) if active else (True,)):
+        try:
+            if whole:
+                line.request({"lane": lane, "classes": link["classes"], "rate_mbps": link["rate_mbps"],
+                              "lease_s": lease})
+            line.request({"lane": lane, "order": link["order"], "lease_s": lease})
+            return True
+        except (OSError, RuntimeError, ValueError) as exc:
+            if whole:
+                _log(dc, f"{name}: plan refused: {exc}")
+    return False
+
+
 def run(cfg: dict) -> None:
     dc, lease = cfg["dc"], float(cfg["lease_s"])
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -102,14 +119,10 @@ def run(cfg: dict) -> None:
                     for name, link in msg.get("links", {}).items():
                         if name not in lines:
                             continue
-                        try:
-                            lines[name].request({"lane": lanes[name], "classes": link["classes"],
-                                                 "rate_mbps": link["rate_mbps"], "lease_s": lease})
-                            lines[name].request({"lane": lanes[name], "order": link["order"], "lease_s": lease})
-                        except (OSError, RuntimeError, ValueError) as exc:
-                            _log(dc, f"{name}: plan refused: {exc}")
-                            continue
-                        active.add(name)
+                        if _apply(lines[name], lanes[name], link, lease, name in active, dc, name):
+                            active.add(name)
+                        else:
+                            active.discard(name)
                     _log(dc, f"plan applied on {', '.join(sorted(active)) or 'no link'}: order "
                              f"{next(iter(msg.get('links', {}).values()), {}).get('order')}")
                 elif msg.get("type") == "clear":

@@ -7,7 +7,9 @@ it.  After the warm-up iterations it computes the plan (``plan.py``) from the me
 compute times and message sizes, sends it to the gateway agents (``temporal``: they
 enforce the rank order on each WAN link) and to the orchestrator (which passes each
 pipeline's start offset to its first stage), and heartbeats the agents.  It recomputes the
-plan after every iteration and republishes it when it moves by ``replan_threshold``.
+plan after every iteration, from the compute times, message sizes and link rate the
+transfers see (so a link that changes under the run changes the plan), and republishes it
+when it moves by ``replan_threshold``.
 
     python -m agents.atlas.controller CONFIG.json
 """
@@ -57,7 +59,7 @@ def run(cfg: dict) -> None:
 
     if agent_paths:
         threading.Thread(target=heartbeat, daemon=True).start()
-    window = TelemetryWindow()
+    window = TelemetryWindow(transfer_delays=cfg.get("transfer_delays_s"))
     plan: TemporalPlan | None = None
     workers = cfg["stages"] * cfg["replicas"]
     warmup = max(1, cfg["warmup_iterations"])
@@ -78,8 +80,10 @@ def run(cfg: dict) -> None:
         planned_at = done
         compute, per_stage = window.slowest_stage_compute()
         message = window.typical_message() or cfg["message_bytes"]
-        new = make_plan(cfg["replicas"], compute, message, cfg["link_bytes_s"],
+        link = window.link_rate() or cfg["link_bytes_s"]  # measured: the plan follows a changed link
+        new = make_plan(cfg["replicas"], compute, message, link,
                         enforced=cfg["sharing"] == "temporal", basis={"after_iteration": done, "message_bytes": message,
+                               "link_bytes_s": round(link),
                                "stages": {str(s): {k: round(v, 5) for k, v in f.items()}
                                           for s, f in per_stage.items()}})
         if not new.moved(plan, cfg["replan_threshold"]):

@@ -71,11 +71,16 @@ def make_plan(replicas: int, compute_s: float, message_bytes: float, link_bytes_
 class TelemetryWindow:
     """The last few iterations of every worker's intervals and transfer records."""
 
-    def __init__(self, keep_iterations: int = 3):
+    def __init__(self, keep_iterations: int = 3, transfer_delays: dict[str, float] | None = None):
+        """``transfer_delays``: one-way WAN delay of each cross-DC transfer, keyed
+        ``"xfer_act:<receiving stage>"`` / ``"xfer_grad:<receiving stage>"``: with it the
+        window also measures the link rate the transfers see (``link_rate``)."""
         self.keep = keep_iterations
         self.compute: dict[tuple[int, int, str], list[float]] = {}  # (stage, it, kind) -> durations
         self.message_bytes: list[int] = []
         self.iterations_done: dict[str, int] = {}
+        self.delays = transfer_delays or {}
+        self.rates: dict[tuple[str, int], list[float]] = {}  # (key, it) -> bytes / (duration - delay)
 
     def add(self, worker: str, msg: dict) -> None:
         if msg.get("type") != "events":
@@ -84,14 +89,19 @@ class TelemetryWindow:
         for kind, _mb, start, end, it in msg["events"]:
             if kind in ("forward", "backward"):
                 self.compute.setdefault((stage, it, kind), []).append(end - start)
-        for rec in msg.get("transfers", []):
+        for rec in msg.get("transfers", []):  # [kind, mb, sent, received, bytes, it]
             self.message_bytes.append(int(rec[4]))
+            delay = self.delays.get(f"{rec[0]}:{stage}")
+            if delay is not None and rec[3] - rec[2] - delay > 1e-4:
+                self.rates.setdefault((f"{rec[0]}:{stage}", int(rec[5])), []).append(rec[4] / (rec[3] - rec[2] - delay))
         del self.message_bytes[:-256]
         if msg.get("iteration_done"):
             self.iterations_done[worker] = msg["it"] + 1
             oldest = msg["it"] + 1 - self.keep
             for key in [k for k in self.compute if k[1] < oldest]:
                 del self.compute[key]
+            for key in [k for k in self.rates if k[1] < oldest]:
+                del self.rates[key]
 
     def min_iterations(self, workers: int) -> int:
         if len(self.iterations_done) < workers:
@@ -106,6 +116,16 @@ class TelemetryWindow:
         figures = {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in per.items()}
         c = max((f.get("forward", 0.0) + f.get("backward", 0.0) for f in figures.values()), default=0.0)
         return c, figures
+
+    def link_rate(self) -> float | None:
+        """Bytes/s of the slowest cross-DC path as its transfers see it: per path the 90th
+        percentile of size / (duration - delay) over recent transfers (the least contended
+        ones), so a link that changes under the run changes the plan.  None until measured."""
+        paths: dict[str, list[float]] = {}
+        for (key, _it), values in self.rates.items():
+            paths.setdefault(key, []).extend(values)
+        per = [sorted(v)[int(0.9 * (len(v) - 1))] for v in paths.values() if len(v) >= 4]
+        return min(per) if per else None
 
     def typical_message(self) -> float:
         return float(statistics.median(self.message_bytes)) if self.message_bytes else 0.0
