@@ -120,8 +120,7 @@ class _Scheduler:
         self.bytes_out = {n: 0 for n in self.names}
         self.drops = {n: 0 for n in self.names}
         self.other = collections.deque()  # unclassified and bypassing packets, served first
-        self.rate = rate_mbps * 1e6 / 8 * _RATE_FACTOR
-        self.depth = max(2 * 65536 + 4096, self.rate * 0.002)
+        self.set_rate(rate_mbps)
         self.tokens = self.depth
         self.queue_bytes = queue_bytes
         self.last = now
@@ -131,6 +130,11 @@ class _Scheduler:
         self.turn_log: collections.deque = collections.deque(maxlen=4000)
         self._turn: list | None = None
         self._backlogged_since: float | None = None
+
+    def set_rate(self, rate_mbps: float) -> None:
+        """Pace to ``rate_mbps`` (a little under it: the HTB cap stays behind the line)."""
+        self.rate = rate_mbps * 1e6 / 8 * _RATE_FACTOR
+        self.depth = max(2 * 65536 + 4096, self.rate * 0.002)
 
     def classify(self, pkt: bytes) -> str | None:
         if len(pkt) < _VNET_HDR + 20 + _BYPASS_BYTES or pkt[_VNET_HDR] >> 4 != 4:
@@ -311,8 +315,7 @@ class DelayLine:
                 rate = float(spec["rate_mbps"])
                 if rate <= 0:
                     raise ValueError("rate_mbps must be > 0")
-                lane.sched.rate = rate * 1e6 / 8 * _RATE_FACTOR
-                lane.sched.depth = max(2 * 65536 + 4096, lane.sched.rate * 0.002)
+                lane.sched.set_rate(rate)
                 lane.wake = now
             if "order" in spec:
                 order = list(spec["order"])

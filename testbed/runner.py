@@ -427,6 +427,7 @@ class TrainingRun:
         """The controller and (temporal sharing) one agent per gateway with WAN links to enforce."""
         exp = self.exp
         links: dict[tuple[str, str], dict[str, list]] = {}
+        delays: dict[str, float] = {}  # one-way WAN delay of each cross-DC transfer, by kind and receiver
         slots = {(s.stage, s.replica): s for s in exp.workers()}
         for (stage, r), a in slots.items():
             b = slots.get((stage + 1, r))
@@ -437,6 +438,9 @@ class TrainingRun:
             for x, y in zip(hops, hops[1:]):  # activations one way, gradients the other
                 links.setdefault((x, y), {}).setdefault(f"r{r}", []).append([ip_a, ip_b])
                 links.setdefault((y, x), {}).setdefault(f"r{r}", []).append([ip_b, ip_a])
+            pairs = list(zip(hops, hops[1:]))
+            delays[f"xfer_act:{stage + 1}"] = sum(exp.topo.direction(x, y).delay_ms for x, y in pairs) / 1e3
+            delays[f"xfer_grad:{stage}"] = sum(exp.topo.direction(y, x).delay_ms for x, y in pairs) / 1e3
         rates = [exp.topo.direction(x, y).rate_mbps for x, y in links]
         state = net.registry.dir
         agents: dict[str, str] = {}
@@ -456,27 +460,13 @@ class TrainingRun:
             "warmup_iterations": exp.training.warmup_iterations,
             "message_bytes": exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * 4,
             "link_bytes_s": min(rates) * 1e6 / 8 if rates else 0.0,
-            "transfer_delays_s": self._transfer_delays(),
+            "transfer_delays_s": delays,
             "links": {f"{x}->{y}": {"classes": classes, "rate_mbps": exp.topo.direction(x, y).rate_mbps}
                       for (x, y), classes in links.items()},
         }
         self._spawn_atlas("controller", cfg, "agents.atlas.controller", state, env)
         self.log(f"atlas: controller and {len(agents)} agent(s) started ({exp.atlas.sharing} sharing, "
                  f"{len(links)} WAN direction(s) carry pipelines)")
-
-    def _transfer_delays(self) -> dict[str, float]:
-        """One-way WAN delay of each cross-DC transfer, by kind and receiving stage."""
-        exp, out = self.exp, {}
-        slots = {s.stage: s for s in exp.workers() if s.replica == 0}
-        for stage, a in slots.items():
-            b = slots.get(stage + 1)
-            if b is None or a.dc == b.dc:
-                continue
-            hops = exp.topo.path(a.dc, b.dc)
-            pairs = list(zip(hops, hops[1:]))
-            out[f"xfer_act:{stage + 1}"] = sum(exp.topo.direction(x, y).delay_ms for x, y in pairs) / 1e3
-            out[f"xfer_grad:{stage}"] = sum(exp.topo.direction(y, x).delay_ms for x, y in pairs) / 1e3
-        return out
 
     def _spawn_atlas(self, name: str, cfg: dict, module: str, state: Path, env: dict) -> None:
         path = state / f"atlas-{name}.json"

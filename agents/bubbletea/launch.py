@@ -4,8 +4,8 @@ How it fits: ``runner.TrainingRun`` calls ``BubbleTeaSide.start`` after the work
 launched (when ``bubbletea.enabled``): one prefill server per training worker in the
 worker's host namespace and in an idle-priority child cgroup of the worker's CPU container
 (``cpu.idle = 1``), one decode worker per DC on a host training leaves free (KV caches stay
-inside their DC; ``decode_dc`` puts a single one in that DC instead), and the controller.  After training, ``summarise`` reads the controller's results and adds
-BubbleTea's figures to the run's summary: utilization with and without prefill (from the
+inside their DC; ``decode_dc`` puts a single one in that DC instead), and the controller.
+After training, ``summarise`` reads the controller's results and adds BubbleTea's figures to the run's summary: utilization with and without prefill (from the
 timelines, and from CPU time against the quota), the training slowdown between the
 iterations served and those not served (interleaved), request accounting and TTFT.
 """

@@ -8,9 +8,9 @@ The BubbleTea controller sends it prefill jobs with a deadline (the predicted bu
 less a margin).  It runs the prompt chunk by chunk and stops at the first chunk boundary
 where the next chunk, at its measured speed, would pass the deadline, or where the
 worker's wait board (``agents/trainer/waitboard.py``) shows that the wait it was sent for is
-over; the request's cache stays here and the next job for it continues.  When the prompt is done it ships the KV
-cache over TCP through the emulated network to its DC's decode worker (in the background,
-but only inside a bubble), and reports.
+over; the request's cache stays here and the next job for it continues.  When the prompt
+is done it ships the KV cache over TCP through the emulated network to its DC's decode
+worker (in the background, but only inside a bubble), and reports.
 
     python -m agents.bubbletea.server CONFIG.json
 
@@ -28,12 +28,12 @@ from __future__ import annotations
 import json
 import os
 import queue
-from collections import deque
 import socket
 import struct
 import sys
 import threading
 import time
+from collections import deque
 
 
 _KV_GUARD_S = 0.002  # no KV transfer starts this close to a bubble's end
@@ -140,7 +140,7 @@ def run(cfg: dict) -> None:
                 if time.monotonic() + n * per_token > msg["deadline"]:
                     stopped = True  # the next chunk would overrun the bubble: stop at this boundary
                     break
-                if board is not None and board.read() != msg.get("wait", board.read()):
+                if board is not None and "wait" in msg and board.read() != msg["wait"]:
                     stopped = True  # the wait is over earlier than predicted: training runs now
                     break
                 t0 = time.monotonic()

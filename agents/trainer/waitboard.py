@@ -34,5 +34,3 @@ class WaitBoard:
 
     def read(self) -> int:
         return self._view[0]
-
-
