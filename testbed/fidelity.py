@@ -87,21 +87,36 @@ def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, str
 def one_way_delays(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
                    port: int = 5301) -> list[float]:
     """One-way delays (ms) src -> dst, from the clock all namespaces share."""
+    return _probe(net, src, dst, ["recv", str(port), str(count)],
+                  ["send", dst.ip, str(port), str(count), str(interval_s)], 2.0 + count * interval_s + 2.0)
+
+
+def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
+           timeout: float) -> list[float]:
+    """Run ``testbed.owd``'s receiver on dst and its sender on src; the receiver's figures."""
     import subprocess
     import sys
 
-    timeout = 2.0 + count * interval_s + 2.0
-    recv = net.popen(dst, [sys.executable, "-m", "testbed.owd", "recv", str(port), str(count), str(timeout)],
+    recv = net.popen(dst, [sys.executable, "-m", "testbed.owd", *recv_args, str(timeout)],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if recv.stdout.readline().strip() != "listening":
         raise NetworkError(f"one-way delay receiver on {dst.name} did not start: {recv.stderr.read()[-200:]}")
-    src.node.cmd(f"{sys.executable} -m testbed.owd send {dst.ip} {port} {count} {interval_s}")
+    src.node.cmd(" ".join([sys.executable, "-m", "testbed.owd", *send_args]))
     try:
         stdout, _ = recv.communicate(timeout=timeout + 2)
     except subprocess.TimeoutExpired:
         recv.kill()
         stdout, _ = recv.communicate()
     return [float(x) for x in stdout.split()]
+
+
+def message_delays(net: Network, src: HostInfo, dst: HostInfo, size: int = 131072, count: int = 30,
+                   interval_s: float = 0.05, port: int = 5302) -> list[float]:
+    """One-way times (ms) of ``count`` TCP messages of ``size`` bytes src -> dst, each sent
+    after ``interval_s`` of idle: delay plus serialisation at the link's rate."""
+    return _probe(net, src, dst, ["msg-recv", str(port), str(count), str(size)],
+                  ["msg-send", dst.ip, str(port), str(count), str(size), str(interval_s)],
+                  2.0 + count * (interval_s + 0.5))
 
 
 def configured_rtt_ms(net: Network, src: str, dst: str) -> float:

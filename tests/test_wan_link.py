@@ -2,6 +2,7 @@
 
 Tolerances are those of the WAN-emulator issue: min RTT within max(0.5 ms, 3%) of the
 configured RTT; goodput 90-101% of the rate; 5% loss measures 3-7% over 2,000 packets.
+A message after an idle spell pays its serialisation at the rate (no line-speed burst).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import statistics
 import pytest
 
 from conftest import skip_unless_network, two_dcs
-from testbed.fidelity import iperf3, one_way_delays, ping, ping_loss
+from testbed.fidelity import iperf3, message_delays, one_way_delays, ping, ping_loss
 from testbed.network import Network
 
 pytestmark = pytest.mark.network
@@ -38,6 +39,20 @@ def test_goodput_of_100_mbit_link(backend):
     with Network(two_dcs(delay_ms=10, rate_mbps=100), delay_backend=backend, caps=caps) as net:
         perf = iperf3(net, net.host("east"), net.host("west"), seconds=5, omit_s=1)
     assert 90.0 <= perf["goodput_mbps"] <= 101.0, perf
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_message_after_idle_pays_its_serialisation(backend):
+    """A 128 KiB activation on a 200 Mbit/s, 1 ms link takes delay + size / rate (6.5 ms),
+    not the delay alone: the shaper's bucket must not let a message out at line speed."""
+    caps = skip_unless_network(backend)
+    with Network(two_dcs(delay_ms=1, rate_mbps=200), delay_backend=backend, caps=caps) as net:
+        times = message_delays(net, net.host("east"), net.host("west"), size=131072, count=25)
+    assert len(times) == 25, times
+    wire = 131072 * 1514 / 1448  # bytes on the wire: headers per 1448-byte segment
+    expected_ms = 1.0 + wire * 8 / 200e6 * 1000
+    ratio = statistics.median(times[5:]) / expected_ms  # the first ones open the window
+    assert 0.85 <= ratio <= 1.25, (ratio, times)
 
 
 @pytest.mark.parametrize(("backend", "loss_backend"), [("tun", "iptables"), ("tun", "delayline"), ("netem", "netem")])
