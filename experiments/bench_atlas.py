@@ -100,7 +100,8 @@ def sweep(out_dir: Path) -> None:
     profile = REPO / "results" / "atlas-vs-baseline" / "a" / "timeline.json"
     tmp = Path(tempfile.mkdtemp(prefix="gtb-bench-atlas-"))
     if profile.exists():
-        times, _ = profiled_stage_times(profile, 3)
+        times, _ = profiled_stage_times(profile, load_experiment(REPO / "experiments" / "atlas-vs-baseline.yaml"),
+                                        distributions=False)
         source = f"compute profiled from {profile}"
     else:
         from testbed.sim.engine import StageTimes
@@ -153,10 +154,11 @@ def emulator_sweep(out_dir: Path) -> None:
             data["training"]["iterations"] = 7
             data["atlas"]["sharing"] = sharing
             run_dir = out_dir / "emulator" / label.replace(" ", "-").replace("/", "") / name
-            result = TrainingRun(parse_experiment(data, "bench-atlas"), run_dir).run()
+            variant = parse_experiment(data, "bench-atlas")
+            result = TrainingRun(variant, run_dir).run()
             measured[name] = result["summary"]["mean_iteration_time_s"]
             if name == "a":
-                times, _ = profiled_stage_times(run_dir / "timeline.json", exp.parallel.stages)
+                times, _ = profiled_stage_times(run_dir / "timeline.json", variant, distributions=False)
         predicted = speedups(exp, times)
         row = {"point": label, **kw, "a_s": measured["a"], "c_s": measured["c"],
                "a_predicted_s": predicted["a"], "c_predicted_s": predicted["c"],

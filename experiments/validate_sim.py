@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from testbed.runner import TrainingRun  # noqa: E402
 from testbed.sim.build import profiled_stage_times, simulate  # noqa: E402
 
 MODEL = {"layers": 6, "hidden": 128, "heads": 4, "seq_len": 64}
+_SIM_ITERATIONS = 42
 
 
 def topology(tmp: Path, delay_ms: float, rate_mbps: float = 200.0) -> str:
@@ -43,9 +45,9 @@ def topology(tmp: Path, delay_ms: float, rate_mbps: float = 200.0) -> str:
     return str(path)
 
 
-def compare(tmp: Path, stages: int, replicas: int, delay_ms: float, connections: int,
-            schedule: str = "1f1b", iterations: int = 6) -> dict:
-    exp = parse_experiment({
+def _experiment(tmp: Path, stages: int, replicas: int, delay_ms: float, connections: int, schedule: str,
+                iterations: int):
+    return parse_experiment({
         "name": f"v-p{stages}-d{replicas}-{delay_ms}ms-n{connections}", "topology": topology(tmp, delay_ms),
         "model": MODEL,
         "training": {"iterations": iterations, "microbatches": 6, "microbatch_size": 4, "seed": 1},
@@ -53,20 +55,31 @@ def compare(tmp: Path, stages: int, replicas: int, delay_ms: float, connections:
                      "slow_start_after_idle": False},
         "sim": {"intra_dc_gbps": 10.0},
     }, "validate")
-    out = tmp / exp.name
-    result = TrainingRun(exp, out).run()
+
+
+def compare(tmp: Path, stages: int, replicas: int, delay_ms: float, connections: int,
+            schedule: str = "1f1b", iterations: int = 10, reuse: Path | None = None,
+            distributions: bool = True, latency: bool = True) -> dict:
+    exp = _experiment(reuse or tmp, stages, replicas, delay_ms, connections, schedule, iterations)
+    out = (reuse or tmp) / exp.name
+    if reuse is None:
+        TrainingRun(exp, out).run()
+    result = json.loads((out / "metrics.json").read_text())
     steady = [it["time_s"] for it in result["iterations"] if it["iteration"] in
               result["summary"]["steady_state_iterations"]]
     # the median: a rare TCP retransmission timeout (a 1-1.5 s stall, seen once in ~30 runs
     # here) is real but not what the fluid model predicts; the mean is reported beside it
     measured = statistics.median(steady)
     measured_mean = result["summary"]["mean_iteration_time_s"]
-    times, overhead = profiled_stage_times(out / "timeline.json", stages)
-    sim = simulate(exp, stage_times=times, message_overhead_s=overhead)
-    predicted = summarise(sim)["summary"]["mean_iteration_time_s"]
+    times, message_latency = profiled_stage_times(out / "timeline.json", exp, distributions=distributions)
+    # op times drawn from the profiled ones: many simulated iterations, their median as measured
+    sim_exp = _experiment(reuse or tmp, stages, replicas, delay_ms, connections, schedule, _SIM_ITERATIONS)
+    sim = summarise(simulate(sim_exp, stage_times=times, message_overhead_s=message_latency if latency else 0.0))
+    predicted = statistics.median(it["time_s"] for it in sim["iterations"]
+                                  if it["iteration"] in sim["summary"]["steady_state_iterations"])
     return {"stages": stages, "replicas": replicas, "delay_ms": delay_ms, "connections": connections,
             "schedule": schedule, "measured_s": round(measured, 4), "measured_mean_s": round(measured_mean, 4),
-            "predicted_s": round(predicted, 4),
+            "predicted_s": round(predicted, 4), "message_latency_ms": round(message_latency * 1e3, 2),
             "error": round((predicted - measured) / measured, 4)}
 
 
@@ -75,8 +88,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 4-case subset")
     ap.add_argument("--cases", help='only these cases, "P,D,ms,N;P,D,ms,N" (e.g. "3,1,1,4;3,1,10,4")')
     ap.add_argument("--out", type=Path, default=Path("results/validate-sim"))
+    ap.add_argument("--iterations", type=int, default=10, help="emulator iterations per case (2 are warm-up)")
+    ap.add_argument("--reuse", type=Path, help="predict again from the runs kept in this folder (no emulator)")
+    ap.add_argument("--fixed-times", action="store_true", help="medians only, no drawn op times")
+    ap.add_argument("--no-latency", action="store_true", help="no profiled per-message transport latency")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gtb-validate-"))  # kept: each case's run, for a look
+    tmp = args.reuse or Path(tempfile.mkdtemp(prefix="gtb-validate-"))  # kept: each case's run, for a look
     if args.cases:
         cases = [tuple(int(float(v)) for v in c.split(",")) for c in args.cases.split(";")]
     elif args.quick:
@@ -85,7 +102,8 @@ def main() -> None:
         cases = list(itertools.product((2, 3), (1, 2), (1, 10, 50), (1, 4)))
     rows = []
     for stages, replicas, delay, n in cases:
-        row = compare(tmp, stages, replicas, delay, n)
+        row = compare(tmp, stages, replicas, delay, n, iterations=args.iterations, reuse=args.reuse,
+                      distributions=not args.fixed_times, latency=not args.no_latency)
         rows.append(row)
         print(f"P={stages} D={replicas} {delay:>3} ms N={n}: measured {row['measured_s']:.3f} s, "
               f"predicted {row['predicted_s']:.3f} s, error {row['error']:+.1%}", flush=True)

@@ -19,13 +19,13 @@ from typing import Callable
 from .experiment import Experiment
 
 
-def predict(exp: Experiment, run_dir: Path, iterations: int = 8) -> float:
+def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
     """The simulator's mean steady-state iteration time for ``exp``, profiled from ``run_dir``."""
     from . import metrics
     from .sim.build import profiled_stage_times, simulate
     from .sim.engine import PriorityPolicy
 
-    times, overhead = profiled_stage_times(run_dir / "timeline.json", exp.parallel.stages)
+    times, overhead = profiled_stage_times(run_dir / "timeline.json", exp)
     offsets, policy = None, None
     plans_file = run_dir / "atlas-plans.json"
     if exp.atlas.sharing != "fair" and plans_file.exists():

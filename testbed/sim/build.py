@@ -45,16 +45,27 @@ def flops_stage_times(exp: Experiment) -> list[StageTimes]:
     return out
 
 
-def profiled_stage_times(timeline: Path, stages: int, skip_iterations: int = 2) -> tuple[list[StageTimes], float]:
-    """Median forward/backward/optimizer per stage from an emulator run, and the medians of
-    the per-message hand-off costs on the worker's own CPU: ``send`` (the send intervals) and
-    ``recv`` (receive intervals whose data had already arrived when they began, so all of
-    the interval is taking the tensor out of the transport).  The second value, the extra
-    per-message delay, is 0: the costs are charged where the emulator pays them."""
+def profiled_stage_times(timeline: Path, exp: Experiment, skip_iterations: int = 2,
+                         distributions: bool = True) -> tuple[list[StageTimes], float]:
+    """Per-stage times from an emulator run of ``exp``, and the transport's per-message latency.
+
+    Per stage: the medians of forward/backward/optimizer (with every observed duration as
+    ``samples`` when ``distributions``) and of the per-message hand-off costs on the
+    worker's own CPU: ``send`` (the send intervals) and ``recv`` (receive intervals whose
+    data had already arrived when they began, so all of the interval is taking the tensor
+    out of the transport).
+
+    The latency is what a message takes beyond the network's share: each cross-DC transfer
+    the receiver was waiting for, minus when a FIFO link of the path's rate and delay would
+    have delivered it (behind the earlier messages on that path), median over the run.  On
+    CPU-limited hosts this is the writer and reader threads waiting for their share of the
+    worker's CPU quota (a few ms at 0.3 cores); the fluid network model knows nothing of it.
+    """
     trace = json.loads(Path(timeline).read_text())["traceEvents"]
     per: dict[tuple[int, str], list[float]] = {}
     ops: dict[str, list[dict]] = {}
     arrived: dict[tuple[str, str, int, int], float] = {}  # (worker, act|grad, iteration, mb) -> end
+    transfers: list[tuple[str, str, dict]] = []  # (receiver, act|grad, event)
     for e in trace:
         if e.get("ph") != "X":
             continue
@@ -62,8 +73,11 @@ def profiled_stage_times(timeline: Path, stages: int, skip_iterations: int = 2) 
         if tid.endswith(" wan") and e["cat"] in ("xfer_act", "xfer_grad"):
             key = (tid[:-4], e["cat"][5:], e["args"].get("iteration"), e["args"].get("microbatch"))
             arrived[key] = (e["ts"] + e["dur"]) / 1e6
+            if (e["args"].get("iteration") or 0) >= skip_iterations:
+                transfers.append((tid[:-4], e["cat"][5:], e))
         elif tid.startswith("s") and " " not in tid:
             ops.setdefault(tid, []).append(e)
+    waited: set[tuple[str, str, int, int]] = set()  # transfers that arrived while the receiver waited
     for tid, events in ops.items():
         stage = int(tid[1:].split("r")[0])
         events.sort(key=lambda e: e["ts"])
@@ -76,11 +90,14 @@ def profiled_stage_times(timeline: Path, stages: int, skip_iterations: int = 2) 
                 per.setdefault((stage, kind), []).append(e["dur"] / 1e6)
             elif kind == "recv" and nxt is not None and nxt["cat"] in ("forward", "backward"):
                 what = "act" if nxt["cat"] == "forward" else "grad"
-                t_arrived = arrived.get((tid, what, it, e["args"].get("microbatch")))
+                key = (tid, what, it, e["args"].get("microbatch"))
+                t_arrived = arrived.get(key)
                 if t_arrived is not None and t_arrived <= e["ts"] / 1e6:
                     per.setdefault((stage, "recv"), []).append(e["dur"] / 1e6)
+                elif t_arrived is not None:
+                    waited.add(key)
     times = []
-    for s in range(stages):
+    for s in range(exp.parallel.stages):
         def med(kind, required=True):
             values = per.get((s, kind))
             if not values:
@@ -88,9 +105,39 @@ def profiled_stage_times(timeline: Path, stages: int, skip_iterations: int = 2) 
                     raise ValueError(f"{timeline}: no {kind} intervals for stage {s}")
                 return 0.0
             return statistics.median(values)
+        samples = {k: tuple(per[(s, k)]) for k in ("forward", "backward", "optimizer")
+                   if distributions and per.get((s, k))}
         times.append(StageTimes(med("forward"), med("backward"), med("optimizer"),
-                                send=med("send", False), recv=med("recv", False)))
-    return times, 0.0
+                                send=med("send", False), recv=med("recv", False), samples=samples))
+    return times, _message_latency(exp, transfers, waited)
+
+
+def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
+                     waited: set[tuple[str, str, int, int]]) -> float:
+    """Median of (arrival - FIFO link's delivery) over the transfers a receiver waited for."""
+    topo = exp.topo
+    dc_of = {slot.name: slot.dc for slot in exp.workers()}
+    paths: dict[tuple[str, str], list[tuple[float, float, float, tuple]]] = {}
+    for receiver, what, e in transfers:
+        stage, replica = receiver[1:].split("r")
+        sender = f"s{int(stage) + (-1 if what == 'act' else 1)}r{replica}"
+        a, b = dc_of.get(sender), dc_of.get(receiver)
+        if a is None or b is None or a == b:
+            continue
+        key = (receiver, what, e["args"].get("iteration"), e["args"].get("microbatch"))
+        start = e["ts"] / 1e6
+        paths.setdefault((a, b), []).append((start, start + e["dur"] / 1e6, e["args"].get("bytes", 0), key))
+    excess = []
+    for (a, b), items in paths.items():
+        hops = topo.path(a, b)
+        rate = min(topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8 * PAYLOAD_FRACTION
+        delay = topo.one_way_delay_ms(a, b) / 1000.0
+        free = 0.0
+        for start, end, size, key in sorted(items):
+            free = max(start, free) + size / rate
+            if key in waited:
+                excess.append(end - (free + delay))
+    return max(0.0, statistics.median(excess)) if excess else 0.0
 
 
 @dataclass
@@ -108,7 +155,7 @@ class SimResult:
 def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: int | None = None,
              stage_times: list[StageTimes] | None = None, message_overhead_s: float | None = None,
              record: bool = True, fold_replicas: bool | None = None,
-             start_offsets: dict[int, float] | None = None) -> SimResult:
+             start_offsets: dict[int, float] | None = None, seed: int | None = None) -> SimResult:
     """Simulate ``exp``.  ``fold_replicas`` (default: when D > 8 and sharing is fair)
     simulates one pipeline with every WAN link's bandwidth divided by D: under fair sharing
     identical replicas move in lockstep, so each sees exactly that share; the DP all-reduce
@@ -167,9 +214,15 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         start = sim.now
 
         def arrived(t, peer=peer, kind=kind):
+            if overhead > 0:  # the transport's own per-message latency: the tensor is usable later
+                sim.at(t + overhead, lambda: delivered(sim.now, peer, kind))
+            else:
+                delivered(t, peer, kind)
+
+        def delivered(t, peer, kind):
             if record:
                 peer.transfers.append(["xfer_act" if kind == sch.SEND_ACT else "xfer_grad", mb, start, t, act_bytes, it])
-            on_arrival(t + overhead)
+            on_arrival(t)
 
         if peer.dc == w.dc:
             sim.at(sim.now + act_bytes / intra, lambda: arrived(sim.now))
@@ -198,7 +251,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         return size / (rate / exp.parallel.stages) + 2 * (d - 1) * delay + sim_spec.allreduce_latency_s
 
     job = PipelineJob(sim, workers, n_it, send, allreduce_time, record=record, dp_replicas=D,
-                      start_offsets=start_offsets)
+                      start_offsets=start_offsets, seed=exp.training.seed if seed is None else seed)
     job.start()
     sim.run()
     states = {}

@@ -67,12 +67,12 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
     exp = load_experiment(path)
     points = _parse_sweep(sweep or [])
     rows = []
+    # the profiled run is of ``exp`` itself: its message latency is measured against exp's links
+    profiled = profiled_stage_times(profile, exp) if profile is not None else None
     with tempfile.TemporaryDirectory(prefix="gtb-sim-") as workdir:
         for point in points:
             e = _with(exp, point, Path(workdir)) if point else exp
-            stage_times = overhead = None
-            if profile is not None:
-                stage_times, overhead = profiled_stage_times(profile, e.parallel.stages)
+            stage_times, overhead = profiled if profile is not None else (None, None)
             t0 = time.perf_counter()
             result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
             wall = time.perf_counter() - t0

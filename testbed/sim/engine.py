@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -204,13 +205,26 @@ class Simulator:
 class StageTimes:
     """Seconds one worker of a stage spends per microbatch (forward, backward), per iteration
     (optimizer), and per message on its own CPU: ``send`` hands a tensor to the transport
-    before the flow starts, ``recv`` takes an arrived tensor out of it."""
+    (the flow starts with it), ``recv`` takes an arrived tensor out of it.
+
+    ``samples`` (optional, per kind: "forward", "backward", "optimizer") are durations
+    observed on a real run; when present, each op draws one of them (``PipelineJob``'s
+    seeded generator) instead of taking the fixed value.  Variable op times make a pipeline
+    slower than its medians say (a stage waits for the slowest of its inputs) and keep DP
+    replicas from moving in perfect lockstep, as real ones do not."""
 
     forward: float
     backward: float
     optimizer: float = 0.0
     send: float = 0.0
     recv: float = 0.0
+    samples: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def draw(self, kind: str, rng: random.Random) -> float:
+        pool = self.samples.get(kind)
+        if pool:
+            return pool[rng.randrange(len(pool))]
+        return getattr(self, kind)
 
 
 @dataclass
@@ -238,8 +252,9 @@ class PipelineJob:
     def __init__(self, sim: Simulator, workers: list[Worker], iterations: int,
                  send: Callable[[Worker, str, int, int, Callable[[float], None]], None],
                  allreduce_time: Callable[[int], float], record: bool = True, dp_replicas: int | None = None,
-                 start_offsets: dict[int, float] | None = None):
+                 start_offsets: dict[int, float] | None = None, seed: int = 0):
         self.sim = sim
+        self._rng = random.Random(seed)  # draws op times where StageTimes carries samples
         self.workers = workers
         self.iterations = iterations
         self._send = send
@@ -296,15 +311,14 @@ class PipelineJob:
                 self._event(w, "send", mb, start, end)
                 w.cursor = end
 
-                def post(w=w, kind=kind, mb=mb, it=it, peer=peer, recv_kind=recv_kind):
-                    self._send(w, kind, mb, it, lambda t, p=peer, k=(recv_kind, it, mb): self._deliver(p, k, t))
-
-                if w.times.send > 0:  # the flow starts once the sender has handed the tensor over
-                    sim.at(end, lambda post=post, w=w: (post(), self._step(w)))
+                # the flow starts as the hand-off begins: the transport's threads send while the
+                # worker's own thread pays ``send`` (the emulator stamps a message there too)
+                self._send(w, kind, mb, it, lambda t, p=peer, k=(recv_kind, it, mb): self._deliver(p, k, t))
+                if w.times.send > 0:
+                    sim.at(end, lambda w=w: self._step(w))
                     return
-                post()
                 continue
-            duration = w.times.forward if kind == sch.FORWARD else w.times.backward
+            duration = w.times.draw("forward" if kind == sch.FORWARD else "backward", self._rng)
             start = sim.now
             if start > w.cursor:
                 self._event(w, "recv", mb, w.cursor, start)
@@ -336,7 +350,7 @@ class PipelineJob:
                 self._event(member, "recv", -1, member.cursor, now)
             if ar:
                 self._event(member, "allreduce", -1, now, now + ar)
-            end = now + ar + member.times.optimizer
+            end = now + ar + member.times.draw("optimizer", self._rng)
             self._event(member, "optimizer", -1, now + ar, end)
             member.iteration_end[member.iteration] = end
             member.cursor = end
