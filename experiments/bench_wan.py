@@ -9,6 +9,9 @@
 4. Start-up and stop time of 3 DCs x 8 hosts, 8 DCs x 8 hosts and 8 DCs x 32 hosts (full
    WAN mesh over the measured AWS matrix), next to bare Mininet (Linux bridges, no
    controller, the same hosts and bridges, no WAN machinery).
+5. Shaping: one-way time of a 128 KiB TCP message after idle against delay + size / rate
+   (a pipeline stage's activation; the shaper's bucket must not let it out at line speed),
+   and shaped goodput against the rate from 100 Mbit/s to 8 Gbit/s.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testbed.awsmatrix import aws_topology, regions  # noqa: E402
-from testbed.fidelity import iperf3, ping  # noqa: E402
+from testbed.fidelity import iperf3, message_delays, ping  # noqa: E402
 from testbed.kernel import mininet_on_path, probe  # noqa: E402
 from testbed.network import Network  # noqa: E402
 from testbed.registry import PREFIX, Registry  # noqa: E402
@@ -82,6 +85,29 @@ def rtt_error(caps, delays=(5, 25, 50)) -> list[dict]:
                      "rtt_median_ms": round(sorted(rtts)[len(rtts) // 2], 3)})
         print(f"  {d:>3} ms one-way: min RTT {min(rtts):.3f} ms (error {err:+.3f} ms)", flush=True)
     return rows
+
+
+def shaping(caps, rates=(100, 200, 1000, 8000), seconds=4.0) -> dict:
+    rows = []
+    for rate, delay in ((200, 1), (50, 10)):
+        with Network(_two(delay, rate), caps=caps) as net:
+            times = message_delays(net, net.host("a"), net.host("b"), size=131072, count=30)[5:]
+        expected = delay + 131072 * 1514 / 1448 * 8 / (rate * 1e6) * 1000
+        median = sorted(times)[len(times) // 2]
+        rows.append({"rate_mbps": rate, "one_way_ms": delay, "message_bytes": 131072,
+                     "median_ms": round(median, 2), "expected_ms": round(expected, 2)})
+        print(f"  128 KiB message at {rate} Mbit/s, {delay} ms: {median:.2f} ms one-way "
+              f"(delay + size/rate {expected:.2f} ms, ratio {median / expected:.2f})", flush=True)
+    goodput = []
+    for rate in rates:
+        with Network(_two(5, rate), caps=caps) as net:
+            perf = iperf3(net, net.host("a"), net.host("b"), seconds=seconds, omit_s=1)
+        ratio = perf["goodput_mbps"] / (rate * 1448 / 1514)
+        goodput.append({"rate_mbps": rate, "goodput_mbps": round(perf["goodput_mbps"], 1),
+                        "of_payload_rate": round(ratio, 3)})
+        print(f"  shaped {rate} Mbit/s: goodput {perf['goodput_mbps']:.1f} Mbit/s "
+              f"({ratio:.3f} of the payload rate)", flush=True)
+    return {"messages": rows, "goodput": goodput}
 
 
 def _bare_mininet(n_dcs: int, hosts_per_dc: int) -> tuple[float, float]:
@@ -164,6 +190,8 @@ def main() -> None:
     print("4. start-up and stop", flush=True)
     sizes = [(3, 8), (8, 8)] if args.quick else [(3, 8), (8, 8), (8, 32)]
     results["startup"] = startup(caps, sizes)
+    print("5. shaping", flush=True)
+    results["shaping"] = shaping(caps, seconds=3 if args.quick else 4)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -1,15 +1,19 @@
 """Validate the simulator against the emulator: predicted vs measured iteration time.
 
-    .venv/bin/python experiments/validate_sim.py [--quick] [--out results/validate-sim]
+    .venv/bin/python experiments/validate_sim.py [--quick] [--cases ..] [--iterations 10]
+        [--out results/validate-sim] [--reuse DIR] [--fixed-times] [--no-latency]
 
 For each case (P=2 and P=3 across DCs, D=1 and 2, one-way delay 1-50 ms, N=1 and 4) it
 trains on the emulator (WAN-tuned hosts: no TCP slow start after idle, which the fluid model
 does not know: with it, a 50 ms P=3 D=2 run measured 2.6 s against 1.3 s predicted, every
-128 KiB message paying extra round trips), feeds the simulator the compute times profiled from that run
-(``timeline.json``: median forward/backward/optimizer per stage, median hand-off cost),
-simulates the same experiment, and writes ``errors.csv`` and ``errors.md``: measured and
-predicted steady-state iteration time (the median of the steady iterations; their mean beside
-it) and the relative error (the goal is 5%, the bar 10%).
+128 KiB message paying extra round trips), feeds the simulator what it profiles from that
+run (``timeline.json``: each stage's forward/backward/optimizer durations, drawn per op,
+the median hand-off costs, and the transport's per-message latency beyond the network),
+simulates the same experiment for 42 iterations, and writes ``errors.csv`` and
+``errors.md``: measured and predicted steady-state iteration time (the median of the steady
+iterations; the measured mean beside it) and the relative error (the goal is 5%, the bar
+10%).  ``--reuse DIR`` predicts again from the runs kept in DIR (a model change, no
+emulator); ``--fixed-times`` and ``--no-latency`` switch the two profiled refinements off.
 """
 
 from __future__ import annotations
