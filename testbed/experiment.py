@@ -128,7 +128,8 @@ class SimSpec(_Strict):
     wan_link_gbps: float | None = Field(
         None, gt=0, description="WAN link capacity; then the topology's rate is one connection's ceiling "
                                 "(as in the measured AWS matrix) instead of the link's capacity")
-    message_overhead_s: float = Field(0.0, ge=0, description="per-message hand-off cost at the receiver")
+    message_overhead_s: float = Field(0.0, ge=0, description="per-message transport latency: a tensor is usable "
+                                      "this long after its last byte is in (`--profile` measures it)")
     stage_times: list[StageTimeSpec] | None = None
 
 
