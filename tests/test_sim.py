@@ -109,43 +109,66 @@ def test_drawn_op_times_are_seeded_and_stretch_the_pipeline():
     assert mean_time(drawn, 1) > 1.03 * mean_time(fixed, 1)
 
 
+def _timeline(path: Path, exp, extra_s: float, iterations: int = 3) -> Path:
+    """A two-stage run's timeline: forward 10 ms, backward 20 ms, each activation taking the
+    link's delay + size/rate + ``extra_s`` while the receiver waits for it."""
+    from testbed.sim.build import PAYLOAD_FRACTION
+
+    link = exp.topo.direction(exp.workers()[0].dc, exp.workers()[1].dc)
+    took = link.delay_ms / 1000 + 131072 / (link.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION) + extra_s
+    events, t = [], 0.0
+    for it in range(iterations):
+        for mb in range(2):
+            def op(tid, cat, start, dur, mb=mb, it=it):
+                events.append({"ph": "X", "tid": tid, "cat": cat, "ts": start * 1e6, "dur": dur * 1e6,
+                               "args": {"iteration": it, "microbatch": mb}})
+            op("s0r0", "forward", t, 0.01)
+            op("s0r0", "send", t + 0.01, 0.001)
+            events.append({"ph": "X", "tid": "s1r0 wan", "cat": "xfer_act", "ts": (t + 0.011) * 1e6,
+                           "dur": took * 1e6, "args": {"iteration": it, "microbatch": mb, "bytes": 131072}})
+            op("s1r0", "recv", t + 0.0105, took + 0.0005)
+            op("s1r0", "forward", t + 0.011 + took, 0.01)
+            op("s1r0", "backward", t + 0.021 + took, 0.02)
+            op("s0r0", "backward", t + 0.05 + took, 0.02)
+            op("s0r0", "optimizer", t + 0.07 + took, 0.001)
+            op("s1r0", "optimizer", t + 0.07 + took, 0.001)
+            t += 1.0
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
 def test_profiled_message_latency_is_the_excess_over_a_fifo_link(tmp_path):
-    """A timeline whose transfers each took delay + size/rate + 4 ms, the receiver waiting:
-    the profile recovers the 4 ms (and 0 when they took exactly the link's time)."""
-    from testbed.sim.build import PAYLOAD_FRACTION, profiled_stage_times
+    """Transfers that each took delay + size/rate + 4 ms, the receiver waiting: the profile
+    recovers the 4 ms (and 0 when they took exactly the link's time)."""
+    from testbed.sim.build import profiled_stage_times
 
     exp = _exp(2, 2, "gpipe")
-    a, b = exp.workers()[0].dc, exp.workers()[1].dc
-    link = exp.topo.direction(a, b)
-    wire_s = 131072 / (link.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION)
-
-    def timeline(extra_s):
-        events, t = [], 0.0
-        for it in range(3):
-            for mb in range(2):
-                def op(tid, cat, start, dur, mb=mb, it=it):
-                    events.append({"ph": "X", "tid": tid, "cat": cat, "ts": start * 1e6, "dur": dur * 1e6,
-                                   "args": {"iteration": it, "microbatch": mb}})
-                op("s0r0", "forward", t, 0.01)
-                op("s0r0", "send", t + 0.01, 0.001)
-                took = link.delay_ms / 1000 + wire_s + extra_s
-                events.append({"ph": "X", "tid": "s1r0 wan", "cat": "xfer_act", "ts": (t + 0.011) * 1e6,
-                               "dur": took * 1e6, "args": {"iteration": it, "microbatch": mb, "bytes": 131072}})
-                op("s1r0", "recv", t + 0.0105, took + 0.0005)
-                op("s1r0", "forward", t + 0.011 + took, 0.01)
-                op("s1r0", "backward", t + 0.021 + took, 0.02)
-                op("s0r0", "backward", t + 0.05 + took, 0.02)
-                op("s0r0", "optimizer", t + 0.07 + took, 0.001)
-                op("s1r0", "optimizer", t + 0.07 + took, 0.001)
-                t += 1.0
-        path = tmp_path / f"timeline-{extra_s}.json"
-        path.write_text(json.dumps({"traceEvents": events}))
-        return path
-
-    times, latency = profiled_stage_times(timeline(0.004), exp, skip_iterations=1)
+    times, latency = profiled_stage_times(_timeline(tmp_path / "a.json", exp, 0.004), exp, skip_iterations=1)
     assert latency == pytest.approx(0.004, abs=1e-6)
     assert times[0].forward == pytest.approx(0.01) and times[0].samples["forward"] == (0.01,) * 4
-    assert profiled_stage_times(timeline(0.0), exp, skip_iterations=1)[1] == pytest.approx(0.0, abs=1e-6)
+    exact = profiled_stage_times(_timeline(tmp_path / "b.json", exp, 0.0), exp, skip_iterations=1)[1]
+    assert exact == pytest.approx(0.0, abs=1e-6)
+
+
+def test_sim_command_takes_times_and_latency_from_a_profile(tmp_path):
+    import yaml
+
+    exp = _exp(2, 2, "gpipe")
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(yaml.safe_dump(exp.model_dump(mode="json", exclude={"sim": {"stage_times"}}) | {"topology": TOPO}))
+
+    def iteration_time(extra_s):
+        timeline = _timeline(tmp_path / f"t{extra_s}.json", exp, extra_s)
+        result = subprocess.run([sys.executable, "-m", "testbed.cli", "sim", str(spec), "--json",
+                                 "--profile", str(timeline)], capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["iteration_time_s"]
+
+    # profiled compute is ~0.1 s an iteration (the experiment's own stage_times would be 6 s);
+    # 50 ms more per message: gpipe, m=2 puts two hand-offs on the critical path
+    base = iteration_time(0.0)
+    assert base < 0.3
+    assert iteration_time(0.05) - base == pytest.approx(0.1, abs=0.01)
 
 
 def test_sim_command_json_and_outputs(tmp_path):
