@@ -160,7 +160,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     simulates one pipeline with every WAN link's bandwidth divided by D: under fair sharing
     identical replicas move in lockstep, so each sees exactly that share; the DP all-reduce
     keeps the real D.  It makes paper-scale jobs (D in the hundreds) cost what one pipeline
-    costs."""
+    costs.  With drawn op times (profiled ``samples``) replicas are no longer identical and
+    folding is an approximation: pass ``fold_replicas=False`` where D is small enough."""
     sim_spec = exp.sim
     topo = exp.topo
     n_it = iterations or exp.training.iterations
