@@ -49,22 +49,20 @@ def _forward(model: GPT, x: torch.Tensor, keys: list, values: list, start: int) 
     n = x.shape[1]
     h = model.tok(x) + model.pos(torch.arange(start, start + n))
     for i, blk in enumerate(model.blocks):
-        b, t, c = h.shape
-        q, k, v = blk.qkv(blk.ln1(h)).split(c, dim=2)
-        q, k, v = (z.view(b, t, blk.heads, c // blk.heads).transpose(1, 2) for z in (q, k, v))
-        if len(keys) > i:
-            keys[i] = torch.cat([keys[i], k], dim=2)
-            values[i] = torch.cat([values[i], v], dim=2)
-        else:
-            keys.append(k)
-            values.append(v)
-        if start == 0:
-            y = F.scaled_dot_product_attention(q, keys[i], values[i], is_causal=True)
-        else:  # query j sits at position start + j: it sees keys 0 .. start + j
+        def attend(q, k, v, i=i):
+            if len(keys) > i:
+                keys[i] = torch.cat([keys[i], k], dim=2)
+                values[i] = torch.cat([values[i], v], dim=2)
+            else:
+                keys.append(k)
+                values.append(v)
+            if start == 0:
+                return F.scaled_dot_product_attention(q, keys[i], values[i], is_causal=True)
+            # query j sits at position start + j: it sees keys 0 .. start + j
             mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
-            y = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask)
-        h = h + blk.proj(y.transpose(1, 2).reshape(b, t, c))
-        h = h + blk.out(F.gelu(blk.fc(blk.ln2(h))))
+            return F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask)
+
+        h = blk(h, attend)
     return model.head(model.ln_f(h[:, -1]))
 
 
@@ -124,14 +122,13 @@ def decode_batch(model: GPT, caches: list[dict], steps: list[int]) -> list[list[
         valid[:, col] = True
         mask = valid[:, None, None, :col + 1]
         for i, blk in enumerate(model.blocks):
-            b, t, c = h.shape
-            q, k, v = blk.qkv(blk.ln1(h)).split(c, dim=2)
-            q, k, v = (z.view(b, t, blk.heads, c // blk.heads).transpose(1, 2) for z in (q, k, v))
-            keys[i][:, :, col:col + 1] = k
-            values[i][:, :, col:col + 1] = v
-            y = F.scaled_dot_product_attention(q, keys[i][:, :, :col + 1], values[i][:, :, :col + 1], attn_mask=mask)
-            h = h + blk.proj(y.transpose(1, 2).reshape(b, t, c))
-            h = h + blk.out(F.gelu(blk.fc(blk.ln2(h))))
+            def attend(q, k, v, i=i):
+                keys[i][:, :, col:col + 1] = k
+                values[i][:, :, col:col + 1] = v
+                return F.scaled_dot_product_attention(q, keys[i][:, :, :col + 1], values[i][:, :, :col + 1],
+                                                      attn_mask=mask)
+
+            h = blk(h, attend)
         nxt = model.head(model.ln_f(h[:, -1])).argmax(-1).tolist()
         for j, (o, n, p) in enumerate(zip(out, steps, pos.tolist())):
             if len(o) < n and p < limit:

@@ -40,11 +40,16 @@ class Block(nn.Module):
         self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
         self.out = nn.Linear(4 * cfg.hidden, cfg.hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend=None) -> torch.Tensor:
+        """``attend(q, k, v)`` (heads split out) gives the attention output; by default causal
+        self-attention over ``x``.  Inference passes one that reads and extends a KV cache."""
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if attend is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = attend(q, k, v)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
