@@ -77,8 +77,8 @@ def compare(tmp: Path, stages: int, replicas: int, delay_ms: float, connections:
     measured_mean = result["summary"]["mean_iteration_time_s"]
     times, message_latency = profiled_stage_times(out / "timeline.json", exp, distributions=distributions)
     # op times drawn from the profiled ones: many simulated iterations, their median as measured
-    sim_exp = _experiment(reuse or tmp, stages, replicas, delay_ms, connections, schedule, _SIM_ITERATIONS)
-    sim = summarise(simulate(sim_exp, stage_times=times, message_overhead_s=message_latency if latency else 0.0))
+    sim = summarise(simulate(exp, iterations=_SIM_ITERATIONS, stage_times=times,
+                             message_overhead_s=message_latency if latency else 0.0))
     predicted = statistics.median(it["time_s"] for it in sim["iterations"]
                                   if it["iteration"] in sim["summary"]["steady_state_iterations"])
     return {"stages": stages, "replicas": replicas, "delay_ms": delay_ms, "connections": connections,

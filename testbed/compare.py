@@ -36,10 +36,6 @@ def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
                 policy = PriorityPolicy(plans[-1]["order"])
     result = simulate(exp, policy=policy, iterations=iterations, stage_times=times, message_overhead_s=overhead,
                       start_offsets=offsets)
-    exp_sim = exp.model_copy(deep=True)
-    exp_sim._origin, exp_sim._topo, exp_sim._slots = exp._origin, exp._topo, exp._slots
-    exp_sim.training.iterations = iterations
-    result.exp = exp_sim
     return metrics.summarise(result)["summary"]["mean_iteration_time_s"]
 
 

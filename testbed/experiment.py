@@ -189,6 +189,14 @@ class Experiment(_Strict):
         e._slots = _place(e, self._topo, f"{self._origin}: compare.{name}")
         return e
 
+    def with_iterations(self, iterations: int) -> "Experiment":
+        """This experiment trained for ``iterations`` (its warm-up at most all but one)."""
+        e = self.model_copy(deep=True)
+        e._origin, e._topo, e._topo_file, e._slots = self._origin, self._topo, self._topo_file, self._slots
+        e.training.iterations = iterations
+        e.training.warmup_iterations = min(e.training.warmup_iterations, iterations - 1)
+        return e
+
 
 @dataclass(frozen=True)
 class WorkerSlot:

@@ -121,8 +121,6 @@ def search(exp: Experiment, stages: list[int] | None = None, replicas: list[int]
             c.why_not = str(exc).split(": ", 1)[-1]
             out.append(c)
             continue
-        e.training.iterations = iterations
-        e.training.warmup_iterations = min(e.training.warmup_iterations, iterations - 1)
         result = simulate(e, iterations=iterations, record=True)
         s = metrics.summarise(result)["summary"]
         from testbed.sim.build import wan_utilization

@@ -264,7 +264,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     note = f"simulated {n_it} iteration(s), {sim.events_processed} events"
     if fold_replicas:
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
-    return SimResult(exp, states, 0.0, [note], links, sim.events_processed, folded=share)
+    # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
+    ran = exp if n_it == exp.training.iterations else exp.with_iterations(n_it)
+    return SimResult(ran, states, 0.0, [note], links, sim.events_processed, folded=share)
 
 
 def wan_utilization(result: SimResult) -> float:

@@ -76,8 +76,6 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
             t0 = time.perf_counter()
             result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
             wall = time.perf_counter() - t0
-            e.training.iterations = iterations
-            e.training.warmup_iterations = min(e.training.warmup_iterations, iterations - 1)
             summary = metrics.summarise(result)
             s = summary["summary"]
             row = dict(point)
