@@ -30,6 +30,7 @@ from testbed.fidelity import iperf3, message_delays, ping  # noqa: E402
 from testbed.kernel import mininet_on_path, probe  # noqa: E402
 from testbed.network import Network  # noqa: E402
 from testbed.registry import PREFIX, Registry  # noqa: E402
+from testbed.sim.build import PAYLOAD_FRACTION  # noqa: E402
 from testbed.spec import parse_topology  # noqa: E402
 
 _HZ = os.sysconf("SC_CLK_TCK")
@@ -92,7 +93,7 @@ def shaping(caps, rates=(100, 200, 1000, 8000), seconds=4.0) -> dict:
     for rate, delay in ((200, 1), (50, 10)):
         with Network(_two(delay, rate), caps=caps) as net:
             times = message_delays(net, net.host("a"), net.host("b"), size=131072, count=30)[5:]
-        expected = delay + 131072 * 1514 / 1448 * 8 / (rate * 1e6) * 1000
+        expected = delay + 131072 / PAYLOAD_FRACTION * 8 / (rate * 1e6) * 1000
         median = sorted(times)[len(times) // 2]
         rows.append({"rate_mbps": rate, "one_way_ms": delay, "message_bytes": 131072,
                      "median_ms": round(median, 2), "expected_ms": round(expected, 2)})
@@ -102,7 +103,7 @@ def shaping(caps, rates=(100, 200, 1000, 8000), seconds=4.0) -> dict:
     for rate in rates:
         with Network(_two(5, rate), caps=caps) as net:
             perf = iperf3(net, net.host("a"), net.host("b"), seconds=seconds, omit_s=1)
-        ratio = perf["goodput_mbps"] / (rate * 1448 / 1514)
+        ratio = perf["goodput_mbps"] / (rate * PAYLOAD_FRACTION)
         goodput.append({"rate_mbps": rate, "goodput_mbps": round(perf["goodput_mbps"], 1),
                         "of_payload_rate": round(ratio, 3)})
         print(f"  shaped {rate} Mbit/s: goodput {perf['goodput_mbps']:.1f} Mbit/s "
