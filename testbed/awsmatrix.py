@@ -2,8 +2,13 @@
 
 How it fits: ``testbed topology aws`` calls ``aws_topology`` to write the
 ``topologies/aws-*.yaml`` files; the simulator's large scenarios read the same matrix.
-Bandwidths are divided by a stated ``scale`` so that a 2-core machine can carry them;
-delays are kept as measured.  The data file and its attribution are in ``testbed/data``.
+Bandwidths are divided by a stated ``scale`` so that a 2-core machine can carry them.
+The matrix's ``delay_ms`` is the **round trip** the authors measured between two regions
+(London-Frankfurt 14 ms, Sydney-London 262 ms: the familiar ping times; its single-connection
+bandwidths are window-limited flows over those round trips).  A WAN link's ``delay_ms`` in a
+topology is one-way, so each direction gets half the round trip, and the link records the
+matrix's figure as ``source_rtt_ms`` (``testbed fidelity`` measures against both).  The data
+file and its attribution are in ``testbed/data``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ SOURCE = (
 
 
 def load_pairs() -> dict[frozenset[str], tuple[float, float]]:
-    """(region, region) -> (one-way delay ms, bandwidth Gbit/s)."""
+    """(region, region) -> (round-trip time ms, single-connection bandwidth Gbit/s)."""
     text = resources.files("testbed").joinpath("data/aws-inter-region.csv").read_text()
     out = {}
     for row in csv.DictReader(text.splitlines()):
@@ -51,13 +56,16 @@ def aws_topology(
     ]
     wan = []
     for a, b in combinations(region_names, 2):
-        delay, gbps = pairs[frozenset((a, b))]
-        wan.append({"a": a.lower(), "b": b.lower(), "delay_ms": delay, "rate_mbps": round(gbps * 1000 / scale, 1)})
+        rtt, gbps = pairs[frozenset((a, b))]
+        wan.append({"a": a.lower(), "b": b.lower(), "delay_ms": rtt / 2, "source_rtt_ms": rtt,
+                    "rate_mbps": round(gbps * 1000 / scale, 1)})
     return {
         "name": name,
         "description": description
-        or f"AWS {', '.join(region_names)}: full mesh, measured delays, bandwidth / {scale:g}",
-        "source": f"{SOURCE}. Bandwidths scaled down by a factor of {scale:g} so this machine's CPUs keep up.",
+        or f"AWS {', '.join(region_names)}: full mesh, measured round trips, bandwidth / {scale:g}",
+        "source": f"{SOURCE}. The matrix's delays are round trips (source_rtt_ms); each direction's one-way "
+                  f"delay_ms is half of it. Bandwidths scaled down by a factor of {scale:g} so this machine's "
+                  f"CPUs keep up.",
         "dcs": dcs,
         "wan": wan,
     }

@@ -7,7 +7,10 @@ bad file raises ``SpecError`` whose message is one line: the file, the field, th
 
 A WAN link joins two DCs.  Its parameters (one-way delay, jitter, loss, rate, queue) apply
 to the direction ``a -> b``; ``reverse`` overrides any of them for ``b -> a`` (asymmetric
-links), otherwise ``b -> a`` is the same.
+links), otherwise ``b -> a`` is the same.  ``delay_ms`` is always one-way: a link built from
+a measured round trip (the AWS matrix) carries half of it each way and records the measured
+figure as ``source_rtt_ms``, which ``testbed fidelity`` and every run's WAN check compare
+against.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class Direction(_Strict):
     jitter_ms: float = Field(0.0, ge=0.0)
     loss: float = Field(0.0, ge=0.0, lt=1.0, description="fraction of packets dropped at random")
     rate_mbps: float = Field(gt=0.0, le=100_000.0)
-    queue_bytes: int | None = Field(None, ge=3000, description="bottleneck queue; default ~ rate x max(20 ms, RTT/2)")
+    queue_bytes: int | None = Field(None, ge=3000, description="bottleneck queue; default rate x max(20 ms, RTT): "
+                                                                "one bandwidth-delay product of the path")
 
     @model_validator(mode="after")
     def _jitter_below_delay(self) -> "Direction":
@@ -81,6 +85,9 @@ class WanLink(Direction):
     a: str
     b: str
     reverse: ReverseOverrides | None = None
+    source_rtt_ms: float | None = Field(None, gt=0.0, le=20_000.0,
+                                        description="the round trip the topology's source measured (reference "
+                                                    "only: the emulated delay is delay_ms each way)")
 
     def forward(self) -> Direction:
         return Direction(**self.model_dump(include=set(Direction.model_fields)))
@@ -189,6 +196,17 @@ class Topology(_Strict):
     def one_way_delay_ms(self, src: str, dst: str) -> float:
         hops = self.path(src, dst)
         return sum(self.direction(a, b).delay_ms for a, b in zip(hops, hops[1:]))
+
+    def rtt_ms(self, src: str, dst: str) -> float:
+        """The configured round trip between two DCs (out and back along their paths)."""
+        return self.one_way_delay_ms(src, dst) + self.one_way_delay_ms(dst, src)
+
+    def source_rtt_ms(self, src: str, dst: str) -> float | None:
+        """The round trip the topology's source measured for the link src-dst, if it says."""
+        for link in self.wan:
+            if {link.a, link.b} == {src, dst}:
+                return link.source_rtt_ms
+        return None
 
 
 def _where(loc: tuple[Any, ...]) -> str:

@@ -27,17 +27,30 @@ def test_shipped_topologies_load(path):
         assert set(topo.next_hops(dc.name)) == {d.name for d in topo.dcs}
 
 
-def test_aws_topologies_keep_measured_delays_and_state_their_scale():
+def test_aws_topologies_carry_half_the_measured_round_trip_each_way():
+    """The matrix's delays are round trips: every shipped topology made from it gives each
+    direction half of it, records the matrix's figure, and says so."""
     pairs = load_pairs()
-    topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
-    assert {d.name for d in topo.dcs} == {"virginia", "ohio", "oregon"}
-    for link in topo.wan:
-        delay, gbps = pairs[frozenset((link.a.capitalize(), link.b.capitalize()))]
-        assert link.delay_ms == delay
+    shipped = sorted((REPO / "topologies").glob("aws-*.yaml"))
+    assert len(shipped) >= 5
+    for path in shipped:
+        topo = load_topology(path)
+        assert "round trip" in topo.source and "half" in topo.source, path
+        assert "one-way" in path.read_text().splitlines()[1], path  # the generated file's comment
+        for link in topo.wan:
+            rtt, gbps = pairs[frozenset((link.a.capitalize(), link.b.capitalize()))]
+            assert link.source_rtt_ms == rtt
+            assert link.delay_ms == rtt / 2
+            assert topo.rtt_ms(link.a, link.b) == rtt
+    us3 = load_topology(REPO / "topologies" / "aws-us3.yaml")
+    assert {d.name for d in us3.dcs} == {"virginia", "ohio", "oregon"}
+    assert us3.rtt_ms("virginia", "oregon") == 67.0  # the README's example: 67 ms round trip
+    for link in us3.wan:
+        _rtt, gbps = pairs[frozenset((link.a.capitalize(), link.b.capitalize()))]
         assert link.rate_mbps == pytest.approx(gbps * 100, rel=1e-3)  # scaled by 10
-    assert "factor of 10" in topo.source
-    world = load_topology(REPO / "topologies" / "aws-global6.yaml")
-    assert len(world.dcs) >= 5
+    assert "factor of 10" in us3.source
+    longhaul = load_topology(REPO / "topologies" / "aws-longhaul3.yaml")
+    assert max(link.source_rtt_ms for link in longhaul.wan) > 200
 
 
 def test_reverse_overrides_make_a_link_asymmetric():
