@@ -8,7 +8,7 @@ The ``msg-`` pair does the same for TCP messages of SIZE bytes, from the first b
 to the socket to the last byte read (``fidelity.message_delays``): what a pipeline stage's
 activation takes, serialisation at the link's rate included.
 
-    python -m testbed.owd recv PORT COUNT TIMEOUT_S   -> prints one delay (ms) per line
+    python -m testbed.owd recv PORT COUNT TIMEOUT_S   -> prints "delay_ms seq" per datagram, in arrival order
     python -m testbed.owd send HOST PORT COUNT INTERVAL_S
     python -m testbed.owd msg-recv PORT COUNT SIZE TIMEOUT_S   -> one delay (ms) per message
     python -m testbed.owd msg-send HOST PORT COUNT SIZE INTERVAL_S
@@ -20,6 +20,8 @@ import socket
 import struct
 import sys
 import time
+
+_DGRAM = struct.Struct("!dI")  # send time (shared CLOCK_MONOTONIC), sequence number
 
 
 def recv(port: int, count: int, timeout_s: float) -> None:
@@ -33,14 +35,14 @@ def recv(port: int, count: int, timeout_s: float) -> None:
         except socket.timeout:
             break
         now = time.monotonic()
-        (sent,) = struct.unpack("!d", data[:8])
-        print(f"{(now - sent) * 1000.0:.4f}", flush=True)
+        sent, seq = _DGRAM.unpack(data[:_DGRAM.size])
+        print(f"{(now - sent) * 1000.0:.4f} {seq}", flush=True)
 
 
 def send(host: str, port: int, count: int, interval_s: float) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    for _ in range(count):
-        sock.sendto(struct.pack("!d", time.monotonic()), (host, port))
+    for seq in range(count):
+        sock.sendto(_DGRAM.pack(time.monotonic(), seq), (host, port))
         time.sleep(interval_s)
 
 

@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from conftest import skip_unless_network, two_dcs
-from testbed.fidelity import iperf3, message_delays, one_way_delays, ping, ping_loss
+from testbed.fidelity import iperf3, message_delays, one_way_delays, one_way_probe, ping, ping_loss
 from testbed.network import Network
 from testbed.sim.build import PAYLOAD_FRACTION
 
@@ -82,10 +82,16 @@ def test_asymmetric_link_measures_asymmetric():
 
 
 def test_jitter_spreads_delay_without_reordering():
+    """Datagrams 1 ms apart on a link with 5 ms of jitter: their delays spread, but they
+    arrive in the order they were sent (the delay line only stretches the gap behind a packet)."""
     caps = skip_unless_network("tun")
     topo = two_dcs(delay_ms=20, rate_mbps=100, jitter_ms=5)
     with Network(topo, delay_backend="tun", caps=caps) as net:
+        probe = one_way_probe(net, net.host("east"), net.host("west"), count=300, interval_s=0.001)
         owd = one_way_delays(net, net.host("east"), net.host("west"), count=200, interval_s=0.01)
+    seqs = [seq for _d, seq in probe]
+    assert len(seqs) >= 285, len(seqs)
+    assert seqs == sorted(seqs), [b for a, b in zip(seqs, seqs[1:]) if b < a][:10]
     assert len(owd) >= 190
     # 20 +- 5 ms; the receiver is a process on a busy machine, so judge the top by its 95th percentile
     p95 = sorted(owd)[int(0.95 * len(owd))]
