@@ -65,10 +65,12 @@ def default_queue_bytes(params: Direction, rtt_ms: float) -> int:
     at least two GSO packets.
 
     That is the classical sizing of a WAN router's buffer (Villamizar and Song's rate x RTT):
-    a single loss-based flow halves (Reno) or cuts to 0.7 (CUBIC) its window at a drop, and
-    only a queue of about one BDP keeps the link busy while the window grows back.  Half a
-    BDP, the earlier default, let a lone CUBIC flow on Ohio-Oregon reach only 0.73-0.76 of
-    the rate with ~1,150 retransmissions in 3 s.  ``queue_bytes`` overrides it."""
+    a single loss-based flow halves (Reno) or cuts to 0.7 (CUBIC) its window at a drop, and a
+    queue of about one BDP keeps the link busy while the window grows back, whatever the
+    congestion control.  The earlier default was half a BDP.  (The 0.73-0.76 of the rate that
+    ``testbed fidelity`` once reported for Ohio-Oregon at a 98 ms round trip was not the
+    queue: it measured too soon after slow start.  In steady state that half-BDP queue gave
+    0.988; see ``fidelity.steady_state_seconds``.)  ``queue_bytes`` overrides it."""
     if params.queue_bytes is not None:
         return params.queue_bytes
     rate_bytes = params.rate_mbps * 1e6 / 8
