@@ -116,7 +116,9 @@ def summarise(run) -> dict:
             "busy_fraction_per_worker": per_worker_busy,
             "tokens_per_s": round(tokens / mean_time, 2) if mean_time > 0 else None,
             "final_loss": iterations[-1]["loss"],
+            "warnings": list(getattr(run, "warnings", [])),
         },
+        "wan_check": list(getattr(run, "wan_check", [])),
         "log": run.log_lines,
     }
 

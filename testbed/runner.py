@@ -130,6 +130,8 @@ class TrainingRun:
         self.net: Network | None = None
         self.go_time = 0.0
         self.log_lines: list[str] = []
+        self.warnings: list[str] = []
+        self.wan_check: list[dict] = []
         self.atlas_plans: list[dict] = []
         self.steady_from = 0  # the first iteration the summary counts (after warm-up, in force)
         self._controller: socket.socket | None = None  # Atlas's
@@ -158,6 +160,7 @@ class TrainingRun:
                            scheduling=exp.atlas.sharing == "temporal")
         with self.net as net:
             self.log(f"network {exp.topo.name} up in {net.startup_s:.2f} s (delay: {net.backends.delay})")
+            self._check_wan(net)
             server_path = net.registry.dir / "telemetry.sock"
             net.registry.file(server_path)
             if server_path.exists():
@@ -199,6 +202,24 @@ class TrainingRun:
             ttft_cdf(reqs, self.out_dir / "ttft_cdf.png", f"{exp.name}: prefill TTFT", exp.bubbletea.slo_ttft_s)
         metrics.write_outputs(self, result)
         return result
+
+    def _check_wan(self, net: Network) -> None:
+        """Every run measures its own WAN before training: configured against measured per
+        direction, in metrics.json; a direction outside tolerance is a warning."""
+        from .fidelity import check_wan
+
+        t0 = time.monotonic()
+        checks = check_wan(net)
+        self.wan_check = [c.to_dict() for c in checks]
+        bad = [c for c in checks if not c.ok]
+        for c in bad:
+            self.warn(f"WAN {c.src} -> {c.dst} is not as configured: {c.problem}")
+        self.log(f"WAN check: {len(checks) - len(bad)}/{len(checks)} directions within max(0.5 ms, 2%) of their "
+                 f"configured delay ({time.monotonic() - t0:.1f} s)")
+
+    def warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        self.log(f"warning: {msg}")
 
     def _device_plan(self) -> list[str]:
         slots = self.exp.workers()
