@@ -29,11 +29,11 @@ from testbed.awsmatrix import aws_topology, regions  # noqa: E402
 from testbed.fidelity import iperf3, message_delays, ping  # noqa: E402
 from testbed.kernel import mininet_on_path, probe  # noqa: E402
 from testbed.network import Network  # noqa: E402
+from testbed.procs import cpu_seconds  # noqa: E402
 from testbed.registry import PREFIX, Registry  # noqa: E402
 from testbed.sim.build import PAYLOAD_FRACTION  # noqa: E402
 from testbed.spec import parse_topology  # noqa: E402
 
-_HZ = os.sysconf("SC_CLK_TCK")
 
 
 def _two(delay_ms: float, rate_mbps: float):
@@ -43,20 +43,15 @@ def _two(delay_ms: float, rate_mbps: float):
     })
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _HZ
-
-
 def goodput_unshaped(caps, delays=(0, 10, 50), seconds=5.0) -> list[dict]:
     rows = []
     for d in delays:
         with Network(_two(d, 40_000), caps=caps) as net:
             a, b = net.host("a"), net.host("b")
-            procs = [p.pid for p in net._delay_procs.values()]
-            c0, t0 = sum(map(_cpu_seconds, procs)), time.monotonic()
+            procs = list(net.delay_line_pids().values())
+            c0, t0 = sum(map(cpu_seconds, procs)), time.monotonic()
             perf = iperf3(net, a, b, seconds=seconds, omit_s=2 if d >= 25 else 1)
-            cpu = (sum(map(_cpu_seconds, procs)) - c0) / (time.monotonic() - t0)
+            cpu = (sum(map(cpu_seconds, procs)) - c0) / (time.monotonic() - t0)
         gbps = perf["goodput_mbps"] / 1000
         rows.append({"one_way_ms": d, "goodput_gbps": round(gbps, 2), "retransmits": perf["retransmits"],
                      "delayline_cores": round(cpu, 2),
@@ -67,10 +62,10 @@ def goodput_unshaped(caps, delays=(0, 10, 50), seconds=5.0) -> list[dict]:
 
 def cpu_per_100mbit(caps, seconds=5.0) -> dict:
     with Network(_two(10, 100), caps=caps) as net:
-        procs = [p.pid for p in net._delay_procs.values()]
-        c0, t0 = sum(map(_cpu_seconds, procs)), time.monotonic()
+        procs = list(net.delay_line_pids().values())
+        c0, t0 = sum(map(cpu_seconds, procs)), time.monotonic()
         perf = iperf3(net, net.host("a"), net.host("b"), seconds=seconds, omit_s=1)
-        cpu = (sum(map(_cpu_seconds, procs)) - c0) / (time.monotonic() - t0)
+        cpu = (sum(map(cpu_seconds, procs)) - c0) / (time.monotonic() - t0)
     per100 = cpu / (perf["goodput_mbps"] / 100) if procs else 0.0
     print(f"  delay line at a full 100 Mbit/s link: {cpu:.3f} cores ({per100:.3f} cores per 100 Mbit/s)", flush=True)
     return {"goodput_mbps": round(perf["goodput_mbps"], 1), "cores": round(cpu, 3), "cores_per_100mbps": round(per100, 3)}

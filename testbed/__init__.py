@@ -1,11 +1,20 @@
 """Geo-distributed training testbed.
 
-How the pieces fit: ``spec`` reads and validates topology files; ``kernel`` probes what
-this kernel offers and picks a backend per feature; ``network`` builds the DCs (Mininet
-hosts, Linux bridges, gateway routers) and the WAN links between them, shaping each
-direction with ``shaping`` (tc through pyroute2) and, without netem, the userspace
-``delayline``; ``registry`` records everything made so ``testbed clean`` can remove it;
-``fidelity`` measures a built network against its spec; ``cli`` is the ``testbed`` command.
+How the pieces fit.  *Specs*: ``spec`` reads and validates topology files and
+``experiment`` experiment files (placement included); ``awsmatrix`` writes topologies from
+the measured AWS matrix; ``modelshape`` and ``schedules`` are the torch-free shape of the
+model and the pipeline schedules, shared by the trainer and the simulator.  *The network*:
+``kernel`` probes what this kernel offers and picks a backend per feature; ``network``
+builds the DCs (Mininet hosts, Linux bridges, gateway routers) and the WAN links between
+them, shaping each direction with ``shaping`` (tc through pyroute2) and, without netem, the
+userspace ``delayline``; ``registry`` records everything made so ``testbed clean`` can
+remove it; ``fidelity`` (with the ``owd`` probe) measures a built network against its spec.
+*A run*: ``runner`` owns one training run: it launches processes through ``procs`` (CPU
+containers, start, stop), talks to them through the ``hub``, and drives every ``extension``
+(Atlas, BubbleTea) through the same hooks; ``records`` are what a run (or the simulator,
+``sim``) leaves behind, and ``metrics`` turns them into metrics.json, a Chrome trace and
+plots; ``compare`` runs an experiment's variants back to back.  *Around it*: ``provision``
+runs the Ansible playbook, and ``cli`` is the ``testbed`` command.
 """
 
 __version__ = "0.1.0"

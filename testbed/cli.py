@@ -264,9 +264,11 @@ def plan(
 
     import yaml
 
-    from agents.atlas.planner import PlanError, search
-
     from .experiment import load_experiment
+    from .extension import tool
+
+    planner = tool("plan")
+    PlanError, search = planner.PlanError, planner.search
 
     try:
         exp = load_experiment(experiment)
@@ -334,17 +336,17 @@ def provision(
 @app.command()
 def clean(force: bool = typer.Option(False, help="also when a run still holds the lock")) -> None:
     """Remove every namespace, interface, process and file the testbed made (also after a crash)."""
-    from .registry import Busy, clean as do_clean
+    from .registry import Busy, CleanError, clean as do_clean
 
     if not _is_root():
         _fail("testbed clean must run as root")
     try:
         found = do_clean(force=force)
-    except Busy as exc:
+    except (Busy, CleanError) as exc:
         _fail(str(exc))
     out.print(
         f"removed {len(found['processes'])} process(es), {len(found['netns'])} named namespace(s), "
-        f"{len(found['links'])} interface(s)"
+        f"{len(found['links'])} interface(s), {len(found['cgroups'])} cgroup(s), {len(found['files'])} file(s)"
     )
 
 

@@ -294,7 +294,7 @@ def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | N
     if base_dir is not None and not topo_path.is_absolute() and (base_dir / topo_path).exists():
         topo_path = base_dir / topo_path
     try:
-        topo_file = resolve_topology(str(topo_path))
+        topo_file = resolve_topology(str(topo_path), near=base_dir)
         topo = load_topology(topo_file)
     except SpecError as exc:
         raise SpecError(f"{origin}: topology: {exc}") from None

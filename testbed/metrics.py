@@ -1,11 +1,11 @@
 """From worker timelines to figures: per-iteration metrics, a Chrome trace, plots.
 
-How it fits: ``runner.py`` collects each worker's typed intervals (contiguous, on the
-monotonic clock every namespace shares) and iteration ends; ``summarise`` turns them into
+How it fits: ``runner.py`` and the simulator (``sim/build.py``) both produce a
+``records.RunRecord``: each worker's typed intervals (contiguous, on the monotonic clock
+every namespace shares), transfers and iteration ends.  ``summarise`` turns a record into
 the ``metrics.json`` content; ``write_outputs`` writes ``metrics.json``, ``timeline.json``
 (Chrome trace format: open it in Perfetto or chrome://tracing), ``loss.png`` and
-``gantt.png``.  The simulator writes the same formats through ``timeline_to_chrome`` and
-``gantt``.
+``gantt.png``.  Run extensions add their own figures to the summary (``extension.py``).
 
 Definitions (per iteration k):
 * iteration time: the moment the last worker finished iteration k minus the moment the
@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 
 from . import modelshape
-
-BUSY = ("forward", "backward", "optimizer")
+from .records import BUSY_KINDS as BUSY
+from .records import RunRecord
 MIN_BUBBLE_S = 0.001
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "allreduce": "#8172B3",
            "recv": "#EEEEEE", "send": "#CCCCCC", "idle": "#FFFFFF", "prefill": "#C44E52",
@@ -55,7 +55,7 @@ def worker_iteration(events: list, start: float, end: float) -> dict:
     return {"busy_s": busy, "covered_s": covered, "bubbles": bubbles}
 
 
-def summarise(run) -> dict:
+def summarise(run: RunRecord) -> dict:
     exp = run.exp
     workers = run.workers
     n_it = exp.training.iterations
@@ -64,7 +64,8 @@ def summarise(run) -> dict:
     iterations = []
     prev_job_end = t0
     # a worker's first window starts when it got the go (its first interval's start)
-    prev_end = {name: min((e[2] for e in w.events if e[4] == 0), default=t0) for name, w in workers.items()}
+    prev_end = {name: min((e.start for e in w.events if e.iteration == 0), default=t0)
+                for name, w in workers.items()}
     for k in range(n_it):
         job_end = max(w.iteration_end[k] for w in workers.values())
         time_s = job_end - prev_job_end
@@ -72,7 +73,7 @@ def summarise(run) -> dict:
         for name, w in workers.items():
             end = w.iteration_end[k]
             window = end - prev_end[name]
-            stats = worker_iteration([e for e in w.events if e[4] == k], prev_end[name], end)
+            stats = worker_iteration([e for e in w.events if e.iteration == k], prev_end[name], end)
             per_worker[name] = {
                 "window_s": round(window, 6),
                 "busy_fraction": round(stats["busy_s"] / window, 6) if window > 0 else 0.0,
@@ -91,7 +92,7 @@ def summarise(run) -> dict:
         })
         prev_job_end = job_end
     # a run may start its steady state later (Atlas: once the plan is in force)
-    skip = min(max(exp.training.warmup_iterations, getattr(run, "steady_from", 0)), len(iterations) - 1)
+    skip = min(max(exp.training.warmup_iterations, run.steady_from), len(iterations) - 1)
     steady = iterations[skip:]
     mean_time = sum(it["time_s"] for it in steady) / len(steady)
     mean_busy = sum(it["mean_busy_fraction"] for it in steady) / len(steady)
@@ -104,8 +105,8 @@ def summarise(run) -> dict:
         "parallel": exp.parallel.model_dump(),
         "model": exp.model.model_dump() | {"params": _params(exp)},
         "training": exp.training.model_dump(),
-        "workers": {name: {"stage": w.slot.stage, "replica": w.slot.replica, "dc": w.slot.dc,
-                           "host": w.host.name, "ip": w.host.ip, "device": w.device} for name, w in workers.items()},
+        "workers": {name: w.describe() for name, w in workers.items()},
+        "device": run.device or None,
         "iterations": iterations,
         "summary": {
             "iterations": n_it,
@@ -116,9 +117,9 @@ def summarise(run) -> dict:
             "busy_fraction_per_worker": per_worker_busy,
             "tokens_per_s": round(tokens / mean_time, 2) if mean_time > 0 else None,
             "final_loss": iterations[-1]["loss"],
-            "warnings": list(getattr(run, "warnings", [])),
+            "warnings": list(run.warnings),
         },
-        "wan_check": list(getattr(run, "wan_check", [])),
+        "wan_check": list(run.wan_check),
         "log": run.log_lines,
     }
 
@@ -209,17 +210,18 @@ def loss_plot(iterations: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(run, result: dict) -> None:
-    out = run.out_dir
+def write_outputs(run: RunRecord, result: dict, out: Path | None = None) -> None:
+    out = Path(out or run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     workers = {
-        name: {"dc": w.slot.dc, "stage": w.slot.stage, "replica": w.slot.replica,
-               "events": w.events, "transfers": w.transfers, "prefill": getattr(w, "prefill", [])}
+        name: {"dc": w.dc, "stage": w.stage, "replica": w.replica,
+               "events": w.events, "transfers": w.transfers, "prefill": w.cotenant}
         for name, w in run.workers.items()
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=1))
     (out / "timeline.json").write_text(json.dumps(timeline_to_chrome(workers, run.go_time)))
     loss_plot(result["iterations"], out / "loss.png", f"{run.exp.name}: loss")
-    ends = [max(w.iteration_end[k] for w in run.workers.values()) for k in range(run.exp.training.iterations)]
+    ends = run.iteration_ends()
     k0 = max(0, len(ends) - 3)
     start = ends[k0 - 1] if k0 > 0 else run.go_time
     s = result["summary"]

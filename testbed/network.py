@@ -36,6 +36,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from .kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
+from .procs import DatagramClient, stop_all
 from .registry import PREFIX, Registry
 from .shaping import Counters, EgressShaper, NetemParams
 from .spec import Direction, Topology, validation_error
@@ -90,33 +91,21 @@ class _DelayLineClient:
     """Talks to one delay-line process over its Unix datagram socket."""
 
     def __init__(self, control_path: Path, client_path: Path):
-        import socket
-
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        if client_path.exists():
-            client_path.unlink()
-        self._sock.bind(str(client_path))
-        self._sock.settimeout(2.0)
+        self._client = DatagramClient(client_path, timeout=2.0)
         self._control = str(control_path)
-        self._client_path = client_path
 
     @property
     def control_path(self) -> str:
         return self._control
 
     def request(self, msg: dict) -> dict:
-        self._sock.sendto(json.dumps(msg).encode(), self._control)
-        reply = json.loads(self._sock.recv(65536))
-        if not reply.get("ok"):
-            raise NetworkError(f"delay line {self._control}: {reply.get('error')}")
-        return reply
+        try:
+            return self._client.request(self._control, msg)
+        except RuntimeError as exc:
+            raise NetworkError(f"delay line {self._control}: {exc}") from None
 
     def close(self) -> None:
-        self._sock.close()
-        try:
-            self._client_path.unlink()
-        except OSError:
-            pass
+        self._client.close()
 
 
 @dataclass
@@ -309,6 +298,10 @@ class Network:
 
     def links(self) -> list[WanDirection]:
         return list(self._links.values())
+
+    def delay_line_pids(self) -> dict[str, int]:
+        """The delay-line process of each DC gateway that has one (its CPU can be measured)."""
+        return {dc: p.pid for dc, p in self._delay_procs.items()}
 
     def popen(self, host: HostInfo | Any, cmd: list[str], **kwargs) -> subprocess.Popen:
         """Start a process inside a host; it is recorded and ended by stop()/clean."""
@@ -521,11 +514,9 @@ class Network:
             self._links[(src, dst)] = wd
         if self._lanes:
             for dc in self._delay_procs:
-                client = _DelayLineClient(
-                    self.registry.dir / f"{self._routers[dc].name}.sock",
-                    self.registry.dir / f"client-{os.getpid()}-{self._index[dc]}.sock",
-                )
-                self.registry.file(client._client_path)
+                client_path = self.registry.dir / f"client-{os.getpid()}-{self._index[dc]}.sock"
+                client = _DelayLineClient(self.registry.dir / f"{self._routers[dc].name}.sock", client_path)
+                self.registry.file(client_path)
                 self._clients.append(client)
                 for nb in self._neighbours(dc):
                     self._links[(dc, nb)].delay_client = client
@@ -545,7 +536,7 @@ class Network:
         for client in self._clients:
             client.close()
         self._clients.clear()
-        _terminate_all(self._popened + list(self._delay_procs.values()))
+        stop_all(self._popened + list(self._delay_procs.values()))
         self._popened.clear()
         self._delay_procs.clear()
         for ipr in self._iprs.values():
@@ -604,20 +595,3 @@ def _readline_until(proc: subprocess.Popen, deadline: float) -> str:
         if proc.poll() is not None:
             return ""
     return ""
-
-
-def _terminate_all(procs: list[subprocess.Popen], timeout: float = 3.0) -> None:
-    """SIGTERM all, wait up to ``timeout`` together, then SIGKILL what is left."""
-    alive = [p for p in procs if p.poll() is None]
-    for proc in alive:
-        try:
-            proc.terminate()
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    for proc in alive:
-        try:
-            proc.wait(max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)

@@ -26,11 +26,16 @@ from pathlib import Path
 PREFIX = "gtb"
 STATE_DIR = Path(os.environ.get("GTB_STATE_DIR", "/run/gtb"))
 _REGISTRY = "registry.jsonl"
+NOTHING_LEFT = {"processes": [], "netns": [], "links": [], "cgroups": [], "files": []}  # leftovers() after a clean
 _LOCK = "lock"
 
 
 class Busy(RuntimeError):
     """Another testbed network is running on this machine."""
+
+
+class CleanError(RuntimeError):
+    """Something the testbed made could not be removed; the message is one line naming it."""
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -186,7 +191,34 @@ def leftovers(state_dir: Path = STATE_DIR) -> dict[str, list]:
     procs |= _processes_in(inodes)
     netns = sorted(n for n in _named_netns() if n.startswith(PREFIX))
     links = sorted(n for n in _root_links() if n.startswith(PREFIX))
-    return {"processes": sorted(procs), "netns": netns, "links": links}
+    cgroups = sorted({e["path"] for e in entries if e["kind"] == "cgroup" and os.path.isdir(e["path"])}
+                     | set(_prefixed_cgroups()))
+    files = {e["path"] for e in entries if e["kind"] == "file" and os.path.lexists(e["path"])}
+    if state_dir.is_dir():  # anything else in the state folder but the lock (and an empty registry)
+        for path in state_dir.rglob("*"):
+            if path.name != _LOCK and not path.is_dir() and not (path.name == _REGISTRY and not entries):
+                files.add(str(path))
+    return {"processes": sorted(procs), "netns": netns, "links": links, "cgroups": cgroups, "files": sorted(files)}
+
+
+def _cgroup_roots() -> list[Path]:
+    roots = [Path("/sys/fs/cgroup")] if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else \
+        [Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct")]
+    return [r for r in roots if r.is_dir()]
+
+
+def _prefixed_cgroups() -> list[str]:
+    """The testbed's top-level cgroups (named ``gtb-<run>-<pid>``) and everything under them."""
+    out = []
+    for root in _cgroup_roots():
+        try:
+            tops = [p for p in root.iterdir() if p.name.startswith(f"{PREFIX}-") and p.is_dir()]
+        except OSError:
+            continue
+        for top in tops:
+            out.append(str(top))
+            out.extend(str(p) for p in top.rglob("*") if p.is_dir())
+    return out
 
 
 def _named_netns() -> list[str]:
@@ -217,17 +249,32 @@ def _delete_links(names: list[str]) -> None:
                 pass  # gone with its namespace meanwhile
 
 
-def _remove_cgroups(paths: list[str]) -> None:
-    """Deepest first; a cgroup can only go once its last process has exited."""
+def _remove_cgroups(paths: list[str], timeout: float = 5.0) -> list[str]:
+    """Deepest first; a cgroup can only go once its last process has exited, so any process
+    still in one is ended first.  Returns the cgroups that could not be removed."""
+    left = []
     for path in sorted(set(paths), key=lambda p: -p.count("/")):
-        for _ in range(50):
+        deadline = time.monotonic() + timeout
+        while True:
             try:
                 os.rmdir(path)
                 break
             except FileNotFoundError:
                 break
             except OSError:
+                if time.monotonic() > deadline:
+                    left.append(path)
+                    break
+                _kill(_cgroup_pids(path), timeout=0.5)
                 time.sleep(0.02)
+    return left
+
+
+def _cgroup_pids(path: str) -> set[int]:
+    try:
+        return {int(x) for x in Path(path, "cgroup.procs").read_text().split()}
+    except (OSError, ValueError):
+        return set()
 
 
 def clean(state_dir: Path = STATE_DIR, holding_lock: bool = False, force: bool = False) -> dict[str, list]:
@@ -249,7 +296,7 @@ def clean(state_dir: Path = STATE_DIR, holding_lock: bool = False, force: bool =
     for name in found["netns"]:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     _delete_links(sorted(n for n in _root_links() if n.startswith(PREFIX)))
-    _remove_cgroups([e["path"] for e in _read(state_dir) if e["kind"] == "cgroup"])
+    stuck = _remove_cgroups([e["path"] for e in _read(state_dir) if e["kind"] == "cgroup"] + _prefixed_cgroups())
     for entry in _read(state_dir):
         if entry["kind"] == "file":
             try:
@@ -261,10 +308,15 @@ def clean(state_dir: Path = STATE_DIR, holding_lock: bool = False, force: bool =
     except OSError:
         pass
     if state_dir.exists():
-        for sub in state_dir.iterdir():  # folders emptied above (worker configs)
-            if sub.is_dir():
-                try:
+        for sub in sorted(state_dir.rglob("*"), key=lambda p: -len(p.parts)):  # what the registry did not name
+            try:
+                if sub.is_dir():
                     sub.rmdir()
-                except OSError:
-                    pass
+                elif sub.name != _LOCK:
+                    sub.unlink()
+            except OSError:
+                pass
+    if stuck:
+        raise CleanError(f"cgroup {stuck[0]} could not be removed (a process in it does not end)"
+                         + (f", and {len(stuck) - 1} more" if len(stuck) > 1 else ""))
     return found

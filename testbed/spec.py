@@ -257,13 +257,19 @@ def load_topology(path: str | Path) -> Topology:
     return parse_topology(read_yaml(path), str(path))
 
 
-def resolve_topology(name_or_path: str | Path) -> Path:
-    """A topology given by path, or by name from the repository's ``topologies/``."""
+def resolve_topology(name_or_path: str | Path, near: Path | None = None) -> Path:
+    """A topology given by path, or by name: from ``topologies/`` beside ``near`` (an
+    experiment file's folder), in the working directory, or in this checkout's."""
     p = Path(name_or_path)
     if p.exists():
         return p
-    repo = Path(__file__).resolve().parent.parent / "topologies"
-    for candidate in (repo / f"{name_or_path}.yaml", repo / str(name_or_path)):
-        if candidate.exists():
-            return candidate
-    raise SpecError(f"{name_or_path}: no such topology file (looked in ./ and {repo}/)")
+    folders = []
+    if near is not None:
+        folders += [near, near.parent / "topologies"]
+    folders += [Path.cwd() / "topologies", Path(__file__).resolve().parent.parent / "topologies"]
+    for folder in folders:
+        for candidate in (folder / f"{name_or_path}.yaml", folder / str(name_or_path)):
+            if candidate.exists():
+                return candidate
+    looked = ", ".join(dict.fromkeys(f"{f}/" for f in folders))
+    raise SpecError(f"{name_or_path}: no such topology file (looked in ./, {looked})")

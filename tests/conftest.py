@@ -1,7 +1,12 @@
 """Shared fixtures: what the machine offers, and small topologies built in code.
 
-Tests that build networks need root, Mininet and the kernel features the chosen backend
-uses; they skip with the reason where those are missing (CI installs and provides them).
+Tests that build networks carry the ``network`` marker (``pytestmark = pytest.mark.network``,
+or ``@pytest.mark.network(delay="tun")`` where a test needs one backend).  They need root,
+Mininet and the kernel features the chosen backend uses, and skip with the reason where
+those are missing (CI installs and provides them).  A test that takes the ``delay_backend``
+fixture runs once per delay backend (``tun``, ``netem``), as Mininet's tests parametrize
+theirs; each variant skips where this kernel lacks its backend.  After every network test
+nothing the testbed made may be left: no process, namespace, interface or cgroup.
 """
 
 from __future__ import annotations
@@ -10,9 +15,10 @@ import os
 
 import pytest
 
-from testbed.kernel import Capabilities, choose_backends, probe, BackendUnavailable
+from testbed.kernel import BackendUnavailable, Capabilities, choose_backends, probe
 from testbed.spec import Topology, parse_topology
 
+DELAY_BACKENDS = ["tun", "netem"]
 _CAPS: Capabilities | None = None
 
 
@@ -23,8 +29,7 @@ def capabilities() -> Capabilities:
     return _CAPS
 
 
-def skip_unless_network(delay_backend: str = "auto", loss_backend: str = "auto") -> Capabilities:
-    """Skip the calling test, with the reason, where a network cannot be built here."""
+def _skip_unless_network(delay_backend: str = "auto", loss_backend: str = "auto") -> Capabilities:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces, tc)")
     caps = capabilities()
@@ -48,17 +53,42 @@ def two_dcs(delay_ms: float = 10.0, rate_mbps: float = 100.0, hosts: int = 1, **
     )
 
 
+@pytest.fixture(params=DELAY_BACKENDS)
+def delay_backend(request) -> str:
+    """Each delay backend in turn (the test is skipped where this kernel lacks it)."""
+    return request.param
+
+
 @pytest.fixture
-def caps() -> Capabilities:
-    return skip_unless_network()
+def loss_backend() -> str:
+    return "auto"
 
 
 @pytest.fixture(autouse=True)
-def _nothing_left_behind(request):
-    """Every test that built a network must leave no interface or namespace behind."""
+def _network_requirements(request):
+    """Skip network tests that cannot run here; check that nothing was left behind after."""
+    marker = request.node.get_closest_marker("network")
+    if marker is None:
+        yield
+        return
+    delay = marker.kwargs.get("delay", "auto")
+    loss = marker.kwargs.get("loss", "auto")
+    if "delay_backend" in request.fixturenames:
+        delay = request.getfixturevalue("delay_backend")
+    if "loss_backend" in request.fixturenames:
+        loss = request.getfixturevalue("loss_backend")
+    request.node.stash[_CAPS_KEY] = _skip_unless_network(delay, loss)
     yield
-    if os.geteuid() == 0 and "network" in request.keywords:
-        from testbed.registry import leftovers
+    from testbed.registry import NOTHING_LEFT, leftovers
 
-        left = leftovers()
-        assert left == {"processes": [], "netns": [], "links": []}, f"left behind: {left}"
+    left = leftovers()
+    assert left == NOTHING_LEFT, f"left behind: {left}"
+
+
+_CAPS_KEY = pytest.StashKey[Capabilities]()
+
+
+@pytest.fixture
+def caps(request) -> Capabilities:
+    """What this machine offers (a network test has already been skipped where it cannot run)."""
+    return request.node.stash.get(_CAPS_KEY, None) or capabilities()

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import skip_unless_network
 from testbed.experiment import parse_experiment
 from testbed.runner import TrainingRun
 
@@ -28,8 +27,8 @@ def _exp(sharing: str, iterations: int = 7):
     }, "atlas")
 
 
+@pytest.mark.network(delay="tun")
 def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
-    skip_unless_network("tun")
     fair = TrainingRun(_exp("fair"), tmp_path / "fair").run()
     run = TrainingRun(_exp("temporal"), tmp_path / "temporal")
     seen = {}
@@ -41,9 +40,11 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
     run.subscribe(watch)
     result = run.run()
     assert [it["loss"] for it in result["iterations"]] == [it["loss"] for it in fair["iterations"]]
-    assert run.atlas_plans and run.atlas_plans[0]["order"] == ["r0", "r1"]
-    assert run.atlas_plans[0]["transfer_s"] > 0  # enforced: the rank order staggers, no offsets
-    assert set(run.atlas_plans[0]["offsets"].values()) == {0.0}
+    plans = run.extension("atlas").plans
+    assert plans and plans[0]["order"] == ["r0", "r1"]
+    assert plans[0]["transfer_s"] > 0  # enforced: the rank order staggers, no offsets
+    assert set(plans[0]["offsets"].values()) == {0.0}
+    assert result["summary"]["atlas"]["plans_published"] == len(plans)
     assert seen["sched"] is not None and seen["sched"]["order"] == ["r0", "r1"]
     assert sum(seen["sched"]["bytes_out"].values()) > 0
     assert sum(seen["sched"]["drops"].values()) == 0  # a waiting pipeline is held, never dropped
@@ -53,8 +54,8 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
 
 
 @pytest.mark.parametrize("victim", ["controller", "agent-dc1"])
+@pytest.mark.network(delay="tun")
 def test_a_killed_atlas_process_leaves_training_running_under_fair_sharing(tmp_path, victim):
-    skip_unless_network("tun")
     iterations = 14
     run = TrainingRun(_exp("temporal", iterations=iterations), tmp_path / victim)
     state = {"samples": []}
@@ -64,7 +65,7 @@ def test_a_killed_atlas_process_leaves_training_running_under_fair_sharing(tmp_p
             return
         if msg["it"] == 2 and "killed" not in state:
             state["killed"] = time.monotonic()
-            os.kill(run._atlas_procs[victim].pid, signal.SIGKILL)
+            os.kill(run.pids()[f"atlas-{victim}"], signal.SIGKILL)
         elif "killed" in state:
             sched = run.net.link("dc1", "dc2").delay_line_stats()["sched"]
             state["samples"].append((time.monotonic() - state["killed"], sched))

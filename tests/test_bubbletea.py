@@ -103,9 +103,13 @@ def test_prefill_profile_fits_a_line():
 
 
 def test_controller_accounts_for_every_request():
-    cfg = {"servers": {"s0r0": "/nonexistent"}, "warmup_iterations": 1, "interleave": False, "slo_ttft_s": 0.5,
-           "margin_s": 0.001, "margin_frac": 0.1, "chunk_tokens": 32, "max_prompt_tokens": 64, "decode": {"s0r0": ["x", 1]},
-           "workload": {"source": "poisson", "rate_per_s": 200.0, "duration_s": 0.4, "seed": 2}}
+    from agents.bubbletea.config import ControllerConfig, Workload
+
+    cfg = ControllerConfig(
+        telemetry="", listen="", results="", servers={"s0r0": "/nonexistent"}, decode={"s0r0": ["x", 1]},
+        warmup_iterations=1, interleave=False, slo_ttft_s=0.5, margin_s=0.001, margin_frac=0.1, chunk_tokens=32,
+        max_prompt_tokens=64, workload=Workload("poisson", duration_s=0.4, rate_scale=1.0, token_scale=1.0,
+                                                rate_per_s=200.0, max_output_tokens=16, seed=2))
     ctl = Controller(cfg)
     ctl.sock = None
     ctl._send = lambda name, msg: sent.append(msg)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import skip_unless_network
 from testbed.experiment import load_experiment
 from testbed.runner import TrainingRun
 
@@ -26,8 +25,8 @@ def _exp(iterations: int, **bubbletea):
     return exp
 
 
+@pytest.mark.network(delay="tun")
 def test_prefills_fill_bubbles_and_every_request_is_accounted_for(tmp_path):
-    skip_unless_network("tun")
     from agents.trainer.reference import reference_losses
 
     exp = _exp(8, rate_scale=200.0)  # far above what the bubbles can serve: an overload
@@ -49,15 +48,15 @@ def test_prefills_fill_bubbles_and_every_request_is_accounted_for(tmp_path):
         assert (tmp_path / name).exists()
 
 
+@pytest.mark.network(delay="tun")
 def test_a_killed_controller_leaves_training_unaffected(tmp_path):
-    skip_unless_network("tun")
     run = TrainingRun(_exp(7), tmp_path)
     state = {}
 
     def watch(worker, msg):
         if msg.get("iteration_done") and msg["it"] == 3 and "killed" not in state:
             state["killed"] = True
-            os.kill(run._bt.procs["controller"].pid, signal.SIGKILL)
+            os.kill(run.pids()["bubbletea-controller"], signal.SIGKILL)
 
     run.subscribe(watch)
     result = run.run()

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import skip_unless_network, two_dcs
+from conftest import two_dcs
 from testbed.fidelity import iperf3, ping
 from testbed.network import Network
-from testbed.registry import PREFIX, leftovers
+from testbed.registry import NOTHING_LEFT, PREFIX, leftovers
 from testbed.spec import load_topology
 
 pytestmark = pytest.mark.network
@@ -24,8 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 TESTBED = [sys.executable, "-m", "testbed.cli"]
 
 
-def test_each_pair_of_the_3dc_mesh_crosses_its_own_link():
-    caps = skip_unless_network()
+def test_each_pair_of_the_3dc_mesh_crosses_its_own_link(caps):
     topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
     with Network(topo, caps=caps) as net:
         for link in topo.wan:
@@ -37,16 +36,14 @@ def test_each_pair_of_the_3dc_mesh_crosses_its_own_link():
         assert net.topo.path("virginia", "oregon") == ["virginia", "oregon"]
 
 
-def test_hosts_inside_a_dc_reach_each_other_without_the_wan():
-    caps = skip_unless_network()
+def test_hosts_inside_a_dc_reach_each_other_without_the_wan(caps):
     with Network(two_dcs(delay_ms=20, hosts=2), caps=caps) as net:
         a, b = net.hosts("east")
         rtts = ping(a, b.ip, count=5, interval_s=0.05)
     assert rtts and max(rtts) < 5.0
 
 
-def test_counters_sampled_every_10ms_add_up_to_the_transfer():
-    caps = skip_unless_network()
+def test_counters_sampled_every_10ms_add_up_to_the_transfer(caps):
     with Network(two_dcs(delay_ms=5, rate_mbps=50), caps=caps) as net:
         link = net.link("east", "west")
         samples = []
@@ -73,8 +70,7 @@ def test_counters_sampled_every_10ms_add_up_to_the_transfer():
     assert busy <= 50 * 1.25  # never (much) above the configured rate, in the median 10 ms window
 
 
-def test_traffic_classes_get_their_shares_under_contention():
-    caps = skip_unless_network()
+def test_traffic_classes_get_their_shares_under_contention(caps):
     with Network(two_dcs(delay_ms=5, rate_mbps=60, hosts=2), caps=caps) as net:
         (e1, e2), (w1, w2) = net.hosts("east"), net.hosts("west")
         link = net.link("east", "west")
@@ -122,7 +118,6 @@ def _fidelity_measuring() -> subprocess.Popen:
 
 
 def test_clean_after_sigkill_of_fidelity_leaves_nothing():
-    skip_unless_network()
     proc = _fidelity_measuring()
     try:
         time.sleep(2.0)  # a measurement is running
@@ -133,7 +128,7 @@ def test_clean_after_sigkill_of_fidelity_leaves_nothing():
         assert still["processes"] and still["links"]  # SIGKILL cleaned nothing by itself
         result = subprocess.run(TESTBED + ["clean"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert result.returncode == 0, result.stderr
-        assert leftovers() == {"processes": [], "netns": [], "links": []}
+        assert leftovers() == NOTHING_LEFT
         for pid in made["processes"]:
             assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
         assert not [n for n in os.listdir("/sys/class/net") if n.startswith(PREFIX)]
@@ -157,7 +152,6 @@ def _zombie(pid: int) -> bool:
 
 
 def test_ctrl_c_cleans_up_by_itself():
-    skip_unless_network()
     proc = _fidelity_measuring()
     try:
         time.sleep(1.5)
@@ -165,7 +159,7 @@ def test_ctrl_c_cleans_up_by_itself():
         output, _ = proc.communicate(timeout=30)
         assert proc.returncode == 130, output
         assert "interrupted" in output
-        assert leftovers() == {"processes": [], "netns": [], "links": []}
+        assert leftovers() == NOTHING_LEFT
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -173,7 +167,6 @@ def test_ctrl_c_cleans_up_by_itself():
 
 
 def test_fidelity_json_has_one_object_per_direction():
-    skip_unless_network()
     topo = REPO / "tests" / "data" / "two-fast.yaml"
     result = subprocess.run(TESTBED + ["fidelity", str(topo), "--json", "--seconds", "2"],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -187,8 +180,7 @@ def test_fidelity_json_has_one_object_per_direction():
         assert 0.85 <= r["goodput_mbps_measured"] / r["rate_mbps_configured"] <= 1.01
 
 
-def test_nothing_routes_out_of_the_testbed():
-    caps = skip_unless_network()
+def test_nothing_routes_out_of_the_testbed(caps):
     with Network(two_dcs(delay_ms=1), caps=caps) as net:
         router = net.router("east")
         # the gateway knows only the DC subnets: anything else is unreachable (nothing is sent)

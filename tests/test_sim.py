@@ -205,9 +205,6 @@ def test_bad_experiment_gets_the_same_one_line_error_as_run(tmp_path):
 @pytest.mark.network
 def test_simulator_predicts_an_emulator_run_within_10_percent(tmp_path):
     """End to end: train on the emulator, profile it, simulate it, compare iteration times."""
-    from conftest import skip_unless_network
-
-    skip_unless_network()
     sys.path.insert(0, str(REPO / "experiments"))
     from validate_sim import compare
 

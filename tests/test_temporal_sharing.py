@@ -10,17 +10,15 @@ from __future__ import annotations
 import pytest
 
 from agents.atlas.precision import measure_turns
-from conftest import skip_unless_network, two_dcs
+from conftest import two_dcs
 from testbed.fidelity import iperf3
 from testbed.network import Network, NetworkError
 
 pytestmark = pytest.mark.network
 
 
-@pytest.mark.parametrize("backend", ["tun", "netem"])
-def test_turn_owner_gets_the_link_and_the_link_stays_busy(backend):
-    caps = skip_unless_network(backend)
-    with Network(two_dcs(delay_ms=10, rate_mbps=100, hosts=2), delay_backend=backend, caps=caps,
+def test_turn_owner_gets_the_link_and_the_link_stays_busy(delay_backend, caps):
+    with Network(two_dcs(delay_ms=10, rate_mbps=100, hosts=2), delay_backend=delay_backend, caps=caps,
                  scheduling=True) as net:
         result = measure_turns(net, "east", "west", turn_s=0.02, seconds=3.0)
         # work-conserving: the owner sends nothing, the other pipeline gets the whole link
@@ -37,8 +35,8 @@ def test_turn_owner_gets_the_link_and_the_link_stays_busy(backend):
     assert alone >= 0.88 * 100, alone
 
 
-def test_scheduler_refuses_bad_plans_in_one_line():
-    caps = skip_unless_network("tun")
+@pytest.mark.network(delay="tun")
+def test_scheduler_refuses_bad_plans_in_one_line(caps):
     with Network(two_dcs(delay_ms=1, rate_mbps=50, hosts=2), delay_backend="tun", caps=caps) as net:
         link = net.link("east", "west")
         with pytest.raises(NetworkError, match="no scheduler"):

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import skip_unless_network
 from testbed.experiment import parse_experiment
-from testbed.registry import leftovers
+from testbed.registry import NOTHING_LEFT, leftovers
 from testbed.runner import RunError, TrainingRun
 from testbed.schedules import ideal_bubble_fraction
 
@@ -44,7 +43,6 @@ def _run(exp, tmp_path, **kwargs):
 @pytest.mark.parametrize(("stages", "replicas", "schedule"), [
     (2, 1, "gpipe"), (2, 1, "1f1b"), (3, 2, "gpipe"), (3, 2, "1f1b")])
 def test_loss_parity_with_a_single_process_run(tmp_path, stages, replicas, schedule):
-    skip_unless_network()
     from agents.trainer.reference import reference_losses
 
     exp = _experiment(stages, replicas, schedule, connections=2)
@@ -65,7 +63,6 @@ def test_loss_parity_with_a_single_process_run(tmp_path, stages, replicas, sched
 
 
 def test_gpipe_bubble_fraction_matches_fill_and_drain_on_a_fast_link(tmp_path):
-    skip_unless_network()
     import yaml
 
     data = yaml.safe_load(Path(TOPO).read_text())
@@ -88,7 +85,6 @@ def test_gpipe_bubble_fraction_matches_fill_and_drain_on_a_fast_link(tmp_path):
 
 
 def test_raising_wan_delay_raises_iteration_time_and_bubbles(tmp_path):
-    skip_unless_network()
     from testbed.spec import load_topology
     import yaml
 
@@ -109,7 +105,6 @@ def test_raising_wan_delay_raises_iteration_time_and_bubbles(tmp_path):
 
 
 def test_n_connections_really_are_n(tmp_path):
-    skip_unless_network()
     exp = _experiment(2, 1, "1f1b", iterations=3, connections=4)
     run = TrainingRun(exp, tmp_path / "n4")
     seen = {}
@@ -128,7 +123,6 @@ def test_n_connections_really_are_n(tmp_path):
 
 
 def test_a_killed_worker_ends_the_run_naming_it_and_nothing_is_left(tmp_path):
-    skip_unless_network()
     exp = _experiment(3, 1, "1f1b", iterations=40)
     run = TrainingRun(exp, tmp_path / "kill")
     killed = {}
@@ -143,4 +137,4 @@ def test_a_killed_worker_ends_the_run_naming_it_and_nothing_is_left(tmp_path):
         run.run()
     assert time.monotonic() - killed["at"] < 30
     assert "s1r0" in str(err.value) and "died" in str(err.value) and "signal 9" in str(err.value)
-    assert leftovers() == {"processes": [], "netns": [], "links": []}
+    assert leftovers() == NOTHING_LEFT

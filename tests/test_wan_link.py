@@ -11,43 +11,36 @@ import statistics
 
 import pytest
 
-from conftest import skip_unless_network, two_dcs
+from conftest import two_dcs
 from testbed.fidelity import iperf3, message_delays, one_way_delays, one_way_probe, ping, ping_loss
 from testbed.network import Network
 from testbed.sim.build import PAYLOAD_FRACTION
 
 pytestmark = pytest.mark.network
-BACKENDS = ["tun", "netem"]
 
 
 def _rtt_tolerance(rtt_ms: float) -> float:
     return max(0.5, 0.03 * rtt_ms)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("delay_ms", [5, 25, 50])
-def test_min_rtt_matches_configured_delay(backend, delay_ms):
-    caps = skip_unless_network(backend)
-    with Network(two_dcs(delay_ms=delay_ms), delay_backend=backend, caps=caps) as net:
+def test_min_rtt_matches_configured_delay(delay_backend, delay_ms, caps):
+    with Network(two_dcs(delay_ms=delay_ms), delay_backend=delay_backend, caps=caps) as net:
         rtts = ping(net.host("east"), net.host("west").ip, count=30, interval_s=0.02)
     assert len(rtts) >= 25
     assert abs(min(rtts) - 2 * delay_ms) <= _rtt_tolerance(2 * delay_ms), rtts
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_goodput_of_100_mbit_link(backend):
-    caps = skip_unless_network(backend)
-    with Network(two_dcs(delay_ms=10, rate_mbps=100), delay_backend=backend, caps=caps) as net:
+def test_goodput_of_100_mbit_link(delay_backend, caps):
+    with Network(two_dcs(delay_ms=10, rate_mbps=100), delay_backend=delay_backend, caps=caps) as net:
         perf = iperf3(net, net.host("east"), net.host("west"), seconds=5, omit_s=1)
     assert 90.0 <= perf["goodput_mbps"] <= 101.0, perf
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_message_after_idle_pays_its_serialisation(backend):
+def test_a_message_after_idle_pays_its_serialisation(delay_backend, caps):
     """A 128 KiB activation on a 200 Mbit/s, 1 ms link takes delay + size / rate (6.5 ms),
     not the delay alone: the shaper's bucket must not let a message out at line speed."""
-    caps = skip_unless_network(backend)
-    with Network(two_dcs(delay_ms=1, rate_mbps=200), delay_backend=backend, caps=caps) as net:
+    with Network(two_dcs(delay_ms=1, rate_mbps=200), delay_backend=delay_backend, caps=caps) as net:
         times = message_delays(net, net.host("east"), net.host("west"), size=131072, count=25)
     assert len(times) == 25, times
     wire = 131072 / PAYLOAD_FRACTION  # bytes on the wire: headers per 1448-byte segment
@@ -56,18 +49,17 @@ def test_a_message_after_idle_pays_its_serialisation(backend):
     assert 0.85 <= ratio <= 1.25, (ratio, times)
 
 
-@pytest.mark.parametrize(("backend", "loss_backend"), [("tun", "iptables"), ("tun", "delayline"), ("netem", "netem")])
-def test_five_percent_loss(backend, loss_backend):
-    caps = skip_unless_network(backend, loss_backend)
+@pytest.mark.parametrize(("delay_backend", "loss_backend"),
+                         [("tun", "iptables"), ("tun", "delayline"), ("netem", "netem")])
+def test_five_percent_loss(delay_backend, loss_backend, caps):
     # loss on east -> west only: the echo requests see it, the replies do not
     topo = two_dcs(delay_ms=5, rate_mbps=100, loss=0.05, reverse={"loss": 0.0})
-    with Network(topo, delay_backend=backend, loss_backend=loss_backend, caps=caps) as net:
+    with Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, caps=caps) as net:
         lost = ping_loss(net.host("east"), net.host("west").ip, count=2000, interval_s=0.002)
     assert 0.03 <= lost <= 0.07, lost
 
 
-def test_asymmetric_link_measures_asymmetric():
-    caps = skip_unless_network()
+def test_asymmetric_link_measures_asymmetric(caps):
     topo = two_dcs(delay_ms=10, rate_mbps=40, reverse={"delay_ms": 30, "rate_mbps": 80})
     with Network(topo, caps=caps) as net:
         east, west = net.host("east"), net.host("west")
@@ -81,10 +73,10 @@ def test_asymmetric_link_measures_asymmetric():
     assert 0.9 * 2.0 <= down / up <= 1.1 * 2.0, (up, down)
 
 
-def test_jitter_spreads_delay_without_reordering():
+@pytest.mark.network(delay="tun")
+def test_jitter_spreads_delay_without_reordering(caps):
     """Datagrams 1 ms apart on a link with 5 ms of jitter: their delays spread, but they
     arrive in the order they were sent (the delay line only stretches the gap behind a packet)."""
-    caps = skip_unless_network("tun")
     topo = two_dcs(delay_ms=20, rate_mbps=100, jitter_ms=5)
     with Network(topo, delay_backend="tun", caps=caps) as net:
         probe = one_way_probe(net, net.host("east"), net.host("west"), count=300, interval_s=0.001)
@@ -99,8 +91,7 @@ def test_jitter_spreads_delay_without_reordering():
     assert statistics.pstdev(owd) >= 1.5, statistics.pstdev(owd)
 
 
-def test_runtime_change_of_delay_and_rate_takes_effect():
-    caps = skip_unless_network()
+def test_runtime_change_of_delay_and_rate_takes_effect(caps):
     with Network(two_dcs(delay_ms=10, rate_mbps=100), caps=caps) as net:
         east, west = net.host("east"), net.host("west")
         link = net.link("east", "west")
@@ -115,8 +106,7 @@ def test_runtime_change_of_delay_and_rate_takes_effect():
     assert 0.9 <= before_rate / 100 <= 1.01 and 0.9 <= after_rate / 40 <= 1.01, (before_rate, after_rate)
 
 
-def test_bad_runtime_change_is_refused_and_leaves_link_as_it_was():
-    caps = skip_unless_network()
+def test_bad_runtime_change_is_refused_and_leaves_link_as_it_was(caps):
     with Network(two_dcs(delay_ms=10, rate_mbps=100), caps=caps) as net:
         link = net.link("east", "west")
         from testbed.network import NetworkError

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import skip_unless_network, two_dcs
+from conftest import two_dcs
 from testbed.experiment import load_experiment
 from testbed.fidelity import check_wan, rtt_tolerance_ms
 from testbed.network import Network, default_queue_bytes
@@ -46,7 +46,6 @@ def _assert_as_configured(rows: list[dict], topo) -> None:
 
 
 def test_default_topology_measures_as_the_matrix():
-    skip_unless_network()
     topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
     _assert_as_configured(_fidelity("aws-us3"), topo)
 
@@ -54,7 +53,6 @@ def test_default_topology_measures_as_the_matrix():
 @pytest.mark.slow
 def test_long_haul_topology_measures_as_the_matrix():
     """Round trips of 262, 238 and 148 ms at 33-58 Mbit/s: one flow fills each direction."""
-    skip_unless_network()
     topo = load_topology(REPO / "topologies" / "aws-longhaul3.yaml")
     assert max(topo.rtt_ms(a, b) for a, b, _ in topo.directions()) > 200
     _assert_as_configured(_fidelity("aws-longhaul3"), topo)
@@ -68,8 +66,7 @@ def test_default_queue_is_one_bandwidth_delay_product():
     assert default_queue_bytes(params.model_copy(update={"queue_bytes": 5000}), 100.0) == 5000
 
 
-def test_wan_check_flags_a_direction_that_is_not_as_configured():
-    caps = skip_unless_network()
+def test_wan_check_flags_a_direction_that_is_not_as_configured(caps):
     with Network(two_dcs(delay_ms=10, rate_mbps=100), caps=caps) as net:
         before = {(c.src, c.dst): c for c in check_wan(net)}
         net.link("east", "west").set(delay_ms=15)  # the link drifts from its spec
@@ -82,7 +79,6 @@ def test_wan_check_flags_a_direction_that_is_not_as_configured():
 
 @pytest.mark.slow
 def test_the_main_job_runs_across_the_long_hauls_and_checks_its_wan(tmp_path):
-    skip_unless_network()
     exp = load_experiment(REPO / "experiments" / "longhaul.yaml").with_iterations(3)
     result = TrainingRun(exp, tmp_path).run()
     checks = {(c["src"], c["dst"]): c for c in result["wan_check"]}

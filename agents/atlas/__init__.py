@@ -7,5 +7,6 @@ order, with which start offsets); ``controller`` (a process) reads the run's liv
 and publishes that plan; one ``agent`` per WAN gateway (a process) enforces it on the
 gateway's egress through the delay line's strict-priority scheduler, under a lease so a
 dead agent or controller leaves plain fair sharing behind; ``precision`` measures how
-exactly a link follows a plan.
+exactly a link follows a plan.  ``extension`` plugs the controller and agents into a
+training run; ``config`` holds what each process is started with.
 """

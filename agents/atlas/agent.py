@@ -25,39 +25,29 @@ import socket
 import sys
 import time
 
-
-class _Line:
-    """Datagrams to one delay line's control socket."""
-
-    def __init__(self, control: str, me: str):
-        self.control = control
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.path = me
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-        self.sock.bind(self.path)
-        self.sock.settimeout(1.0)
-
-    def request(self, msg: dict) -> dict:
-        self.sock.sendto(json.dumps(msg).encode(), self.control)
-        reply = json.loads(self.sock.recv(65536))
-        if not reply.get("ok"):
-            raise RuntimeError(reply.get("error"))
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+from agents.atlas.config import AgentConfig
+from testbed.procs import DatagramClient
 
 
 def _log(dc: str, msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} atlas agent {dc}: {msg}", flush=True)
 
 
-def _apply(line, lane: str, link: dict, lease: float, active: bool, dc: str, name: str) -> bool:
+class _Line:
+    """One delay line's control socket, talked to from a socket of the agent's own."""
+
+    def __init__(self, control: str, me: str):
+        self.control = control
+        self.client = DatagramClient(me, timeout=1.0)
+
+    def request(self, msg: dict) -> dict:
+        return self.client.request(self.control, msg)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _apply(line: _Line, lane: str, link: dict, lease: float, active: bool, dc: str, name: str) -> bool:
     """The classes once; a later plan only reorders (the queues, and the rate, which follows
     the link's own changes, stay as they are).  A line that lost its scheduler meanwhile (its
     lease ran out) gets the whole plan again."""
@@ -74,19 +64,19 @@ def _apply(line, lane: str, link: dict, lease: float, active: bool, dc: str, nam
     return False
 
 
-def run(cfg: dict) -> None:
-    dc, lease = cfg["dc"], float(cfg["lease_s"])
+def run(cfg: AgentConfig) -> None:
+    dc, lease = cfg.dc, cfg.lease_s
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    if os.path.exists(cfg["listen"]):
-        os.unlink(cfg["listen"])
-    sock.bind(cfg["listen"])
+    if os.path.exists(cfg.listen):
+        os.unlink(cfg.listen)
+    sock.bind(cfg.listen)
     sock.settimeout(lease / 4)
     by_control: dict[str, _Line] = {}  # one socket per delay line (a gateway's lanes share it)
-    for link in cfg["links"].values():
-        if link["control"] not in by_control:
-            by_control[link["control"]] = _Line(link["control"], f"{cfg['listen']}.{len(by_control)}")
-    lines = {name: by_control[link["control"]] for name, link in cfg["links"].items()}
-    lanes = {name: link["lane"] for name, link in cfg["links"].items()}
+    for link in cfg.links.values():
+        if link.control not in by_control:
+            by_control[link.control] = _Line(link.control, f"{cfg.listen}.{len(by_control)}")
+    lines = {name: by_control[link.control] for name, link in cfg.links.items()}
+    lanes = {name: link.lane for name, link in cfg.links.items()}
     active: set[str] = set()
     heard = time.monotonic()
     running = [True]
@@ -140,14 +130,13 @@ def run(cfg: dict) -> None:
             line.close()
         sock.close()
         try:
-            os.unlink(cfg["listen"])
+            os.unlink(cfg.listen)
         except OSError:
             pass
 
 
 def main() -> int:
-    with open(sys.argv[1]) as fh:
-        run(json.load(fh))
+    run(AgentConfig.load(sys.argv[1]))
     return 0
 
 

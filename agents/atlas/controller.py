@@ -23,16 +23,18 @@ import sys
 import threading
 import time
 
+from agents.atlas.config import ControllerConfig
 from agents.atlas.plan import TelemetryWindow, TemporalPlan, make_plan
+from testbed.procs import DatagramClient
 
 
 def _log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} atlas controller: {msg}", flush=True)
 
 
-def run(cfg: dict) -> None:
+def run(cfg: ControllerConfig) -> None:
     tel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    tel.connect(cfg["telemetry"])
+    tel.connect(cfg.telemetry)
     send_lock = threading.Lock()
 
     def tell_orchestrator(msg: dict) -> None:
@@ -40,33 +42,29 @@ def run(cfg: dict) -> None:
             tel.sendall((json.dumps(msg) + "\n").encode())
 
     tell_orchestrator({"type": "hello", "worker": "atlas-controller"})
-    agents = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    agent_paths = list(cfg["agents"].values())
+    agents = DatagramClient()
+    agent_paths = list(cfg.agents.values())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
     def to_agents(msg: dict) -> None:
-        data = json.dumps(msg).encode()
         for path in agent_paths:
-            try:
-                agents.sendto(data, path)
-            except OSError:
-                pass  # a dead agent: its links' leases run out
+            agents.send(path, msg)  # a dead agent: its links' leases run out
 
     def heartbeat() -> None:
-        while not stop.wait(float(cfg["lease_s"]) / 4):
+        while not stop.wait(cfg.lease_s / 4):
             to_agents({"type": "heartbeat"})
 
     if agent_paths:
         threading.Thread(target=heartbeat, daemon=True).start()
-    window = TelemetryWindow(transfer_delays=cfg.get("transfer_delays_s"))
+    window = TelemetryWindow(transfer_delays=cfg.transfer_delays_s)
     plan: TemporalPlan | None = None
-    workers = cfg["stages"] * cfg["replicas"]
-    warmup = max(1, cfg["warmup_iterations"])
+    workers = cfg.stages * cfg.replicas
+    warmup = max(1, cfg.warmup_iterations)
     planned_at = -1
     reader = tel.makefile("r")
-    _log(f"up: {cfg['replicas']} pipelines, sharing {cfg['sharing']}, plan after {warmup} iteration(s)"
-         + ("; one pipeline: the links stay FIFO" if cfg["replicas"] == 1 else ""))
+    _log(f"up: {cfg.replicas} pipelines, sharing {cfg.sharing}, plan after {warmup} iteration(s)"
+         + ("; one pipeline: the links stay FIFO" if cfg.replicas == 1 else ""))
     for line in reader:
         if stop.is_set():
             break
@@ -79,20 +77,20 @@ def run(cfg: dict) -> None:
             continue
         planned_at = done
         compute, per_stage = window.slowest_stage_compute()
-        message = window.typical_message() or cfg["message_bytes"]
-        link = window.link_rate() or cfg["link_bytes_s"]  # measured: the plan follows a changed link
-        new = make_plan(cfg["replicas"], compute, message, link,
-                        enforced=cfg["sharing"] == "temporal", basis={"after_iteration": done, "message_bytes": message,
+        message = window.typical_message() or cfg.message_bytes
+        link = window.link_rate() or cfg.link_bytes_s  # measured: the plan follows a changed link
+        new = make_plan(cfg.replicas, compute, message, link,
+                        enforced=cfg.sharing == "temporal", basis={"after_iteration": done, "message_bytes": message,
                                "link_bytes_s": round(link),
                                "stages": {str(s): {k: round(v, 5) for k, v in f.items()}
                                           for s, f in per_stage.items()}})
-        if not new.moved(plan, cfg["replan_threshold"]):
+        if not new.moved(plan, cfg.replan_threshold):
             continue
         plan = new
-        if cfg["sharing"] == "temporal" and cfg["replicas"] > 1:  # one pipeline: nothing to share
-            to_agents({"type": "plan", "links": {name: {"classes": link["classes"], "order": plan.order,
-                                                        "rate_mbps": link["rate_mbps"]}
-                                                 for name, link in cfg["links"].items()}})
+        if cfg.sharing == "temporal" and cfg.replicas > 1:  # one pipeline: nothing to share
+            to_agents({"type": "plan", "links": {name: {"classes": link.classes, "order": plan.order,
+                                                        "rate_mbps": link.rate_mbps}
+                                                 for name, link in cfg.links.items()}})
         tell_orchestrator({"type": "plan", "plan": plan.as_dict()})
         _log(f"plan after iteration {done}: C={plan.compute_s * 1e3:.1f} ms, t={plan.transfer_s * 1e3:.1f} ms, "
              f"offsets {[round(v * 1e3, 1) for v in plan.offsets.values()]} ms, predicted per microbatch "
@@ -104,8 +102,7 @@ def run(cfg: dict) -> None:
 
 
 def main() -> int:
-    with open(sys.argv[1]) as fh:
-        run(json.load(fh))
+    run(ControllerConfig.load(sys.argv[1]))
     return 0
 
 

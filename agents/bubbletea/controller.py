@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 
+from agents.bubbletea.config import ControllerConfig
 from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles
 from agents.bubbletea.workload import azure_trace, poisson
 from agents.trainer.waitboard import wait_id
@@ -39,22 +40,22 @@ def _log(msg: str) -> None:
 
 
 class Controller:
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: ControllerConfig):
         self.cfg = cfg
-        w = cfg["workload"]
-        if w["source"] == "poisson":
-            self.requests = poisson(w["rate_per_s"], w["duration_s"], seed=w.get("seed", 0),
-                                    prompt_tokens=(16, cfg["max_prompt_tokens"]))
+        w = cfg.workload
+        if w.source == "poisson":
+            self.requests = poisson(w.rate_per_s, w.duration_s, seed=w.seed,
+                                    prompt_tokens=(16, cfg.max_prompt_tokens))
         else:
-            self.requests = azure_trace(w["source"], w["duration_s"], w["rate_scale"], w["token_scale"],
-                                        cfg["max_prompt_tokens"], w.get("max_output_tokens", 32))
+            self.requests = azure_trace(w.source, w.duration_s, w.rate_scale, w.token_scale,
+                                        cfg.max_prompt_tokens, w.max_output_tokens)
         self.state = {r.rid: {"rid": r.rid, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                               "arrival_s": r.arrival_s, "status": "future"} for r in self.requests}
         self.queue: list[int] = []
         self.servers = {name: {"path": path, "busy": None, "profile": None, "sticky": set()}
-                        for name, path in cfg["servers"].items()}
-        self.bubbles = {name: WorkerBubbles() for name in cfg["servers"]}
-        self.prefill_intervals: dict[str, list] = {name: [] for name in cfg["servers"]}
+                        for name, path in cfg.servers.items()}
+        self.bubbles = {name: WorkerBubbles() for name in cfg.servers}
+        self.prefill_intervals: dict[str, list] = {name: [] for name in cfg.servers}
         self.t0: float | None = None
         self.next_arrival = 0
         self._swept = 0.0
@@ -75,10 +76,10 @@ class Controller:
         if msg.get("iteration_done"):
             self.iterations_done[name] = msg["it"] + 1
         if self.t0 is None and len(self.iterations_done) == len(self.bubbles) and \
-                min(self.iterations_done.values()) >= self.cfg["warmup_iterations"]:
+                min(self.iterations_done.values()) >= self.cfg.warmup_iterations:
             self.t0 = time.monotonic()
             _log(f"serving from now: {len(self.requests)} requests over "
-                 f"{self.cfg['workload']['duration_s']:.0f} s")
+                 f"{self.cfg.workload.duration_s:.0f} s")
 
     def on_report(self, msg: dict) -> None:
         kind, name = msg.get("type"), msg.get("worker")
@@ -143,7 +144,7 @@ class Controller:
             self.state[rid]["status"] = "queued"
             self.queue.append(rid)
             self.next_arrival += 1
-        slo = self.cfg["slo_ttft_s"]
+        slo = self.cfg.slo_ttft_s
         if now - self._swept >= 0.05:  # the queue can hold thousands under overload: sweep it 20x a second
             self._swept = now
             for rid in [rid for rid in self.queue if elapsed - self.state[rid]["arrival_s"] > slo]:
@@ -154,13 +155,13 @@ class Controller:
             if srv["busy"] is not None or srv["profile"] is None:
                 continue
             it = self.iterations_done.get(name, 0)  # the iteration this worker is in
-            if self.cfg.get("interleave") and (it - self.cfg["warmup_iterations"]) % 2 == 0:
+            if self.cfg.interleave and (it - self.cfg.warmup_iterations) % 2 == 0:
                 continue  # an unserved iteration: the same run measures training without prefills
-            window = self.bubbles[name].window(now, self.cfg["margin_s"], self.cfg["margin_frac"])
+            window = self.bubbles[name].window(now, self.cfg.margin_s, self.cfg.margin_frac)
             if window is None:
                 continue
             room = window[1] - now
-            chunk = self.cfg["chunk_tokens"]
+            chunk = self.cfg.chunk_tokens
             if srv["profile"].seconds(chunk) > room:
                 continue  # not even one chunk fits before the bubble ends
             mine = [rid for rid in srv["sticky"] if rid in self.queue]
@@ -171,7 +172,7 @@ class Controller:
             free = (rid for rid in reversed(self.queue) if rid not in sticky)
             jobs, planned = [], 0.0
             for cand in itertools.chain(mine, free):
-                if planned >= room or len(jobs) >= self.cfg.get("max_jobs", 8):
+                if planned >= room or len(jobs) >= self.cfg.max_jobs:
                     break
                 r = self.state[cand]
                 left = r["prompt_tokens"] - r.get("prefilled_tokens", 0)
@@ -191,7 +192,7 @@ class Controller:
             srv["busy"], srv["sent"] = jobs, now
             wait = wait_id(*self.bubbles[name].current[:2])  # the server stops when this wait ends
             self._send(name, {"type": "prefill", "deadline": window[1], "chunk": chunk, "wait": wait,
-                              "decode": self.cfg["decode"][name],
+                              "decode": self.cfg.decode[name],
                               "jobs": [{"rid": rid, "tokens": self.state[rid]["prompt_tokens"],
                                         "output_tokens": self.state[rid]["output_tokens"]} for rid in jobs]})
 
@@ -213,16 +214,16 @@ class Controller:
                              for n, s in self.servers.items()}}
 
 
-def run(cfg: dict) -> None:
+def run(cfg: ControllerConfig) -> None:
     ctl = Controller(cfg)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    if os.path.exists(cfg["listen"]):
-        os.unlink(cfg["listen"])
-    sock.bind(cfg["listen"])
+    if os.path.exists(cfg.listen):
+        os.unlink(cfg.listen)
+    sock.bind(cfg.listen)
     sock.setblocking(False)
     ctl.sock = sock
     tel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    tel.connect(cfg["telemetry"])
+    tel.connect(cfg.telemetry)
     tel.sendall(b'{"type":"hello","worker":"bubbletea-controller"}\n')
     stopping = [False]
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
@@ -257,7 +258,7 @@ def run(cfg: dict) -> None:
             told_ready = True
         ctl.tick(time.monotonic())
     # let prefills and decodes under way finish (briefly), then account for everything
-    deadline = time.monotonic() + cfg.get("drain_s", 3.0)
+    deadline = time.monotonic() + cfg.drain_s
     while time.monotonic() < deadline and any(
             r["status"] in ("prefilling", "decoding") for r in ctl.state.values()):
         ready, _, _ = select.select([sock], [], [], 0.05)
@@ -268,7 +269,7 @@ def run(cfg: dict) -> None:
                 except BlockingIOError:
                     break
     result = ctl.finish()
-    with open(cfg["results"], "w") as fh:
+    with open(cfg.results, "w") as fh:
         json.dump(result, fh)
     counts = {}
     for r in result["requests"]:
@@ -279,8 +280,7 @@ def run(cfg: dict) -> None:
 
 
 def main() -> int:
-    with open(sys.argv[1]) as fh:
-        run(json.load(fh))
+    run(ControllerConfig.load(sys.argv[1]))
     return 0
 
 

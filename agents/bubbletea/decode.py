@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+from agents.bubbletea.config import DecodeConfig
+
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
     buf = bytearray()
@@ -31,20 +33,20 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def run(cfg: dict) -> None:
+def run(cfg: DecodeConfig) -> None:
     import torch
 
     from agents.bubbletea.inference import decode_batch, load_model, unpack
 
     torch.set_num_threads(1)
-    m = cfg["model"]
-    model = load_model(m["layers"], m["hidden"], m["heads"], m["max_context"], m.get("seed", 7))
+    m = cfg.model
+    model = load_model(m.layers, m.hidden, m.heads, m.max_context, m.seed)
     report = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     work: queue.Queue = queue.Queue()
 
     def tell(msg: dict) -> None:
         try:
-            report.sendto(json.dumps(msg).encode(), cfg["controller"])
+            report.sendto(json.dumps(msg).encode(), cfg.controller)
         except OSError:
             pass
 
@@ -62,7 +64,7 @@ def run(cfg: dict) -> None:
     def decoder() -> None:  # batches what has arrived: one forward per step for all of it
         while True:
             batch = [work.get()]
-            while len(batch) < cfg.get("max_batch", 16):
+            while len(batch) < cfg.max_batch:
                 try:
                     batch.append(work.get_nowait())
                 except queue.Empty:
@@ -76,7 +78,7 @@ def run(cfg: dict) -> None:
     threading.Thread(target=decoder, daemon=True).start()
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((cfg["ip"], cfg["port"]))
+    server.bind((cfg.ip, cfg.port))
     server.listen(64)
     tell({"type": "decode_ready"})
     while True:
@@ -85,8 +87,7 @@ def run(cfg: dict) -> None:
 
 
 def main() -> int:
-    with open(sys.argv[1]) as fh:
-        run(json.load(fh))
+    run(DecodeConfig.load(sys.argv[1]))
     return 0
 
 

@@ -35,6 +35,8 @@ import threading
 import time
 from collections import deque
 
+from agents.bubbletea.config import ServerConfig
+
 
 _KV_GUARD_S = 0.002  # no KV transfer starts this close to a bubble's end
 
@@ -48,31 +50,31 @@ def _send_kv(decode: list, rid: int, output_tokens: int, blob: bytes) -> float:
     return time.monotonic() - t0
 
 
-def run(cfg: dict) -> None:
+def run(cfg: ServerConfig) -> None:
     import torch
 
     from agents.bubbletea.inference import PrefillState, load_model, pack, prefill_chunk, prompt_tokens
     from agents.trainer.waitboard import WaitBoard
 
     torch.set_num_threads(1)
-    m = cfg["model"]
-    model = load_model(m["layers"], m["hidden"], m["heads"], m["max_context"], m.get("seed", 7))
+    m = cfg.model
+    model = load_model(m.layers, m.hidden, m.heads, m.max_context, m.seed)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    if os.path.exists(cfg["listen"]):
-        os.unlink(cfg["listen"])
-    sock.bind(cfg["listen"])
-    controller = cfg["controller"]
+    if os.path.exists(cfg.listen):
+        os.unlink(cfg.listen)
+    sock.bind(cfg.listen)
+    controller = cfg.controller
 
     def tell(msg: dict) -> None:
         try:
-            sock.sendto(json.dumps(dict(msg, worker=cfg["worker"])).encode(), controller)
+            sock.sendto(json.dumps(dict(msg, worker=cfg.worker)).encode(), controller)
         except OSError:
             pass  # the controller is gone: nothing more will come
 
     # calibrate: prefill time against prompt length, on this worker's device
     profile = []
-    for n in cfg.get("calibrate", (16, 64, 128, 256)):
-        n = min(n, m["max_context"])
+    for n in cfg.calibrate:
+        n = min(n, m.max_context)
         state = PrefillState(prompt_tokens(10**6 + n, n))
         t0 = time.monotonic()
         prefill_chunk(model, state, n)
@@ -87,7 +89,7 @@ def run(cfg: dict) -> None:
     gate = threading.Condition()
     bubble = {"deadline": 0.0}
 
-    board = WaitBoard(cfg["wait_board"]) if cfg.get("wait_board") else None
+    board = WaitBoard(cfg.wait_board) if cfg.wait_board else None
 
     def in_bubble() -> bool:
         return time.monotonic() < bubble["deadline"] - _KV_GUARD_S and (board is None or board.read() != 0)
@@ -106,7 +108,7 @@ def run(cfg: dict) -> None:
             tell({"type": "prefilled", "rid": rid, "kv_bytes": len(blob), "kv_send_s": sent, "first_token": first,
                   "at": finished})
 
-    for _ in range(cfg.get("kv_senders", 4)):  # a cache takes a few WAN round trips: several at once
+    for _ in range(cfg.kv_senders):  # a cache takes a few WAN round trips: several at once
         threading.Thread(target=ship, daemon=True).start()
     # a chunk's wall time varies several-fold (the quota runs out mid-chunk and the kernel
     # throttles at tick granularity): judge the next chunk by the slow end of the recent ones
@@ -160,8 +162,7 @@ def run(cfg: dict) -> None:
 
 
 def main() -> int:
-    with open(sys.argv[1]) as fh:
-        run(json.load(fh))
+    run(ServerConfig.load(sys.argv[1]))
     return 0
 
 

@@ -218,14 +218,6 @@ def _sized(sock: socket.socket, buf_bytes: int) -> None:
         pass
 
 
-def socket_buffer_bytes(rate_mbps: float, rtt_ms: float, connections: int) -> int:
-    """Each connection's share of 2x the bandwidth-delay product (0 = kernel autotuning)."""
-    if rate_mbps <= 0:
-        return 0
-    bdp = rate_mbps * 1e6 / 8 * rtt_ms / 1000.0
-    return int(max(256 * 1024, 2 * bdp / connections))
-
-
 class Endpoint:
     """A worker's listening socket plus its outgoing and incoming channels."""
 

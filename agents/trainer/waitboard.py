@@ -1,7 +1,7 @@
 """The wait board: one 8-byte shared file where a worker shows which wait for a peer it is in.
 
-How it fits: with BubbleTea the runner creates one per worker (on the run's tmpfs state
-directory, which all namespaces share); the trainer ``show``s a wait's id when the wait
+How it fits: with BubbleTea its run extension creates one per worker (``create_board``, on
+the run's tmpfs state directory, which all namespaces share); the trainer ``show``s a wait's id when the wait
 begins and 0 when its data has arrived, and the prefill server beside it ``read``s the
 board between prefill chunks, so a prefill stops as soon as the wait it was sent for is
 over, without the round trip through the telemetry stream and the controller (the
@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import mmap
 import os
+
+
+def create_board(path: str | os.PathLike) -> None:
+    """A new board showing no wait."""
+    with open(path, "wb") as fh:
+        fh.write(bytes(8))
 
 
 def wait_id(iteration: int, n: int) -> int:

@@ -27,6 +27,8 @@ import threading
 import time
 import traceback
 
+from agents.trainer.config import WorkerConfig
+
 ACT, GRAD = 0, 1
 
 
@@ -52,7 +54,7 @@ class Telemetry:
         return json.loads(line)
 
 
-def run(cfg: dict) -> None:
+def run(cfg: WorkerConfig) -> None:
     import torch
     import torch.distributed as dist
 
@@ -66,21 +68,21 @@ def run(cfg: dict) -> None:
     # transport threads wait for the GIL behind the compute thread: hand it over sooner
     # than the default 5 ms, or every received slice waits that long
     sys.setswitchinterval(0.0005)
-    me = cfg["worker"]
-    stage, replica, stages, replicas = me["stage"], me["replica"], cfg["stages"], cfg["replicas"]
-    tel = Telemetry(cfg["telemetry"], me["name"])
-    device = torch.device(cfg.get("device", "cpu"))
+    me = cfg.worker
+    stage, replica, stages, replicas = me.stage, me.replica, cfg.stages, cfg.replicas
+    tel = Telemetry(cfg.telemetry, me.name)
+    device = torch.device(cfg.device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
 
-    mcfg = ModelConfig(**cfg["model"])
-    tr = cfg["training"]
+    mcfg = ModelConfig(**cfg.model)
+    tr = cfg.training
     model = stage_module(build_model(mcfg, tr["seed"]), stage, stages).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=0.0)
     corpus = Corpus() if stage in (0, stages - 1) else None
     M, mb_size = tr["microbatches"], tr["microbatch_size"]
-    program = sch.ops(cfg["schedule"], stage, stages, M, cfg.get("extra_warmup", 0))
+    program = sch.ops(cfg.schedule, stage, stages, M, cfg.extra_warmup)
 
     # -- channels: connect outgoing first (the kernel completes handshakes), then accept
     transfers: list[list] = []
@@ -92,23 +94,23 @@ def run(cfg: dict) -> None:
                 transfers.append([kind, rec.seq % M, rec.start, rec.end, rec.nbytes, rec.seq // M])
         return record
 
-    ep = Endpoint(me["name"], me["ip"], cfg["port"])
-    nxt, prv = cfg.get("next"), cfg.get("prev")
+    ep = Endpoint(me.name, me.ip, cfg.port)
+    nxt, prv = cfg.next, cfg.prev
     act_out = grad_out = act_in = grad_in = None
     # transfers are recorded where they end: the receiver sees the last byte arrive
     if nxt:
-        act_out = ep.connect(nxt["name"], nxt["ip"], cfg["port"], ACT, nxt["connections"], nxt["buf"])
+        act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf)
     if prv:
-        grad_out = ep.connect(prv["name"], prv["ip"], cfg["port"], GRAD, prv["connections"], prv["buf"])
+        grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf)
     if prv:
-        act_in = ep.accept(prv["name"], ACT, prv["connections"], prv["buf"], on_receive=on_transfer("xfer_act"))
+        act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"))
     if nxt:
-        grad_in = ep.accept(nxt["name"], GRAD, nxt["connections"], nxt["buf"], on_receive=on_transfer("xfer_grad"))
+        grad_in = ep.accept(nxt.name, GRAD, nxt.connections, nxt.buf, on_receive=on_transfer("xfer_grad"))
 
     group = None
     if replicas > 1:
-        dp = cfg["dp"]
-        dist.init_process_group(dp["backend"], init_method=f"tcp://{dp['master']}:{dp['port']}",
+        dp = cfg.dp
+        dist.init_process_group(dp.backend, init_method=f"tcp://{dp.master}:{dp.port}",
                                 rank=replica, world_size=replicas)
         group = dist.group.WORLD
 
@@ -155,8 +157,8 @@ def run(cfg: dict) -> None:
         tel.send(msg)
         events = []
 
-    announce = bool(cfg.get("announce_waits"))  # BubbleTea: say when a wait for a peer begins
-    board = WaitBoard(cfg["wait_board"]) if cfg.get("wait_board") else None  # ... and show while it lasts
+    announce = cfg.announce_waits  # BubbleTea: say when a wait for a peer begins
+    board = WaitBoard(cfg.wait_board) if cfg.wait_board else None  # ... and show while it lasts
     for it in range(tr["iterations"]):
         inputs, outputs, losses = {}, {}, []
         waits = 0
@@ -172,7 +174,7 @@ def run(cfg: dict) -> None:
                     board.show(wait_id(it, waits))
                 waits += 1
             if k == sch.RECV_ACT:
-                x = act_in.recv(timeout=cfg.get("recv_timeout_s", 300)).to(device).requires_grad_(True)
+                x = act_in.recv(timeout=cfg.recv_timeout_s).to(device).requires_grad_(True)
                 inputs[i] = x
                 if board is not None:
                     board.show(0)
@@ -192,7 +194,7 @@ def run(cfg: dict) -> None:
                 act_out.send(outputs[i].detach())
                 mark("send", i, it)
             elif k == sch.RECV_GRAD:
-                g = grad_in.recv(timeout=cfg.get("recv_timeout_s", 300)).to(device)
+                g = grad_in.recv(timeout=cfg.recv_timeout_s).to(device)
                 outputs[i] = (outputs[i], g)
                 if board is not None:
                     board.show(0)
@@ -241,14 +243,13 @@ def run(cfg: dict) -> None:
 
 
 def main() -> int:
-    with open(sys.argv[1]) as fh:
-        cfg = json.load(fh)
+    cfg = WorkerConfig.load(sys.argv[1])
     try:
         run(cfg)
     except Exception as exc:  # report, then fail: the orchestrator ends the run
         msg = f"{type(exc).__name__}: {exc}"
         try:
-            tel = Telemetry(cfg["telemetry"], cfg["worker"]["name"])
+            tel = Telemetry(cfg.telemetry, cfg.worker.name)
             tel.send({"type": "error", "msg": msg, "trace": traceback.format_exc()[-2000:]})
         except OSError:
             pass

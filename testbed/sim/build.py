@@ -3,9 +3,9 @@
 How it fits: ``simulate(exp)`` builds one ``Link`` per topology direction, one ``Worker``
 per (stage, replica) with the schedule's op list, per-stage compute times (given in the
 experiment's ``sim`` section, profiled from an emulator run's ``timeline.json``, or
-estimated from the model's FLOPs and a device speed), runs the engine, and returns an
-object shaped like ``runner.TrainingRun`` so ``metrics.summarise`` and ``write_outputs``
-produce the same ``metrics.json`` and Chrome trace as the emulator.
+estimated from the model's FLOPs and a device speed), runs the engine, and returns a
+``SimResult``: a ``records.RunRecord`` like the emulator's, so ``metrics.summarise`` and
+``write_outputs`` produce the same ``metrics.json`` and Chrome trace.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-
 from .. import modelshape
 from .. import schedules as sch
 from ..experiment import Experiment
+from ..records import Interval, RunRecord, Transfer, WorkerRecord
 from .engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
@@ -141,15 +140,13 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
 
 
 @dataclass
-class SimResult:
-    exp: Experiment
-    workers: dict
-    go_time: float = 0.0
-    log_lines: list = field(default_factory=list)
+class SimResult(RunRecord):
+    """A simulated run's record, plus the simulator's own: its links (bytes carried), how
+    many events it processed, and how many DP replicas each simulated one stands for."""
+
     links: dict = field(default_factory=dict)
     events_processed: int = 0
     folded: int = 1
-    out_dir: Path | None = None
 
 
 def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: int | None = None,
@@ -257,16 +254,15 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     sim.run()
     states = {}
     for w in workers:
-        states[w.name] = SimpleNamespace(
-            slot=SimpleNamespace(stage=w.stage, replica=w.replica, dc=w.dc, name=w.name),
-            host=SimpleNamespace(name=f"sim-{w.name}", ip=""), device="simulated",
-            events=w.events, transfers=w.transfers, iteration_end=w.iteration_end, losses={})
+        states[w.name] = WorkerRecord(w.name, w.stage, w.replica, w.dc, f"sim-{w.name}", "", "simulated",
+                                      [Interval(*e) for e in w.events], [Transfer(*t) for t in w.transfers],
+                                      w.iteration_end)
     note = f"simulated {n_it} iteration(s), {sim.events_processed} events"
     if fold_replicas:
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
     # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
     ran = exp if n_it == exp.training.iterations else exp.with_iterations(n_it)
-    return SimResult(ran, states, 0.0, [note], links, sim.events_processed, folded=share)
+    return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share)
 
 
 def wan_utilization(result: SimResult) -> float:

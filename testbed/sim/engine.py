@@ -3,11 +3,11 @@
 How it fits: ``build.py`` turns an experiment (the same YAML ``testbed run`` takes) into
 ``Worker`` programs (the op lists of ``testbed/schedules.py``, the very lists the trainer
 executes) and ``Link`` objects (bandwidth, one-way delay, per-connection TCP ceiling);
-``Simulator.run`` plays them out; ``report.py`` writes the same ``metrics.json`` and Chrome
-trace as the emulator.
+``Simulator.run`` plays them out; ``build.py`` returns the run's ``records.RunRecord`` and
+``testbed/metrics.py`` writes the same ``metrics.json`` and Chrome trace as the emulator.
 
 The network is a fluid model.  A transfer is a flow of ``size`` bytes on every link of its
-path; while flows share a link, a ``SharingPolicy`` (``policies.py``) sets their rates, at
+path; while flows share a link, a ``SharingPolicy`` (below) sets their rates, at
 most each flow's own ceiling (N connections x window / RTT).  The default policy is
 max-min fair sharing (TCP's long-run behaviour); Atlas's temporal sharing plugs in as
 another policy without touching the engine.  A flow's last byte reaches the receiver one

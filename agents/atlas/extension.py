@@ -1,0 +1,173 @@
+"""Atlas's side of a training run: its controller and gateway agents, and their plans.
+
+How it fits: ``testbed.extension`` finds this class when the experiment says ``atlas:
+{sharing: temporal | paced}``.  With temporal sharing it asks the network for the delay
+line's per-pipeline scheduler on every WAN path and starts one agent per gateway that has
+pipelines to schedule (``agent.py``); it always starts the controller (``controller.py``),
+which connects to the run's telemetry hub as ``atlas-controller``.  The extension forwards
+every worker's timeline to the controller, passes each plan's start offsets to the first
+stage of each pipeline, and writes ``atlas-plans.json`` and the processes' logs into the
+results.  A dead controller or agent is logged and training goes on under fair sharing
+(the agents' leases run out in the delay lines).  The summary counts from the first
+iteration after the first plan (the plan is then in force).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from agents.atlas.config import AgentConfig, AgentLink, ControllerConfig, LinkPlan
+from testbed.extension import RunContext, RunExtension
+
+
+class AtlasExtension(RunExtension):
+    name = "atlas"
+    peers = ("atlas-controller",)
+
+    def __init__(self, exp):
+        self.exp = exp
+        self.plans: list[dict] = []  # every plan the controller published, with when
+        self._steady_from = 0
+        self._ctx: RunContext | None = None
+        self._controller_up = False
+        self._dead: set[str] = set()
+        self._names: list[str] = []
+
+    @classmethod
+    def for_experiment(cls, exp) -> "AtlasExtension | None":
+        return cls(exp) if exp.atlas.sharing != "fair" else None
+
+    def network_options(self) -> dict:
+        return {"scheduling": True} if self.exp.atlas.sharing == "temporal" else {}
+
+    # -- starting -----------------------------------------------------------------------
+    def start(self, ctx: RunContext) -> None:
+        """The controller and (temporal sharing) one agent per gateway with WAN links to enforce."""
+        self._ctx = ctx
+        exp, net = self.exp, ctx.net
+        links, delays = self._links(ctx)
+        state = net.registry.dir
+        agents: dict[str, str] = {}
+        if exp.atlas.sharing == "temporal":
+            for dc in sorted({x for x, _ in links}):
+                mine = {f"{x}->{y}": (x, y) for x, y in links if x == dc}
+                listen = str(state / f"atlas-agent-{dc}.sock")
+                cfg = AgentConfig(dc, listen, exp.atlas.lease_s,
+                                  {n: AgentLink(net.link(*k).control_path, net.link(*k).lane) for n, k in mine.items()})
+                for path in [listen] + [f"{listen}.{i}" for i in range(len(mine))]:  # its socket, one per line
+                    net.registry.file(path)
+                self._start(ctx, f"agent-{dc}", "agents.atlas.agent", cfg.to_dict())
+                agents[dc] = listen
+        rates = [exp.topo.direction(x, y).rate_mbps for x, y in links]
+        cfg = ControllerConfig(
+            telemetry=str(ctx.telemetry_path), agents=agents, sharing=exp.atlas.sharing,
+            lease_s=exp.atlas.lease_s, replan_threshold=exp.atlas.replan_threshold,
+            stages=exp.parallel.stages, replicas=exp.parallel.replicas,
+            warmup_iterations=exp.training.warmup_iterations,
+            message_bytes=exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * 4,
+            link_bytes_s=min(rates) * 1e6 / 8 if rates else 0.0, transfer_delays_s=delays,
+            links={f"{x}->{y}": LinkPlan(classes, exp.topo.direction(x, y).rate_mbps)
+                   for (x, y), classes in links.items()})
+        self._start(ctx, "controller", "agents.atlas.controller", cfg.to_dict())
+        self._controller_up = True
+        ctx.log(f"atlas: controller and {len(agents)} agent(s) started ({exp.atlas.sharing} sharing, "
+                f"{len(links)} WAN direction(s) carry pipelines)")
+
+    def _links(self, ctx: RunContext) -> tuple[dict, dict]:
+        """Per WAN direction crossed by a stage boundary: pipeline -> (src, dst) host address
+        pairs; and the one-way WAN delay of each cross-DC transfer (by kind and receiving stage)."""
+        exp = self.exp
+        links: dict[tuple[str, str], dict[str, list]] = {}
+        delays: dict[str, float] = {}
+        slots = {(s.stage, s.replica): s for s in exp.workers()}
+        for (stage, r), a in slots.items():
+            b = slots.get((stage + 1, r))
+            if b is None or a.dc == b.dc:
+                continue
+            ip_a, ip_b = ctx.workers[a.name].host.ip, ctx.workers[b.name].host.ip
+            hops = exp.topo.path(a.dc, b.dc)
+            for x, y in zip(hops, hops[1:]):  # activations one way, gradients the other
+                links.setdefault((x, y), {}).setdefault(f"r{r}", []).append([ip_a, ip_b])
+                links.setdefault((y, x), {}).setdefault(f"r{r}", []).append([ip_b, ip_a])
+            pairs = list(zip(hops, hops[1:]))
+            delays[f"xfer_act:{stage + 1}"] = sum(exp.topo.direction(x, y).delay_ms for x, y in pairs) / 1e3
+            delays[f"xfer_grad:{stage}"] = sum(exp.topo.direction(y, x).delay_ms for x, y in pairs) / 1e3
+        return links, delays
+
+    def _start(self, ctx: RunContext, name: str, module: str, cfg: dict) -> None:
+        ctx.launcher.start(f"atlas-{name}", module, cfg)
+        self._names.append(f"atlas-{name}")
+
+    # -- during the run -------------------------------------------------------------------
+    def on_worker_message(self, worker: str, msg: dict) -> None:
+        if self._controller_up and msg.get("type") == "events":
+            if not self._ctx.send_to_peer("atlas-controller", dict(msg, worker=worker)):
+                self._controller_gone("stopped reading")
+
+    def on_peer_message(self, peer: str, msg: dict) -> None:
+        if msg.get("type") != "plan":
+            return
+        ctx = self._ctx
+        plan = msg["plan"]
+        at = ctx.iterations_done()
+        self.plans.append(dict(plan, published_at_iteration=at))
+        if len(self.plans) == 1:  # iterations under way when it came are not the plan's
+            self._steady_from = max(w.iterations_done for w in ctx.workers.values()) + 1
+        self._send_offsets({int(r): v for r, v in plan["offsets"].items()})
+        ctx.log(f"atlas plan at iteration {at}: order {plan['order']}, offsets "
+                f"{[round(v * 1e3, 1) for v in plan['offsets'].values()]} ms")
+
+    def on_peer_gone(self, peer: str) -> None:
+        self._controller_gone("closed its connection")
+
+    def _send_offsets(self, offsets: dict[int, float]) -> None:
+        for name, w in self._ctx.workers.items():
+            if w.slot.stage == 0:
+                self._ctx.send_to_worker(name, {"type": "plan", "offset_s": offsets.get(w.slot.replica, 0.0)})
+
+    def _controller_gone(self, how: str) -> None:
+        if not self._controller_up:
+            return
+        self._controller_up = False
+        self._dead.add("atlas-controller")
+        self._send_offsets({})
+        self._ctx.log(f"atlas controller {how} at iteration {self._ctx.iterations_done()}: training continues "
+                      f"under fair sharing (offsets reset; the agents restore FIFO within "
+                      f"{self.exp.atlas.lease_s:.1f} s)")
+
+    def check(self) -> None:
+        procs = self._ctx.launcher.processes
+        for name in self._names:
+            proc = procs[name]
+            if name in self._dead or proc.alive():
+                continue
+            code = proc.popen.returncode
+            if name == "atlas-controller":
+                self._controller_gone(f"died (exit {code})")
+            else:
+                self._dead.add(name)
+                self._ctx.log(f"{name.replace('-', ' ', 1)} died (exit {code}) at iteration "
+                              f"{self._ctx.iterations_done()}: its links fall back to fair sharing when their "
+                              f"lease ends ({self.exp.atlas.lease_s:.1f} s); training continues")
+
+    def steady_state_from(self) -> int:
+        return self._steady_from
+
+    # -- after the run ------------------------------------------------------------------
+    def training_done(self) -> None:
+        if self._controller_up:
+            self._ctx.send_to_peer("atlas-controller", {"type": "bye"})
+
+    def stop(self, out_dir: Path) -> None:
+        if self._ctx is None or not self._names:
+            return
+        self._ctx.launcher.stop(self._names)
+        self._ctx.launcher.copy_logs(out_dir / "atlas-logs", self._names, rename=lambda n: n.removeprefix("atlas-"))
+        (out_dir / "atlas-plans.json").write_text(json.dumps(self.plans, indent=1))
+
+    def summarise(self, record, result: dict, out_dir: Path) -> dict:
+        last = self.plans[-1] if self.plans else None
+        return {"atlas": {"sharing": self.exp.atlas.sharing, "plans_published": len(self.plans),
+                          "order": last["order"] if last else None,
+                          "steady_state_from_iteration": self._steady_from}}

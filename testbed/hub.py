@@ -1,0 +1,109 @@
+"""The run's telemetry hub: one Unix stream socket, JSON lines, connections named by "hello".
+
+How it fits: ``runner.TrainingRun`` opens a ``TelemetryHub`` in the network's state folder
+(a filesystem path, so every namespace reaches it; the emulated network is not used for
+control, by design).  Each training worker connects and says ``{"type": "hello", "worker":
+NAME}``; so does each run extension's own process (its peer name, e.g.
+``atlas-controller``).  The hub then hands the runner every message as ``(name, msg)``,
+says when a named connection closes (``(name, None)``), and sends JSON lines to a name.
+A worker may open a second connection to report an error: the first stays its channel.
+
+Why not a library: a selector over a handful of Unix sockets and newline-framed JSON is all
+it is; an RPC framework would add a dependency and hide the framing the workers also use.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+from pathlib import Path
+
+
+class TelemetryHub:
+    def __init__(self, path: Path, peer_timeout_s: float = 1.0):
+        """``peer_timeout_s``: a send to a peer that stops reading gives up after this long
+        (a stuck controller must not stall the run)."""
+        self.path = path
+        if path.exists():
+            path.unlink()
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(path))
+        self._server.listen(512)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._server, selectors.EVENT_READ)
+        self._buf: dict[socket.socket, bytes] = {}
+        self._name: dict[socket.socket, str] = {}
+        self._conn: dict[str, socket.socket] = {}  # name -> its first connection
+        self._peer_timeout = peer_timeout_s
+        self._peers: set[str] = set()
+
+    def expect_peers(self, names: set[str]) -> None:
+        """Names that are not workers: their sends time out instead of blocking."""
+        self._peers |= set(names)
+
+    def connected(self, name: str) -> bool:
+        return name in self._conn
+
+    def poll(self, timeout: float) -> list[tuple[str, dict | None]]:
+        """Messages that arrived within ``timeout``, as (name, msg); (name, None) when a named
+        connection closed."""
+        out: list[tuple[str, dict | None]] = []
+        for key, _ in self._sel.select(timeout=timeout):
+            sock = key.fileobj
+            if sock is self._server:
+                conn, _ = self._server.accept()
+                self._sel.register(conn, selectors.EVENT_READ)
+                self._buf[conn] = b""
+                continue
+            try:
+                chunk = sock.recv(1 << 20)
+            except (ConnectionResetError, OSError):  # killed with data unread: the connection is over
+                chunk = b""
+            if not chunk:
+                self._close(sock, out)
+                continue
+            self._buf[sock] += chunk
+            while b"\n" in self._buf.get(sock, b""):
+                line, self._buf[sock] = self._buf[sock].split(b"\n", 1)
+                msg = json.loads(line)
+                if sock not in self._name:  # the first line names the sender
+                    name = msg.get("worker", "?")
+                    self._name[sock] = name
+                    if name not in self._conn:
+                        self._conn[name] = sock
+                        if name in self._peers:
+                            sock.settimeout(self._peer_timeout)
+                    continue
+                out.append((self._name[sock], msg))
+        return out
+
+    def _close(self, sock: socket.socket, out: list) -> None:
+        self._sel.unregister(sock)
+        self._buf.pop(sock, None)
+        name = self._name.pop(sock, None)
+        if name is not None and self._conn.get(name) is sock:
+            del self._conn[name]
+            out.append((name, None))
+        sock.close()
+
+    def send(self, name: str, msg: dict) -> bool:
+        """One JSON line to ``name``; False when it is not connected or no longer reads."""
+        sock = self._conn.get(name)
+        if sock is None:
+            return False
+        try:
+            sock.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        for sock in list(self._buf):
+            try:
+                self._sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            sock.close()
+        self._sel.close()
+        self._server.close()
