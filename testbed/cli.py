@@ -185,7 +185,14 @@ def run(
     table.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
     table.add_row("mean busy fraction (utilization)", f"{s['mean_busy_fraction']:.1%}")
     table.add_row("bubble fraction", f"{s['bubble_fraction']:.1%}")
-    table.add_row("loss first -> last", f"{result['iterations'][0]['loss']:.4f} -> {s['final_loss']:.4f}")
+    if s["final_loss"] is not None:
+        table.add_row("loss first -> last", f"{result['iterations'][0]['loss']:.4f} -> {s['final_loss']:.4f}")
+    else:
+        table.add_row("loss", s.get("loss_note", "none"))
+    timing = (result.get("device") or {}).get("op_timing")
+    if timing and timing.get("median_us_worst_worker") is not None:
+        table.add_row("emulated op timing error", f"median {timing['median_us_worst_worker']:.0f} us, "
+                                                  f"p99 {timing['p99_us_worst_worker']:.0f} us (worst worker)")
     out.mkdir(parents=True, exist_ok=True)
     table.add_row("results", str(out))
     console.print(table)

@@ -99,6 +99,18 @@ class BubbleTeaSpec(_Strict):
     model: BubbleModelSpec = BubbleModelSpec()
 
 
+class EmulationSpec(_Strict):
+    """Where an emulated device's op times come from (``device: emulated``)."""
+
+    profile: str | None = Field(None, description="timeline.json of an earlier real run of this model and "
+                                                  "parallelism; without it, the model's FLOPs at sim.device_tflops "
+                                                  "x sim.efficiency (the simulator's model)")
+    speedup: float = Field(1.0, gt=0, description="a device this many times faster than the profiled one: every "
+                                                  "device time is divided by it")
+    message_latency: bool = Field(True, description="with a profile: add the profiled hosts' own per-message "
+                                                    "transport latency at the receiver")
+
+
 class VariantSpec(_Strict):
     """One arm of a comparison: what it changes in the experiment."""
 
@@ -141,7 +153,10 @@ class Experiment(_Strict):
     training: TrainingSpec = TrainingSpec()
     parallel: ParallelSpec = ParallelSpec()
     placement: dict[str, list[int]] | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "emulated"] = Field(
+        "auto", description="auto: a GPU per worker where there are GPUs, else a CPU container; emulated: the "
+                            "network is real, device time comes from a profile (emulation)")
+    emulation: EmulationSpec = EmulationSpec()
     sim: SimSpec = SimSpec()
     atlas: AtlasSpec = AtlasSpec()
     bubbletea: BubbleTeaSpec = BubbleTeaSpec()

@@ -117,6 +117,8 @@ def summarise(run: RunRecord) -> dict:
             "busy_fraction_per_worker": per_worker_busy,
             "tokens_per_s": round(tokens / mean_time, 2) if mean_time > 0 else None,
             "final_loss": iterations[-1]["loss"],
+            **({"loss_note": "no loss: the devices are emulated (device time from a profile, no model is "
+                             "computed)"} if run.device.get("kind") == "emulated" else {}),
             "warnings": list(run.warnings),
         },
         "wan_check": list(run.wan_check),
@@ -200,7 +202,11 @@ def loss_plot(iterations: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([it["iteration"] for it in iterations], [it["loss"] for it in iterations], marker="o")
+    if all(it["loss"] is None for it in iterations):
+        ax.text(0.5, 0.5, "no loss: emulated devices compute no model", ha="center", va="center",
+                transform=ax.transAxes)
+    else:
+        ax.plot([it["iteration"] for it in iterations], [it["loss"] for it in iterations], marker="o")
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss (bytes, nats)")
     ax.set_title(title)

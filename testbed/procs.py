@@ -175,7 +175,8 @@ class Launcher:
     def __init__(self, registry: Registry, net: Any = None):
         self.registry = registry
         self.net = net  # a ``network.Network`` for processes inside hosts
-        self.dir = registry.dir / "procs"
+        self.dir = registry.dir / "procs"  # configs, logs and per-process files (boards, devices)
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, Process] = {}
 
     def start(self, name: str, module: str, config: dict, host: Any = None, cgroup: Path | None = None,
@@ -188,7 +189,6 @@ class Launcher:
         SCHED_IDLE (any waking task preempts it).  Its log is stdout and stderr together."""
         if name in self.processes:
             raise ProcessError(f"a process named {name!r} was already started in this run")
-        self.dir.mkdir(exist_ok=True)
         cfg_path, log_path = self.dir / f"{name}.json", self.dir / f"{name}.log"
         cfg_path.write_text(json.dumps(config))
         self.registry.file(cfg_path)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from agents.trainer.config import DataParallel, Me, Peer, WorkerConfig, socket_buffer_bytes
+from agents.trainer.config import DataParallel, Emulation, Me, Peer, WorkerConfig, socket_buffer_bytes
+from agents.trainer.device import create_device
 
 from .experiment import Experiment, WorkerSlot
 from .extension import ExtensionError, RunExtension, extensions_for
@@ -55,6 +56,8 @@ class WorkerState:
     reported_error: bool = False
     cgroup: Path | None = None  # its CPU container
     cpu: int | None = None  # the core it is pinned to, when an extension asks
+    device_file: Path | None = None  # its emulated device (device: emulated), shared with co-tenants
+    report: dict | None = None  # what it said of itself when done (an emulated device's op timing)
 
     @property
     def name(self) -> str:
@@ -97,6 +100,7 @@ class TrainingRun:
         self.log_lines: list[str] = []
         self.warnings: list[str] = []
         self.wan_check: list[dict] = []
+        self.device_profile = None  # device: emulated: where op times come from
         self._peer_owner = {p: ext for ext in self.extensions for p in ext.peers}
 
     # -- what extensions and callers use -----------------------------------------------
@@ -135,8 +139,12 @@ class TrainingRun:
     def run(self) -> dict:
         from . import metrics
 
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         exp = self.exp
+        if exp.device == "emulated":  # a bad profile fails here, before anything is built
+            from .emulation import device_profile
+
+            self.device_profile = device_profile(exp)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         options: dict = {}
         for ext in self.extensions:
             options.update(ext.network_options())
@@ -180,9 +188,20 @@ class TrainingRun:
     def record(self) -> RunRecord:
         """What this run has recorded so far, as the metrics read it."""
         steady = max((ext.steady_state_from() for ext in self.extensions), default=0)
+        device = {}
+        if self.device_profile is not None:
+            from agents.trainer.device import timing_report
+
+            device = self.device_profile.describe()
+            reports = {n: (w.report or {}).get("op_timing", {}) for n, w in self.workers.items()}
+            device["op_timing_per_worker"] = reports
+            medians = [r["median_us"] for r in reports.values() if r.get("ops")]
+            worst = [r["p99_us"] for r in reports.values() if r.get("ops")]
+            device["op_timing"] = {"workers": len(medians), "median_us_worst_worker": max(medians, default=None),
+                                   "p99_us_worst_worker": max(worst, default=None)}
         return RunRecord(self.exp, {n: w.record for n, w in self.workers.items()}, self.go_time,
                          self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
-                         out_dir=self.out_dir)
+                         device=device, out_dir=self.out_dir)
 
     def _check_wan(self, net: Network) -> None:
         """Every run measures its own WAN before training: configured against measured per
@@ -201,6 +220,8 @@ class TrainingRun:
     def _device_plan(self) -> list[str]:
         slots = self.exp.workers()
         want = self.exp.device
+        if want == "emulated":
+            return ["emulated"] * len(slots)
         gpus = detect_gpus() if want in ("auto", "cuda") else 0
         if want == "cuda" and gpus == 0:
             raise RunError("device: cuda asked for, but torch sees no GPU here")
@@ -233,6 +254,8 @@ class TrainingRun:
                 cfg.device = "cuda:0"
             cpus = exp.topo.dc(slot.dc).host.cpus if device == "cpu" else 0.0
             w.cgroup = self.containers.make(slot.name, cpus)
+            if device == "emulated":
+                self._emulated(w, cfg)
             if pin and w.cgroup is not None:
                 w.cpu = pinned % (os.cpu_count() or 1)
                 pinned += 1
@@ -257,14 +280,26 @@ class TrainingRun:
                 setattr(cfg, key, self._peer(slot, peer))
         if exp.parallel.replicas > 1:
             stage_slots = [by_key[(slot.stage, r)] for r in range(exp.parallel.replicas)]
-            master = self.workers[stage_slots[0].name].host.ip
+            ips = [self.workers[s.name].host.ip for s in stage_slots]
             group_devices = {self.workers[s.name].record.device for s in stage_slots}
             nccl = device.startswith("cuda") and len(group_devices) == exp.parallel.replicas
-            cfg.dp = DataParallel(master, _DP_PORT, "nccl" if nccl else "gloo")
+            backend = "ring" if device == "emulated" else "nccl" if nccl else "gloo"
+            cfg.dp = DataParallel(ips[0], _DP_PORT, backend, ring=ips)
         for ext in self.extensions:
             for key, value in ext.worker_options(self, slot).items():
                 setattr(cfg, key, value)
         return cfg
+
+    def _emulated(self, w: WorkerState, cfg: WorkerConfig) -> None:
+        """An emulated device for this worker: its stream (a file its co-tenants share) and
+        its stage's op times."""
+        prof = self.device_profile
+        w.device_file = self.launcher.dir / f"{w.name}.device"
+        create_device(w.device_file)
+        self.net.registry.file(w.device_file)
+        stage = w.slot.stage
+        cfg.emulation = Emulation(str(w.device_file), self.exp.training.seed, prof.times[stage], prof.message_bytes,
+                                  prof.grad_bytes[stage], prof.message_latency_s)
 
     def _peer(self, me: WorkerSlot, peer: WorkerSlot) -> Peer:
         ip = self.workers[peer.name].host.ip
@@ -336,6 +371,7 @@ class TrainingRun:
                 w.iterations_done = msg["it"] + 1
         elif kind == "done":
             w.record.add_transfers(msg.get("transfers", []))
+            w.report = msg.get("report")
             w.done = True
         elif kind == "error":
             w.reported_error = True

@@ -52,7 +52,7 @@ class BubbleTeaExtension(RunExtension):
     def worker_options(self, ctx: RunContext, slot) -> dict:
         """Each worker says when a wait for a peer begins and shows the wait under way on its
         board (an 8-byte file its prefill server reads)."""
-        board = ctx.net.registry.dir / "procs" / f"{slot.name}.board"
+        board = ctx.launcher.dir / f"{slot.name}.board"
         create_board(board)
         ctx.net.registry.file(board)
         return {"announce_waits": True, "wait_board": str(board)}
@@ -96,7 +96,7 @@ class BubbleTeaExtension(RunExtension):
         for name, w in ctx.workers.items():
             listen = str(state / f"bubbletea-{name}.sock")
             reg.file(listen)
-            cfg = ServerConfig(name, listen, ctl_sock, model, wait_board=str(state / "procs" / f"{name}.board"))
+            cfg = ServerConfig(name, listen, ctl_sock, model, wait_board=str(ctx.launcher.dir / f"{name}.board"))
             # an idle-priority co-tenant of the worker's own quota, on the worker's core, and
             # SCHED_IDLE (inherited by its threads): any waking task preempts it at once, also
             # the workers of other containers on that core (cpu.idle acts only inside its parent)

@@ -37,7 +37,26 @@ class Peer:
 class DataParallel:
     master: str  # the address of replica 0 of this stage
     port: int
-    backend: str = "gloo"  # nccl on distinct GPUs
+    backend: str = "gloo"  # nccl on distinct GPUs; "ring": the emulated worker's own ring over the transport
+    ring: list[str] = field(default_factory=list)  # every replica's address, in rank order
+
+
+@dataclass
+class Emulation:
+    """How an emulated device spends its time (``device: emulated``; ``emulated.py``).
+
+    ``times``: per op kind (forward, backward, optimizer, send, recv, allreduce) the
+    durations to draw from, in seconds (one value: always that); ``message_bytes``: one
+    activation or gradient on the wire; ``grad_bytes``: this stage's gradients (all-reduced);
+    ``message_latency_s``: the transport's own latency on the profiled hosts, added at the
+    receiver."""
+
+    device_file: str
+    seed: int
+    times: dict[str, list[float]]
+    message_bytes: int
+    grad_bytes: int
+    message_latency_s: float = 0.0
 
 
 @dataclass
@@ -58,6 +77,7 @@ class WorkerConfig:
     announce_waits: bool = False  # tell the hub when a wait for a peer begins (BubbleTea)
     wait_board: str | None = None  # and show the wait under way in this 8-byte file
     recv_timeout_s: float = 300.0  # a peer silent this long ends the run (names it)
+    emulation: Emulation | None = None  # device "emulated": where its op times come from
     extra: dict = field(default_factory=dict)  # options of run extensions the trainer does not read
 
     def to_dict(self) -> dict:
@@ -67,7 +87,7 @@ class WorkerConfig:
     def load(cls, path: str | Path) -> "WorkerConfig":
         data = json.loads(Path(path).read_text())
         data["worker"] = Me(**data["worker"])
-        for key, kind in (("next", Peer), ("prev", Peer), ("dp", DataParallel)):
+        for key, kind in (("next", Peer), ("prev", Peer), ("dp", DataParallel), ("emulation", Emulation)):
             if data.get(key) is not None:
                 data[key] = kind(**data[key])
         return cls(**data)

@@ -1,21 +1,23 @@
-"""Point-to-point tensor transfer between pipeline stages over N parallel TCP connections.
+"""Point-to-point message transfer between pipeline stages over N parallel TCP connections.
 
 How it fits: each worker runs one ``Endpoint``: a listening socket on its own host address
 and, per peer, a ``Channel`` of N TCP connections (N = ``connections`` for a cross-DC
-boundary, 1 inside a DC).  A message (one activation or gradient) is cut into N nearly
-equal slices, one per connection, sent concurrently by one thread per connection, and
-reassembled by one reader thread per connection on the other side.  Sends return at once
-(asynchronous, in order); ``recv`` blocks until the next message of that channel is whole.
+boundary, 1 inside a DC).  A message (one activation or gradient, as bytes: ``codec.py``
+turns tensors into them, an emulated device sends buffers of the same size) is cut into N
+nearly equal slices, one per connection, sent concurrently by one thread per connection,
+and reassembled by one reader thread per connection on the other side.  Sends return at
+once (asynchronous, in order); ``recv`` blocks until the next message of that channel is
+whole.  No torch here: an emulated worker imports this and little else.
 
 Why sockets and not torch.distributed P2P: the transfer must be striped over N real TCP
 connections whose addresses name the pipeline (host of replica d -> host of replica d), so
 tc can classify each pipeline's flows, and it must always cross the emulated links, also
 where GPUs share a machine (tensors are copied to host memory; no CUDA IPC, no NVLink).
-Socket buffers are sized from the link's bandwidth-delay product.
+Socket buffers are sized from the link's bandwidth-delay product (``config.py``).
 
 Wire format per slice: header ``!QIQQd`` = (message seq, slice index, total bytes, slice
 bytes, the sender's monotonic send time), then the slice.  All hosts share one clock, so
-the receiver records each message's real transfer time: from the send to the last byte in.  A message's first 64 bytes hold its dtype and shape.
+the receiver records each message's real transfer time: from the send to the last byte in.
 """
 
 from __future__ import annotations
@@ -27,37 +29,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 _HELLO = struct.Struct("!16sBBB")  # peer name, channel kind, connection index, connections
 _SLICE = struct.Struct("!QIQQd")  # seq, slice, total bytes, slice bytes, send time
-_META = struct.Struct("!B7q")  # dtype code, ndim, up to 6 dims
-_META_SIZE = 64
-_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16, 3: torch.int64}
-_CODES = {v: k for k, v in _DTYPES.items()}
 
 
 class TransportError(RuntimeError):
     pass
-
-
-def _encode(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous()
-    shape = list(t.shape) + [0] * (6 - t.dim())
-    meta = _META.pack(_CODES[t.dtype], t.dim(), *shape).ljust(_META_SIZE, b"\0")
-    raw = t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
-    return meta + raw
-
-
-def _decode(buf: bytearray) -> torch.Tensor:
-    code, ndim, *dims = _META.unpack_from(buf, 0)
-    dtype = _DTYPES[code]
-    shape = dims[:ndim]
-    body = memoryview(buf)[_META_SIZE:]
-    if dtype == torch.bfloat16:
-        return torch.frombuffer(body, dtype=torch.uint8).view(torch.bfloat16).reshape(shape)
-    return torch.from_numpy(np.frombuffer(body, dtype=torch.empty(0, dtype=dtype).numpy().dtype).reshape(shape))
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -88,7 +65,7 @@ class TransferRecord:
 @dataclass
 class _Outgoing:
     seq: int
-    payload: bytes
+    payload: bytes | memoryview
     start: float
     pending: int
     done: threading.Event = field(default_factory=threading.Event)
@@ -106,6 +83,8 @@ class Channel:
         self._lock = threading.Lock()
         self._partial: dict[int, tuple[bytearray, int]] = {}
         self._complete: dict[int, bytearray] = {}
+        self._arrival: dict[int, float] = {}
+        self.last_arrival = 0.0  # when the message ``recv`` last returned was whole
         self._next_recv = 0
         self._cv = threading.Condition()
         self._error: Exception | None = None
@@ -117,8 +96,8 @@ class Channel:
                 self._threads.append(t)
 
     # -- sending ----------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor) -> _Outgoing:
-        payload = _encode(tensor)
+    def send(self, payload: bytes | memoryview) -> _Outgoing:
+        """Queue one message; it leaves in order, sliced over the connections."""
         with self._lock:
             out = _Outgoing(self._seq, payload, time.monotonic(), self.n)
             self._seq += 1
@@ -168,22 +147,26 @@ class Channel:
                     left -= 1
                     if left == 0:
                         del self._partial[seq]
+                        now = time.monotonic()
                         self._complete[seq] = buf
+                        self._arrival[seq] = now
                         self._cv.notify_all()
                         if self._on_receive:
-                            self._on_receive(TransferRecord(seq, total, sent_at, time.monotonic()))
+                            self._on_receive(TransferRecord(seq, total, sent_at, now))
                     else:
                         self._partial[seq] = (buf, left)
         except (OSError, TransportError) as exc:
             self._fail(exc)
 
-    def recv(self, timeout: float | None = None) -> torch.Tensor:
+    def recv(self, timeout: float | None = None) -> bytearray:
+        """The next whole message of this channel."""
         with self._cv:
             ok = self._cv.wait_for(lambda: self._next_recv in self._complete or self._error is not None, timeout)
             if self._next_recv in self._complete:
                 buf = self._complete.pop(self._next_recv)
+                self.last_arrival = self._arrival.pop(self._next_recv)
                 self._next_recv += 1
-                return _decode(buf)
+                return buf
             if self._error is not None:
                 raise TransportError(f"channel broken: {self._error}")
             if not ok:

@@ -1,13 +1,18 @@
 """One pipeline-parallel worker: stage s of DP replica r, on one emulated host.
 
 How it fits: ``testbed run`` (``testbed/runner.py``) starts one worker per (stage, replica)
-inside its host's namespace and CPU container, with a JSON config.  The worker builds its
-stage of the model, opens its pipeline channels (``transport.py``; N TCP connections across
-a DC boundary), joins its stage's DP group (torch.distributed: gloo, or NCCL on distinct
-GPUs), reports ready, waits for the go, then runs the schedule's op list
-(``testbed/schedules.py``) every iteration, all-reduces gradients inside its DC, steps the
-optimizer, and streams a timeline of typed intervals to the orchestrator over a Unix
-socket as it goes.
+inside its host's namespace (and CPU container, for a CPU device), with a JSON config
+(``config.py``).  The worker opens its pipeline channels (``transport.py``; N TCP
+connections across a DC boundary), joins its stage's DP group, reports ready, waits for the
+go, then runs the schedule's op list (``testbed/schedules.py``) every iteration,
+all-reduces gradients inside its DC, steps the optimizer, and streams a timeline of typed
+intervals to the orchestrator (``telemetry.py``) as it goes.
+
+What an op does is the ``compute``'s business: ``TorchCompute`` (``torch_compute.py``)
+runs the real model on a CPU or a GPU; ``EmulatedCompute`` (``emulated.py``, ``device:
+emulated``) occupies an emulated device for a profiled duration and sends buffers of the
+real tensors' size.  Everything else (channels, telemetry, waits, Atlas's offsets) is this
+one loop, so the two kinds of worker cannot drift apart.
 
 Timeline: intervals are contiguous on the shared monotonic clock (each starts where the
 previous ended), so per iteration they add up to the worker's iteration time exactly.
@@ -19,69 +24,45 @@ send (handing a tensor to the transport), allreduce, idle (the device is free).
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import sys
 import threading
 import time
 import traceback
+from typing import Protocol
 
 from agents.trainer.config import WorkerConfig
+from agents.trainer.telemetry import Telemetry
+from agents.trainer.transport import Endpoint
+from agents.trainer.waitboard import WaitBoard, wait_id
+from testbed import schedules as sch
 
 ACT, GRAD = 0, 1
 
 
-class Telemetry:
-    """JSON lines to and from the orchestrator over its Unix socket."""
+class Compute(Protocol):
+    """What a worker's device does for each op of the schedule."""
 
-    def __init__(self, path: str, worker: str):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
-        self._file = self.sock.makefile("r")
-        self._lock = threading.Lock()
-        self.send({"type": "hello", "worker": worker, "pid": os.getpid()})
+    busy_kinds: tuple[str, ...]
 
-    def send(self, msg: dict) -> None:
-        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
-        with self._lock:
-            self.sock.sendall(data)
-
-    def receive(self) -> dict:
-        line = self._file.readline()
-        if not line:
-            raise ConnectionError("orchestrator closed the telemetry socket")
-        return json.loads(line)
+    def start_iteration(self, it: int) -> None: ...
+    def forward(self, it: int, mb: int) -> None: ...
+    def backward(self, it: int, mb: int) -> None: ...
+    def activation(self, mb: int) -> bytes | memoryview: ...  # to send to the next stage
+    def gradient(self, mb: int) -> bytes | memoryview: ...  # to send to the previous stage
+    def take_activation(self, mb: int, buf: bytearray, arrived: float) -> None: ...  # from the previous stage
+    def take_gradient(self, mb: int, buf: bytearray, arrived: float) -> None: ...  # from the next stage
+    def allreduce(self) -> None: ...
+    def optimizer_step(self) -> float | None: ...  # the iteration's loss (last stage), or None
+    def synchronize(self) -> None: ...  # the device's queued work is done (CUDA)
+    def report(self) -> dict: ...  # extra figures for the orchestrator, once at the end
+    def close(self) -> None: ...
 
 
-def run(cfg: WorkerConfig) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from agents.trainer.data import Corpus
-    from agents.trainer.model import ModelConfig, build_model, loss_fn, stage_module
-    from agents.trainer.transport import Endpoint
-    from agents.trainer.waitboard import WaitBoard, wait_id
-    from testbed import schedules as sch
-
-    torch.set_num_threads(1)
-    # transport threads wait for the GIL behind the compute thread: hand it over sooner
-    # than the default 5 ms, or every received slice waits that long
-    sys.setswitchinterval(0.0005)
+def run(cfg: WorkerConfig, compute_factory) -> None:
     me = cfg.worker
-    stage, replica, stages, replicas = me.stage, me.replica, cfg.stages, cfg.replicas
+    stage, stages = me.stage, cfg.stages
     tel = Telemetry(cfg.telemetry, me.name)
-    device = torch.device(cfg.device)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(device)
-
-    mcfg = ModelConfig(**cfg.model)
-    tr = cfg.training
-    model = stage_module(build_model(mcfg, tr["seed"]), stage, stages).to(device)
-    optim = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=0.0)
-    corpus = Corpus() if stage in (0, stages - 1) else None
-    M, mb_size = tr["microbatches"], tr["microbatch_size"]
+    M = cfg.training["microbatches"]
     program = sch.ops(cfg.schedule, stage, stages, M, cfg.extra_warmup)
 
     # -- channels: connect outgoing first (the kernel completes handshakes), then accept
@@ -106,13 +87,7 @@ def run(cfg: WorkerConfig) -> None:
         act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"))
     if nxt:
         grad_in = ep.accept(nxt.name, GRAD, nxt.connections, nxt.buf, on_receive=on_transfer("xfer_grad"))
-
-    group = None
-    if replicas > 1:
-        dp = cfg.dp
-        dist.init_process_group(dp.backend, init_method=f"tcp://{dp.master}:{dp.port}",
-                                rank=replica, world_size=replicas)
-        group = dist.group.WORLD
+    compute: Compute = compute_factory(cfg, ep)  # it joins the stage's DP group
 
     tel.send({"type": "ready"})
     go = tel.receive()
@@ -138,11 +113,12 @@ def run(cfg: WorkerConfig) -> None:
 
     events: list[list] = []
     cursor = time.monotonic()
+    busy = compute.busy_kinds
 
     def mark(kind: str, mb: int, it: int) -> None:
         nonlocal cursor
-        if cuda and kind in ("forward", "backward", "optimizer"):
-            torch.cuda.synchronize(device)
+        if kind in busy:
+            compute.synchronize()
         now = time.monotonic()
         events.append([kind, mb, cursor, now, it])
         cursor = now
@@ -159,8 +135,8 @@ def run(cfg: WorkerConfig) -> None:
 
     announce = cfg.announce_waits  # BubbleTea: say when a wait for a peer begins
     board = WaitBoard(cfg.wait_board) if cfg.wait_board else None  # ... and show while it lasts
-    for it in range(tr["iterations"]):
-        inputs, outputs, losses = {}, {}, []
+    for it in range(cfg.training["iterations"]):
+        compute.start_iteration(it)
         waits = 0
         offset = plan["offset_s"] if stage == 0 else 0.0
         if offset > 0:  # Atlas's stagger: this pipeline enters the WAN after the ones before it
@@ -174,57 +150,36 @@ def run(cfg: WorkerConfig) -> None:
                     board.show(wait_id(it, waits))
                 waits += 1
             if k == sch.RECV_ACT:
-                x = act_in.recv(timeout=cfg.recv_timeout_s).to(device).requires_grad_(True)
-                inputs[i] = x
+                buf = act_in.recv(timeout=cfg.recv_timeout_s)
                 if board is not None:
                     board.show(0)
+                compute.take_activation(i, buf, act_in.last_arrival)
                 mark("recv", i, it)
             elif k == sch.FORWARD:
-                if stage == 0:
-                    x, _ = corpus.batch(tr["seed"], it, replica, i, replicas, M, mb_size, mcfg.seq_len)
-                    inputs[i] = x.to(device)
-                out = model(inputs[i])
-                if stage == stages - 1:
-                    _, y = corpus.batch(tr["seed"], it, replica, i, replicas, M, mb_size, mcfg.seq_len)
-                    out = loss_fn(out, y.to(device)) / (M * replicas)
-                    losses.append(out.detach())
-                outputs[i] = out
+                compute.forward(it, i)
                 mark("forward", i, it)
             elif k == sch.SEND_ACT:
-                act_out.send(outputs[i].detach())
+                act_out.send(compute.activation(i))
                 mark("send", i, it)
             elif k == sch.RECV_GRAD:
-                g = grad_in.recv(timeout=cfg.recv_timeout_s).to(device)
-                outputs[i] = (outputs[i], g)
+                buf = grad_in.recv(timeout=cfg.recv_timeout_s)
                 if board is not None:
                     board.show(0)
+                compute.take_gradient(i, buf, grad_in.last_arrival)
                 mark("recv", i, it)
             elif k == sch.BACKWARD:
-                if stage == stages - 1:
-                    outputs[i].backward()
-                else:
-                    out, g = outputs[i]
-                    out.backward(g)
-                outputs.pop(i)
+                compute.backward(it, i)
                 mark("backward", i, it)
             elif k == sch.SEND_GRAD:
-                grad_out.send(inputs.pop(i).grad)
+                grad_out.send(compute.gradient(i))
                 mark("send", i, it)
             if len(events) >= 8:
                 flush(it)
-        if group is not None:
-            grads = [p.grad for p in model.parameters()]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            off = 0
-            for g in grads:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
+        if cfg.replicas > 1:
+            compute.allreduce()
             mark("allreduce", -1, it)
-        optim.step()
-        optim.zero_grad(set_to_none=False)
+        loss = compute.optimizer_step()
         mark("optimizer", -1, it)
-        loss = float(torch.stack(losses).sum()) if losses else None
         flush(it, {"end": cursor, "loss": loss, "iteration_done": True})
 
     for ch in (act_out, grad_out):  # let the last sends leave before saying done
@@ -232,20 +187,23 @@ def run(cfg: WorkerConfig) -> None:
             ch.flush()
     with tlock:
         tail = list(transfers)
-    tel.send({"type": "done", "transfers": tail})
+    tel.send({"type": "done", "transfers": tail, "report": compute.report()})
     bye.wait()  # the orchestrator says when everyone is done (peers may still read)
     for ch in (act_out, grad_out, act_in, grad_in):
         if ch is not None:
             ch.close()
+    compute.close()
     ep.close()
-    if group is not None:
-        dist.destroy_process_group()
 
 
 def main() -> int:
     cfg = WorkerConfig.load(sys.argv[1])
     try:
-        run(cfg)
+        if cfg.device == "emulated":
+            from agents.trainer.emulated import EmulatedCompute as factory
+        else:
+            from agents.trainer.torch_compute import TorchCompute as factory
+        run(cfg, factory)
     except Exception as exc:  # report, then fail: the orchestrator ends the run
         msg = f"{type(exc).__name__}: {exc}"
         try:

@@ -1,0 +1,143 @@
+"""Emulated devices: how long each op of each stage takes, and how big what it sends is.
+
+How it fits: with ``device: emulated`` the runner calls ``device_profile(exp)`` before it
+builds anything (a bad profile is a one-line ``SpecError`` and nothing is created), and
+passes each worker its stage's durations in its config (``agents.trainer.config.Emulation``);
+the worker (``agents/trainer/emulated.py``) draws from them with the run's seed.  Durations
+come from one of two places, as the experiment's ``emulation`` section says:
+
+* ``profile``: an earlier real run's ``timeline.json`` (CPU containers, or a GPU): per stage
+  every observed forward, backward and optimizer duration, the hand-offs to and from the
+  transport, the all-reduce, and the hosts' own per-message transport latency, read by the
+  simulator's ``profiled_stage_times`` (one implementation for both);
+* the model's FLOPs at ``sim.device_tflops`` x ``sim.efficiency`` (the simulator's
+  ``flops_stage_times``), with the all-reduce at ``sim.intra_dc_gbps``.
+
+``speedup`` divides every device time (a device N times faster).  Message sizes are the
+real tensors' (``agents/trainer/codec.py``): microbatch x sequence x hidden float32 values
+plus a 64-byte header; the all-reduce moves each stage's gradient bytes (capped inside a DC
+at ``RING_CAP_BYTES``; its modelled time still counts them all).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import modelshape
+from .experiment import Experiment
+from .spec import SpecError
+
+RING_CAP_BYTES = 64 << 20
+_HEADER = 64
+
+
+@dataclass
+class DeviceProfile:
+    source: str  # in words, for metrics.json
+    times: list[dict[str, list[float]]]  # per stage: op kind -> durations (s)
+    message_bytes: int  # one activation or gradient on the wire
+    grad_bytes: list[int]  # per stage: gradient bytes the ring moves
+    message_latency_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        med = [{k: round(sorted(v)[len(v) // 2], 6) for k, v in t.items() if v} for t in self.times]
+        return {"kind": "emulated", "source": self.source, "message_bytes": self.message_bytes,
+                "grad_bytes": self.grad_bytes, "message_latency_s": round(self.message_latency_s, 6),
+                "median_times_s": med, "notes": self.notes}
+
+
+def message_bytes(exp: Experiment) -> int:
+    m, t = exp.model, exp.training
+    return _HEADER + t.microbatch_size * m.seq_len * m.hidden * 4
+
+
+def _resolve(exp: Experiment, profile: str) -> Path:
+    p = Path(profile)
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, Path(exp.origin).parent / p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise SpecError(f"{exp.origin}: emulation.profile: no such file {profile!r}")
+
+
+def _profiled(exp: Experiment, path: Path) -> tuple[list[dict[str, list[float]]], float, list[str]]:
+    from .sim.build import profiled_stage_times
+
+    notes = []
+    try:
+        trace = json.loads(path.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SpecError(f"{exp.origin}: emulation.profile: {path} is not a timeline.json "
+                        f"({type(exc).__name__})") from None
+    stages = {int(str(e.get("tid"))[1:].split("r")[0]) for e in trace
+              if e.get("ph") == "X" and str(e.get("tid", "")).startswith("s") and " " not in str(e.get("tid"))}
+    if len(stages) != exp.parallel.stages:
+        raise SpecError(f"{exp.origin}: emulation.profile: {path} has {len(stages)} pipeline stage(s), the "
+                        f"experiment {exp.parallel.stages}")
+    try:
+        times, latency = profiled_stage_times(path, exp)
+    except ValueError as exc:
+        raise SpecError(f"{exp.origin}: emulation.profile: {exc}") from None
+    allreduce: dict[int, list[float]] = {}
+    for e in trace:
+        if e.get("ph") == "X" and e.get("cat") == "allreduce" and (e["args"].get("iteration") or 0) >= 2:
+            allreduce.setdefault(int(str(e["tid"])[1:].split("r")[0]), []).append(e["dur"] / 1e6)
+    metrics = path.parent / "metrics.json"
+    if metrics.exists():
+        try:
+            profiled = json.loads(metrics.read_text())
+            if profiled.get("model", {}).get("hidden") != exp.model.hidden or \
+                    profiled.get("training", {}).get("microbatch_size") != exp.training.microbatch_size:
+                notes.append("the profiled run had another model or microbatch size: its times are replayed as they are")
+        except (OSError, ValueError):
+            pass
+    out = []
+    for s, st in enumerate(times):
+        per = {k: list(st.samples.get(k) or [getattr(st, k)]) for k in ("forward", "backward", "optimizer")}
+        per["send"] = [st.send]
+        per["recv"] = [st.recv]
+        per["allreduce"] = allreduce.get(s, [])
+        out.append(per)
+    return out, latency, notes
+
+
+def _from_flops(exp: Experiment) -> list[dict[str, list[float]]]:
+    from .sim.build import flops_stage_times, stage_params
+
+    params = stage_params(exp)
+    d = exp.parallel.replicas
+    out = []
+    for st, p in zip(flops_stage_times(exp), params):
+        ring = 2 * (d - 1) / d * p * exp.sim.dtype_bytes / (exp.sim.intra_dc_gbps * 1e9 / 8) if d > 1 else 0.0
+        out.append({"forward": [st.forward], "backward": [st.backward], "optimizer": [st.optimizer],
+                    "send": [0.0], "recv": [0.0], "allreduce": [ring + exp.sim.allreduce_latency_s] if d > 1 else []})
+    return out
+
+
+def device_profile(exp: Experiment) -> DeviceProfile:
+    """The emulated devices' op times and message sizes for ``exp``; SpecError if the
+    profile is missing or does not fit the experiment."""
+    em = exp.emulation
+    latency, notes = 0.0, []
+    if em.profile:
+        path = _resolve(exp, em.profile)
+        times, latency, notes = _profiled(exp, path)
+        source = f"profile {path}"
+        if not em.message_latency:
+            latency = 0.0
+    else:
+        times = _from_flops(exp)
+        source = (f"FLOPs of the model at {exp.sim.device_tflops:g} TFLOP/s x {exp.sim.efficiency:g} efficiency "
+                  f"(the simulator's model)")
+    if em.speedup != 1.0:
+        times = [{k: [v / em.speedup for v in vs] for k, vs in t.items()} for t in times]
+        latency /= em.speedup
+        source += f", {em.speedup:g}x faster"
+    params = modelshape.stage_params(exp.model.layers, exp.model.hidden, exp.model.seq_len, exp.parallel.stages)
+    grads = [p * 4 for p in params]
+    if not exp.parallel.dp_across_dcs:
+        grads = [min(g, RING_CAP_BYTES) for g in grads]
+    return DeviceProfile(source, times, message_bytes(exp), grads, latency, notes)
