@@ -11,7 +11,8 @@ userspace ``delayline``; ``registry`` records everything made so ``testbed clean
 remove it; ``fidelity`` (with the ``owd`` probe) measures a built network against its spec.
 *A run*: ``runner`` owns one training run: it launches processes through ``procs`` (CPU
 containers, start, stop), talks to them through the ``hub``, and drives every ``extension``
-(Atlas, BubbleTea) through the same hooks; ``records`` are what a run (or the simulator,
+(Atlas, BubbleTea) through the same hooks; ``emulation`` gives emulated devices
+(``device: emulated``) their op times; ``records`` are what a run (or the simulator,
 ``sim``) leaves behind, and ``metrics`` turns them into metrics.json, a Chrome trace and
 plots; ``compare`` runs an experiment's variants back to back.  *Around it*: ``provision``
 runs the Ansible playbook, and ``cli`` is the ``testbed`` command.
