@@ -9,7 +9,8 @@ come from one of two places, as the experiment's ``emulation`` section says:
 * ``profile``: an earlier real run's ``timeline.json`` (CPU containers, or a GPU): per stage
   every observed forward, backward and optimizer duration, the hand-offs to and from the
   transport, the all-reduce, and the hosts' own per-message transport latency, read by the
-  simulator's ``profiled_stage_times`` (one implementation for both);
+  simulator's ``profiled_stage_times`` (one implementation for both); a worker the profile
+  has by name (a replay on the same parallelism) draws from its own durations;
 * the model's FLOPs at ``sim.device_tflops`` x ``sim.efficiency`` (the simulator's
   ``flops_stage_times``), with the all-reduce at ``sim.intra_dc_gbps``.
 
@@ -41,6 +42,19 @@ class DeviceProfile:
     grad_bytes: list[int]  # per stage: gradient bytes the ring moves
     message_latency_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # per worker of the profiled run (by name): its own op durations, which a replay on the
+    # same parallelism draws from instead of its stage's pool (workers differ: where they run)
+    workers: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)  # (iteration, s)
+    sequence: bool = False  # replay in order instead of drawing
+
+    def times_for(self, stage: int, worker: str) -> dict[str, list[float]]:
+        """The durations one worker draws from (its own where the profile has them, past the
+        warm-up), or, replaying a sequence, all of its own in the order measured."""
+        own = self.workers.get(worker, {})
+        if self.sequence and own:
+            return dict(self.times[stage]) | {k: [d for _it, d in v] for k, v in own.items() if v}
+        return dict(self.times[stage]) | {k: [d for it, d in v if it >= 2] for k, v in own.items()
+                                           if any(it >= 2 for it, _d in v)}
 
     def describe(self) -> dict:
         med = [{k: round(sorted(v)[len(v) // 2], 6) for k, v in t.items() if v} for t in self.times]
@@ -63,7 +77,10 @@ def _resolve(exp: Experiment, profile: str) -> Path:
     raise SpecError(f"{exp.origin}: emulation.profile: no such file {profile!r}")
 
 
-def _profiled(exp: Experiment, path: Path) -> tuple[list[dict[str, list[float]]], float, list[str]]:
+def _profiled(exp: Experiment, path: Path) -> tuple[list[dict[str, list[float]]], dict, float, list[str]]:
+    """Per stage and per worker (where the profile has a worker of that name) the observed
+    durations; the all-reduce as the collective's own cost: per stage and iteration the
+    shortest rank's interval (the last to enter waited for nobody)."""
     from .sim.build import profiled_stage_times
 
     notes = []
@@ -72,8 +89,9 @@ def _profiled(exp: Experiment, path: Path) -> tuple[list[dict[str, list[float]]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SpecError(f"{exp.origin}: emulation.profile: {path} is not a timeline.json "
                         f"({type(exc).__name__})") from None
-    stages = {int(str(e.get("tid"))[1:].split("r")[0]) for e in trace
-              if e.get("ph") == "X" and str(e.get("tid", "")).startswith("s") and " " not in str(e.get("tid"))}
+    ops = [e for e in trace if e.get("ph") == "X" and str(e.get("tid", "")).startswith("s")
+           and " " not in str(e.get("tid"))]
+    stages = {int(str(e["tid"])[1:].split("r")[0]) for e in ops}
     if len(stages) != exp.parallel.stages:
         raise SpecError(f"{exp.origin}: emulation.profile: {path} has {len(stages)} pipeline stage(s), the "
                         f"experiment {exp.parallel.stages}")
@@ -81,10 +99,21 @@ def _profiled(exp: Experiment, path: Path) -> tuple[list[dict[str, list[float]]]
         times, latency = profiled_stage_times(path, exp)
     except ValueError as exc:
         raise SpecError(f"{exp.origin}: emulation.profile: {exc}") from None
-    allreduce: dict[int, list[float]] = {}
-    for e in trace:
-        if e.get("ph") == "X" and e.get("cat") == "allreduce" and (e["args"].get("iteration") or 0) >= 2:
-            allreduce.setdefault(int(str(e["tid"])[1:].split("r")[0]), []).append(e["dur"] / 1e6)
+    collective: dict[tuple[int, int], list[float]] = {}
+    per_worker: dict[str, dict[str, list[float]]] = {}
+    for e in sorted(ops, key=lambda e: e["ts"]):  # every iteration, in the order measured
+        it = e["args"].get("iteration") or 0
+        tid, kind = str(e["tid"]), e["cat"]
+        if kind == "allreduce":
+            collective.setdefault((int(tid[1:].split("r")[0]), it), []).append(e["dur"] / 1e6)
+        elif kind in ("forward", "backward", "optimizer", "send"):
+            per_worker.setdefault(tid, {}).setdefault(kind, []).append((it, e["dur"] / 1e6))
+    allreduce: dict[int, list[tuple[int, float]]] = {}
+    for (stage, it), durs in sorted(collective.items()):
+        allreduce.setdefault(stage, []).append((it, min(durs)))
+    for tid, kinds in per_worker.items():  # its stage's collective, in iteration order
+        kinds["allreduce"] = list(allreduce.get(int(tid[1:].split("r")[0]), []))
+    steady = {s: [d for it, d in v if it >= 2] for s, v in allreduce.items()}
     metrics = path.parent / "metrics.json"
     if metrics.exists():
         try:
@@ -99,9 +128,9 @@ def _profiled(exp: Experiment, path: Path) -> tuple[list[dict[str, list[float]]]
         per = {k: list(st.samples.get(k) or [getattr(st, k)]) for k in ("forward", "backward", "optimizer")}
         per["send"] = [st.send]
         per["recv"] = [st.recv]
-        per["allreduce"] = allreduce.get(s, [])
+        per["allreduce"] = steady.get(s, [])
         out.append(per)
-    return out, latency, notes
+    return out, per_worker, latency, notes
 
 
 def _from_flops(exp: Experiment) -> list[dict[str, list[float]]]:
@@ -121,10 +150,10 @@ def device_profile(exp: Experiment) -> DeviceProfile:
     """The emulated devices' op times and message sizes for ``exp``; SpecError if the
     profile is missing or does not fit the experiment."""
     em = exp.emulation
-    latency, notes = 0.0, []
+    latency, notes, workers = 0.0, [], {}
     if em.profile:
         path = _resolve(exp, em.profile)
-        times, latency, notes = _profiled(exp, path)
+        times, workers, latency, notes = _profiled(exp, path)
         source = f"profile {path}"
         if not em.message_latency:
             latency = 0.0
@@ -134,10 +163,13 @@ def device_profile(exp: Experiment) -> DeviceProfile:
                   f"(the simulator's model)")
     if em.speedup != 1.0:
         times = [{k: [v / em.speedup for v in vs] for k, vs in t.items()} for t in times]
+        workers = {w: {k: [(it, v / em.speedup) for it, v in vs] for k, vs in t.items()} for w, t in workers.items()}
         latency /= em.speedup
         source += f", {em.speedup:g}x faster"
     params = modelshape.stage_params(exp.model.layers, exp.model.hidden, exp.model.seq_len, exp.parallel.stages)
     grads = [p * 4 for p in params]
     if not exp.parallel.dp_across_dcs:
         grads = [min(g, RING_CAP_BYTES) for g in grads]
-    return DeviceProfile(source, times, message_bytes(exp), grads, latency, notes)
+    if em.replay == "sequence":
+        source += "; each worker replays its own durations in order"
+    return DeviceProfile(source, times, message_bytes(exp), grads, latency, notes, workers, em.replay == "sequence")

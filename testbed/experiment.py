@@ -109,6 +109,10 @@ class EmulationSpec(_Strict):
                                                   "device time is divided by it")
     message_latency: bool = Field(True, description="with a profile: add the profiled hosts' own per-message "
                                                     "transport latency at the receiver")
+    replay: Literal["draw", "sequence"] = Field(
+        "draw", description="draw: each op draws a duration from the profile (seeded); sequence: a worker the "
+                            "profile has by name takes its own durations in the order they were measured "
+                            "(a replay of that run, correlations included)")
 
 
 class VariantSpec(_Strict):

@@ -298,8 +298,9 @@ class TrainingRun:
         create_device(w.device_file)
         self.net.registry.file(w.device_file)
         stage = w.slot.stage
-        cfg.emulation = Emulation(str(w.device_file), self.exp.training.seed, prof.times[stage], prof.message_bytes,
-                                  prof.grad_bytes[stage], prof.message_latency_s)
+        cfg.emulation = Emulation(str(w.device_file), self.exp.training.seed, prof.times_for(stage, w.name),
+                                  prof.message_bytes, prof.grad_bytes[stage], prof.message_latency_s,
+                                  sequence=prof.sequence and w.name in prof.workers)
 
     def _peer(self, me: WorkerSlot, peer: WorkerSlot) -> Peer:
         ip = self.workers[peer.name].host.ip

@@ -49,7 +49,7 @@ class Emulation:
     durations to draw from, in seconds (one value: always that); ``message_bytes``: one
     activation or gradient on the wire; ``grad_bytes``: this stage's gradients (all-reduced);
     ``message_latency_s``: the transport's own latency on the profiled hosts, added at the
-    receiver."""
+    receiver; ``sequence``: replay the durations in the order given (a recorded run)."""
 
     device_file: str
     seed: int
@@ -57,6 +57,7 @@ class Emulation:
     message_bytes: int
     grad_bytes: int
     message_latency_s: float = 0.0
+    sequence: bool = False  # take the durations in order (cycling) instead of drawing them
 
 
 @dataclass

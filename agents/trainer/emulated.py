@@ -37,6 +37,9 @@ class EmulatedCompute:
         self.device = EmulatedDevice(em.device_file)
         self.times = em.times
         self.rng = random.Random(f"{em.seed}:{me.stage}:{me.replica}")
+        self.shared_rng = random.Random(f"{em.seed}:{me.stage}")  # the same draws on every rank of the stage
+        self.sequence = em.sequence
+        self.next_index: dict[str, int] = {}
         self.message = memoryview(bytes(em.message_bytes))
         self.grad_bytes = em.grad_bytes
         self.latency = em.message_latency_s
@@ -46,11 +49,16 @@ class EmulatedCompute:
             names = [f"s{me.stage}r{r}" for r in range(cfg.replicas)]
             self.ring = Ring(endpoint, names, dp.ring, me.replica, cfg.port)
 
-    def _draw(self, kind: str) -> float:
+    def _draw(self, kind: str, rng: random.Random | None = None) -> float:
         pool = self.times.get(kind)
         if not pool:
             return 0.0
-        return pool[0] if len(pool) == 1 else pool[self.rng.randrange(len(pool))]
+        if len(pool) == 1:
+            return pool[0]
+        if self.sequence:  # a recorded run, replayed in order
+            n = self.next_index[kind] = self.next_index.get(kind, -1) + 1
+            return pool[n % len(pool)]
+        return pool[(rng or self.rng).randrange(len(pool))]
 
     def _occupy(self, kind: str) -> None:
         seconds = self._draw(kind)
@@ -91,13 +99,17 @@ class EmulatedCompute:
         self._received(buf, arrived)
 
     def allreduce(self) -> None:
+        """The ring moves the bytes (and waits for the last rank to enter, as a collective
+        does); then the collective's own profiled cost, drawn alike by every rank of the
+        stage, so they all leave it together."""
         t0 = time.monotonic()
         if self.ring is not None:
             self.ring.allreduce(self.grad_bytes)
-        want = self._draw("allreduce")  # at least as long as the profiled all-reduce took
-        left = want - (time.monotonic() - t0)
-        if left > 0:
-            self.device.run(left)
+        if self.times.get("allreduce"):
+            want = self._draw("allreduce", self.shared_rng)
+            left = want - (time.monotonic() - t0)
+            if left > 0:
+                self.device.run(left)
 
     def optimizer_step(self) -> None:
         self._occupy("optimizer")

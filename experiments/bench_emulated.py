@@ -1,0 +1,135 @@
+"""Benchmark of emulated devices: how many GPU-like workers this machine holds (prints figures).
+
+    .venv/bin/python experiments/bench_emulated.py [--cases 6x3,16x4,32x4,64x4,64x8] [--json OUT]
+
+Each case ``NxK`` is N emulated devices over K DCs: one pipeline stage per DC (P = K) and
+N / K data-parallel pipelines, 1F1B, 8 microbatches, one TCP connection per transfer, on a
+chain of WAN links (DC i to DC i+1: 10 ms one-way, 100 Mbit/s: rates scaled so that each
+gateway's userspace delay line keeps up with every pipeline's transfers; ~0.13 cores per
+100 Mbit/s, docs/benchmarks.md).  Device times come from the simulator's FLOPs model of a
+6-layer, 128-wide GPT at 0.05 TFLOP/s (a forward of one microbatch: ~10 ms).  Per case it
+prints: start-up (from the call to the go: network, WAN check, workers ready), the mean
+iteration time, the per-op timing error (median of the worst worker, and its 99th
+percentile), resident memory per worker (mean and max, sampled mid-run), the memory the
+whole run holds (MemAvailable drop) and the cores the machine was busy for during training
+(/proc/stat).  Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from testbed.experiment import load_experiment  # noqa: E402
+from testbed.runner import TrainingRun  # noqa: E402
+
+
+def _topology(tmp: Path, dcs: int, hosts: int) -> Path:
+    names = [f"dc{i + 1}" for i in range(dcs)]
+    data = {"name": f"chain{dcs}x{hosts}", "dcs": [{"name": n, "hosts": hosts} for n in names],
+            "wan": [{"a": a, "b": b, "delay_ms": 10, "rate_mbps": 100} for a, b in zip(names, names[1:])]}
+    path = tmp / f"chain{dcs}x{hosts}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _experiment(tmp: Path, devices: int, dcs: int, iterations: int) -> Path:
+    replicas = devices // dcs
+    data = {"name": f"emulated-{devices}x{dcs}", "topology": str(_topology(tmp, dcs, replicas)),
+            "model": {"layers": max(6, dcs), "hidden": 128, "heads": 4, "seq_len": 64},
+            "training": {"iterations": iterations, "microbatches": 8, "microbatch_size": 4, "seed": 1},
+            "parallel": {"stages": dcs, "replicas": replicas, "schedule": "1f1b", "connections": 1},
+            "device": "emulated", "sim": {"device_tflops": 0.05, "efficiency": 0.5}}
+    path = tmp / f"exp-{devices}x{dcs}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _busy_jiffies() -> tuple[int, int]:
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def _mem_available_kb() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def run_case(tmp: Path, devices: int, dcs: int, iterations: int) -> dict:
+    exp = load_experiment(_experiment(tmp, devices, dcs, iterations))
+    out = tmp / f"out-{devices}x{dcs}"
+    run = TrainingRun(exp, out)
+    sample: dict = {}
+    mem0 = _mem_available_kb()
+
+    def watch(worker: str, msg: dict) -> None:
+        if msg.get("iteration_done") and msg["it"] == 2 and "rss" not in sample:
+            pids = [p for n, p in run.pids().items() if n in run.workers]
+            sample["rss"] = [_rss_kb(p) for p in pids]
+            sample["mem"] = mem0 - _mem_available_kb()
+            sample["cpu0"] = _busy_jiffies()
+            sample["t0"] = time.monotonic()
+
+    run.subscribe(watch)
+    t0 = time.monotonic()
+    result = run.run()
+    t_end = time.monotonic()
+    busy1, total1 = _busy_jiffies()
+    busy0, total0 = sample["cpu0"]
+    cores = (os.cpu_count() or 1) * (busy1 - busy0) / max(1, total1 - total0)
+    s, timing = result["summary"], result["device"]["op_timing"]
+    rss = sample["rss"]
+    row = {"devices": devices, "dcs": dcs, "pipelines": devices // dcs,
+           "startup_s": round(run.go_time - t0, 2), "iteration_s": s["mean_iteration_time_s"],
+           "op_error_median_us": timing["median_us_worst_worker"], "op_error_p99_us": timing["p99_us_worst_worker"],
+           "rss_mean_mb": round(sum(rss) / len(rss) / 1024, 1), "rss_max_mb": round(max(rss) / 1024, 1),
+           "run_memory_mb": round(sample["mem"] / 1024), "cores_busy": round(cores, 2),
+           "wall_s": round(t_end - t0, 1), "warnings": s["warnings"]}
+    print(f"  {devices:>3} devices / {dcs} DCs ({devices // dcs} pipelines a link): start-up {row['startup_s']:.1f} s, "
+          f"{row['iteration_s']:.3f} s/iteration, op error median {row['op_error_median_us']} us "
+          f"(p99 {row['op_error_p99_us']} us), RSS {row['rss_mean_mb']} MB/worker (max {row['rss_max_mb']}), "
+          f"run {row['run_memory_mb']} MB, {row['cores_busy']} cores busy", flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="6x3,16x4,32x4,64x4,64x8")
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for case in args.cases.split(","):
+            n, k = (int(x) for x in case.split("x"))
+            rows.append(run_case(Path(d), n, k, args.iterations))
+    info = {"machine": {"cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, "cases": rows}
+    if args.json:
+        args.json.write_text(json.dumps(info, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
