@@ -3,11 +3,14 @@
     .venv/bin/python experiments/bench_emulated.py [--cases 6x3,16x4,32x4,64x4,64x8] [--json OUT]
 
 Each case ``NxK`` is N emulated devices over K DCs: one pipeline stage per DC (P = K) and
-N / K data-parallel pipelines, 1F1B, 8 microbatches, one TCP connection per transfer, on a
-chain of WAN links (DC i to DC i+1: 10 ms one-way, 100 Mbit/s: rates scaled so that each
-gateway's userspace delay line keeps up with every pipeline's transfers; ~0.13 cores per
-100 Mbit/s, docs/benchmarks.md).  Device times come from the simulator's FLOPs model of a
-6-layer, 128-wide GPT at 0.05 TFLOP/s (a forward of one microbatch: ~10 ms).  Per case it
+N / K data-parallel pipelines, 1F1B, 8 microbatches of one sequence, one TCP connection per
+transfer, on a
+chain of WAN links (DC i to DC i+1: 10 ms one-way, min(100, 100 / (K - 1)) Mbit/s: the
+rates are scaled so that all the gateways' userspace delay lines together carry at most
+200 Mbit/s, about half a core: with many flows the line costs ~0.25 cores per 100 Mbit/s,
+and a saturated machine delays every emulated op).  Microbatches of one sequence (32 KiB
+messages) keep iterations short.  Device times come from the simulator's FLOPs model of a
+6-layer, 128-wide GPT at 0.0125 TFLOP/s (a forward of one microbatch: ~10 ms).  Per case it
 prints: start-up (from the call to the go: network, WAN check, workers ready), the mean
 iteration time, the per-op timing error (median of the worst worker, and its 99th
 percentile), resident memory per worker (mean and max, sampled mid-run), the memory the
@@ -36,7 +39,8 @@ from testbed.runner import TrainingRun  # noqa: E402
 def _topology(tmp: Path, dcs: int, hosts: int) -> Path:
     names = [f"dc{i + 1}" for i in range(dcs)]
     data = {"name": f"chain{dcs}x{hosts}", "dcs": [{"name": n, "hosts": hosts} for n in names],
-            "wan": [{"a": a, "b": b, "delay_ms": 10, "rate_mbps": 100} for a, b in zip(names, names[1:])]}
+            "wan": [{"a": a, "b": b, "delay_ms": 10, "rate_mbps": round(min(100.0, 100.0 / (dcs - 1)), 1)}
+                    for a, b in zip(names, names[1:])]}
     path = tmp / f"chain{dcs}x{hosts}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -46,9 +50,9 @@ def _experiment(tmp: Path, devices: int, dcs: int, iterations: int) -> Path:
     replicas = devices // dcs
     data = {"name": f"emulated-{devices}x{dcs}", "topology": str(_topology(tmp, dcs, replicas)),
             "model": {"layers": max(6, dcs), "hidden": 128, "heads": 4, "seq_len": 64},
-            "training": {"iterations": iterations, "microbatches": 8, "microbatch_size": 4, "seed": 1},
+            "training": {"iterations": iterations, "microbatches": 8, "microbatch_size": 1, "seed": 1},
             "parallel": {"stages": dcs, "replicas": replicas, "schedule": "1f1b", "connections": 1},
-            "device": "emulated", "sim": {"device_tflops": 0.05, "efficiency": 0.5}}
+            "device": "emulated", "sim": {"device_tflops": 0.0125, "efficiency": 0.5}}
     path = tmp / f"exp-{devices}x{dcs}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
