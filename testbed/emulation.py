@@ -11,8 +11,9 @@ come from one of two places, as the experiment's ``emulation`` section says:
   transport, the all-reduce, and the hosts' own per-message transport latency, read by the
   simulator's ``profiled_stage_times`` (one implementation for both); a worker the profile
   has by name (a replay on the same parallelism) draws from its own durations;
-* the model's FLOPs at ``sim.device_tflops`` x ``sim.efficiency`` (the simulator's
-  ``flops_stage_times``), with the all-reduce at ``sim.intra_dc_gbps``.
+* the experiment's ``sim.stage_times`` (fixed per stage), or the model's FLOPs at
+  ``sim.device_tflops`` x ``sim.efficiency`` (the simulator's ``flops_stage_times``), with
+  the all-reduce at ``sim.intra_dc_gbps``.
 
 ``speedup`` divides every device time (a device N times faster).  Message sizes are the
 real tensors' (``agents/trainer/codec.py``): microbatch x sequence x hidden float32 values
@@ -157,6 +158,13 @@ def device_profile(exp: Experiment) -> DeviceProfile:
         source = f"profile {path}"
         if not em.message_latency:
             latency = 0.0
+    elif exp.sim.stage_times:
+        if len(exp.sim.stage_times) != exp.parallel.stages:
+            raise SpecError(f"{exp.origin}: sim.stage_times: {len(exp.sim.stage_times)} stage(s), the experiment "
+                            f"{exp.parallel.stages}")
+        times = [{"forward": [t.forward_s], "backward": [t.backward_s], "optimizer": [t.optimizer_s], "send": [0.0],
+                  "recv": [0.0], "allreduce": []} for t in exp.sim.stage_times]
+        source = "the experiment's sim.stage_times"
     else:
         times = _from_flops(exp)
         source = (f"FLOPs of the model at {exp.sim.device_tflops:g} TFLOP/s x {exp.sim.efficiency:g} efficiency "
@@ -173,3 +181,20 @@ def device_profile(exp: Experiment) -> DeviceProfile:
     if em.replay == "sequence":
         source += "; each worker replays its own durations in order"
     return DeviceProfile(source, times, message_bytes(exp), grads, latency, notes, workers, em.replay == "sequence")
+
+
+def stage_times(exp: Experiment):
+    """The simulator's view of ``exp``'s emulated devices: per stage the medians (and every
+    duration as ``samples``) and the per-message latency."""
+    from .sim.engine import StageTimes
+
+    prof = device_profile(exp)
+    out = []
+    for t in prof.times:
+        def med(kind):
+            v = sorted(t.get(kind) or [0.0])
+            return v[len(v) // 2]
+        out.append(StageTimes(med("forward"), med("backward"), med("optimizer"), send=med("send"), recv=med("recv"),
+                              samples={k: tuple(t[k]) for k in ("forward", "backward", "optimizer")
+                                       if len(t.get(k) or ()) > 1}))
+    return out, prof.message_latency_s

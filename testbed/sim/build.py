@@ -172,14 +172,21 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     capacity = ((lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps
                 else (lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION))
     links = {(s, d): Link(f"{s}->{d}", capacity(p) / share, p.delay_ms / 1000.0) for s, d, p in topo.directions()}
+    emulated_latency = None
     if stage_times is None:
-        if sim_spec.stage_times:
+        if exp.device == "emulated":  # the emulated devices' own times: what the run will draw from
+            from ..emulation import stage_times as emulated_stage_times
+
+            stage_times, emulated_latency = emulated_stage_times(exp)
+        elif sim_spec.stage_times:
             stage_times = [StageTimes(t.forward_s, t.backward_s, t.optimizer_s) for t in sim_spec.stage_times]
         else:
             stage_times = flops_stage_times(exp)
     if len(stage_times) != exp.parallel.stages:
         raise ValueError(f"{len(stage_times)} stage times for {exp.parallel.stages} stages")
     overhead = sim_spec.message_overhead_s if message_overhead_s is None else message_overhead_s
+    if emulated_latency is not None and message_overhead_s is None:
+        overhead = emulated_latency
     P, M = exp.parallel.stages, exp.training.microbatches
     workers = []
     for slot in exp.workers():
@@ -207,6 +214,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 ceiling = min(ceiling, n_conn * single)
             routes[(a.name, b.name)] = (path, ceiling)
 
+    channels: dict[tuple[str, str], dict] = {}
+
     def send(w: Worker, kind: str, mb: int, it: int, on_arrival) -> None:
         peer = by_key[(w.stage + 1 if kind == sch.SEND_ACT else w.stage - 1, w.replica)]
         start = sim.now
@@ -225,8 +234,24 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         if peer.dc == w.dc:
             sim.at(sim.now + act_bytes / intra, lambda: arrived(sim.now))
             return
+        # one channel (a TCP connection set) carries its messages in order: a message queued
+        # behind an earlier one of the same channel enters the network when that one has left
+        channel = channels.setdefault((w.name, kind), {"busy": False, "queue": []})
         path, ceiling = routes[(w.dc, peer.dc)]
-        sim.transfer(path, act_bytes, ceiling, arrived, owner=f"r{w.replica}")
+
+        def go(channel=channel, path=path, ceiling=ceiling, arrived=arrived, owner=f"r{w.replica}"):
+            channel["busy"] = True
+            sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel))
+
+        if channel["busy"]:
+            channel["queue"].append(go)
+        else:
+            go()
+
+    def left(channel: dict) -> None:
+        channel["busy"] = False
+        if channel["queue"]:
+            channel["queue"].pop(0)()
 
     stage_dcs = {}
     for slot in exp.workers():

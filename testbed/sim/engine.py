@@ -139,14 +139,23 @@ class Simulator:
 
     # -- network --------------------------------------------------------------------
     def transfer(self, links: list[Link], size: float, ceiling: float, on_arrival: Callable[[float], None],
-                 owner: str = "") -> None:
-        """Send ``size`` bytes over ``links``; call ``on_arrival(time)`` when the last byte is in."""
+                 owner: str = "", on_sent: Callable[[float], None] | None = None) -> None:
+        """Send ``size`` bytes over ``links``; call ``on_arrival(time)`` when the last byte is in,
+        and ``on_sent(time)`` when it has left (one propagation delay earlier)."""
         delay = sum(link.delay for link in links)
         if not links or size <= 0:
+            if on_sent is not None:
+                on_sent(self.now)
             self.at(self.now + delay, lambda: on_arrival(self.now))
             return
         flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, updated=self.now)
-        flow.on_done = lambda t: self.at(t + delay, lambda: on_arrival(self.now))
+
+        def done(t: float) -> None:
+            if on_sent is not None:
+                on_sent(t)
+            self.at(t + delay, lambda: on_arrival(self.now))
+
+        flow.on_done = done
         self._settle(links)
         for link in links:
             link.flows.append(flow)
