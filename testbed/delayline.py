@@ -36,7 +36,8 @@ Control: a Unix datagram socket (a filesystem path, so it is reachable from the 
 namespace) takes JSON messages ``{"lane": name, "delay_ms": .., "jitter_ms": .., "loss": ..}``
 and answers ``{"ok": true}``; ``{"cmd": "stats"}`` answers per-lane counters.  Scheduler
 messages: ``{"lane", "classes": {name: [[src|null, dst|null], ..]}, "rate_mbps", "queue_bytes"}``
-installs it (``"classes": null`` removes it: plain FIFO again; ``"lease_s"`` makes it
+installs it (without ``rate_mbps``, at the link's rate as last set with ``{"lane", "rate_mbps"}``;
+``"queue_bytes": "share"`` splits the link's own queue among the classes) (``"classes": null`` removes it: plain FIFO again; ``"lease_s"`` makes it
 expire unless renewed, so a dead agent leaves fair sharing behind), ``{"lane", "order": [..]}``
 sets the priority order, ``{"lane", "turns": {"t0", "period_s", "slots": [[class, start_s,
 end_s], ..]}}`` the clock plan (``null``: back to ``order``).  Changes
@@ -89,6 +90,8 @@ class _Lane:
     sched: _Scheduler | None = None
     wake: float | None = None  # when the scheduler wants to run again
     lease_until: float | None = None  # the scheduler goes unless renewed by then (its agent died)
+    rate_mbps: float = 0.0  # the link's rate as last set (a scheduler installed later paces to it)
+    queue_bytes: int = 0  # the link's bottleneck queue (a scheduler's classes share it when asked to)
 
 _VNET_HDR = 10
 _BYPASS_BYTES = 256  # pure ACKs and pings skip the per-pipeline queues
@@ -298,10 +301,15 @@ class DelayLine:
         if "classes" in spec:
             old = lane.sched
             if spec["classes"]:
-                rate = spec.get("rate_mbps") or (old.rate * 8 / 1e6 / _RATE_FACTOR if old else None)
+                # the link's own rate, as last set: an agent that reinstalls a scheduler after a
+                # restart must not pace at the rate the link had when the run began
+                rate = spec.get("rate_mbps") or lane.rate_mbps or (old.rate * 8 / 1e6 / _RATE_FACTOR if old else None)
                 if not rate or rate <= 0:
                     raise ValueError("a scheduler needs rate_mbps > 0")
-                queue = spec.get("queue_bytes") or _class_queue_bytes(float(rate), lane.delay_s)
+                queue = spec.get("queue_bytes")
+                if queue == "share":  # the link's own queue, split among the classes (equal buffering)
+                    queue = max(65536, lane.queue_bytes // max(1, len(spec["classes"]))) if lane.queue_bytes else None
+                queue = queue or _class_queue_bytes(float(rate), lane.delay_s)
                 lane.sched = _Scheduler(spec["classes"], float(rate), int(queue), now)
             else:
                 lane.sched = None
@@ -309,14 +317,18 @@ class DelayLine:
                 for pkt in list(old.other) + [p for q in old.queues.values() for p in q]:
                     self._admit(lane, pkt, now)
             lane.wake = now
-        if lane.sched is not None:
-            names = set(lane.sched.names)
-            if "rate_mbps" in spec and "classes" not in spec:  # the link's rate changed under us
-                rate = float(spec["rate_mbps"])
-                if rate <= 0:
-                    raise ValueError("rate_mbps must be > 0")
+        if "rate_mbps" in spec and "classes" not in spec:  # the link's rate changed under us
+            rate = float(spec["rate_mbps"])
+            if rate <= 0:
+                raise ValueError("rate_mbps must be > 0")
+            lane.rate_mbps = rate
+            if lane.sched is not None:
                 lane.sched.set_rate(rate)
                 lane.wake = now
+        if "link_queue_bytes" in spec:
+            lane.queue_bytes = int(spec["link_queue_bytes"])
+        if lane.sched is not None:
+            names = set(lane.sched.names)
             if "order" in spec:
                 order = list(spec["order"])
                 if set(order) != names:

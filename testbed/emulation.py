@@ -48,14 +48,19 @@ class DeviceProfile:
     workers: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)  # (iteration, s)
     sequence: bool = False  # replay in order instead of drawing
 
-    def times_for(self, stage: int, worker: str) -> dict[str, list[float]]:
+    def times_for(self, stage: int, worker: str, slowdown: float = 1.0) -> dict[str, list[float]]:
         """The durations one worker draws from (its own where the profile has them, past the
-        warm-up), or, replaying a sequence, all of its own in the order measured."""
+        warm-up), or, replaying a sequence, all of its own in the order measured; device times
+        ``slowdown`` times longer."""
         own = self.workers.get(worker, {})
         if self.sequence and own:
-            return dict(self.times[stage]) | {k: [d for _it, d in v] for k, v in own.items() if v}
-        return dict(self.times[stage]) | {k: [d for it, d in v if it >= 2] for k, v in own.items()
-                                           if any(it >= 2 for it, _d in v)}
+            out = dict(self.times[stage]) | {k: [d for _it, d in v] for k, v in own.items() if v}
+        else:
+            out = dict(self.times[stage]) | {k: [d for it, d in v if it >= 2] for k, v in own.items()
+                                              if any(it >= 2 for it, _d in v)}
+        if slowdown != 1.0:
+            out = {k: [d * slowdown for d in v] for k, v in out.items()}
+        return out
 
     def describe(self) -> dict:
         med = [{k: round(sorted(v)[len(v) // 2], 6) for k, v in t.items() if v} for t in self.times]

@@ -55,6 +55,10 @@ class ParallelSpec(_Strict):
     slow_start_after_idle: bool = Field(
         True, description="Linux's default; false = WAN-tuned hosts (net.ipv4.tcp_slow_start_after_idle=0): "
                           "TCP keeps its window across the idle gaps between microbatches")
+    tcp_window_bytes: int | None = Field(
+        None, ge=16384, description="cap every connection's window (the worker hosts' rmem/wmem maximum and the "
+                                    "transport's socket buffers): a window-bound connection, as a default Linux "
+                                    "host's across a long round trip; None: 2 x BDP per connection, 64 MiB at most")
 
 
 class AtlasSpec(_Strict):
@@ -67,6 +71,13 @@ class AtlasSpec(_Strict):
     lease_s: float = Field(2.0, gt=0, le=60, description="an agent's or controller's silence after which "
                                                             "its links fall back to fair sharing")
     replan_threshold: float = Field(0.1, gt=0, description="republish the plan when it moves by this fraction")
+    class_queue: Literal["deep", "share"] = Field(
+        "deep", description="the pipelines' queues at an enforcing gateway: deep = 4 x the path's BDP each "
+                            "(a waiting pipeline loses nothing); share = the link's own queue split among them "
+                            "(the same buffering as a FIFO link: compare at equal buffer depth)")
+    plan: Literal["telemetry", "fixed"] = Field(
+        "telemetry", description="telemetry: the turn order follows the pipelines' measured compute (the slowest "
+                                 "first) and readiness; fixed: r0, r1, ... whatever the workload (the ablation)")
 
 
 class BubbleModelSpec(_Strict):
@@ -109,6 +120,9 @@ class EmulationSpec(_Strict):
                                                   "device time is divided by it")
     message_latency: bool = Field(True, description="with a profile: add the profiled hosts' own per-message "
                                                     "transport latency at the receiver")
+    slowdown: dict[int, float] = Field(
+        default_factory=dict, description="replica -> factor: that pipeline's devices take this many times "
+                                          "longer (an older GPU generation; a heterogeneous job)")
     replay: Literal["draw", "sequence"] = Field(
         "draw", description="draw: each op draws a duration from the profile (seeded); sequence: a worker the "
                             "profile has by name takes its own durations in the order they were measured "

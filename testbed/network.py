@@ -134,10 +134,12 @@ class WanDirection:
         old = self.params
         if new.rate_mbps != old.rate_mbps:
             self.shaper.set_rate(new.rate_mbps)
-            if self.delay_client is not None and self.delay_line_stats().get("sched") is not None:
-                self._sched({"rate_mbps": new.rate_mbps})  # Atlas's scheduler paces to the link
+            if self.delay_client is not None:  # the line knows its link's rate (Atlas's scheduler paces to it)
+                self.delay_client.request({"lane": self.lane, "rate_mbps": new.rate_mbps})
         if new.queue_bytes != old.queue_bytes and new.queue_bytes is not None:
             self.shaper.set_queue(new.queue_bytes)
+            if self.delay_client is not None:
+                self.delay_client.request({"lane": self.lane, "link_queue_bytes": new.queue_bytes})
         delay_changed = (new.delay_ms, new.jitter_ms) != (old.delay_ms, old.jitter_ms)
         if self.backends.delay == "netem":
             if delay_changed or new.loss != old.loss:
@@ -399,7 +401,6 @@ class Network:
                 cmd = (
                     "sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 "
                     "net.ipv4.tcp_congestion_control=cubic net.ipv4.tcp_no_metrics_save=1 "
-                    "net.core.rmem_max=67108864 net.core.wmem_max=67108864 "
                     f"'net.ipv4.tcp_rmem={_TCP_MEM}' 'net.ipv4.tcp_wmem={_TCP_MEM}'; "
                     f"ip route add default via {gw}"
                 )
@@ -444,7 +445,9 @@ class Network:
                 delays = self.backends.delay == "tun"  # else netem delays and the line only schedules
                 lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms if delays else 0.0,
                               "jitter_ms": p.jitter_ms if delays else 0.0,
-                              "loss": p.loss if self.backends.loss == "delayline" else 0.0})
+                              "loss": p.loss if self.backends.loss == "delayline" else 0.0,
+                              "rate_mbps": p.rate_mbps,
+                              "link_queue_bytes": default_queue_bytes(p, self.topo.rtt_ms(dc, nb))})
             if not lanes:
                 continue
             cfg = {

@@ -241,6 +241,12 @@ class TrainingRun:
             self.workers[slot.name] = WorkerState(slot, host, rec)
             if not exp.parallel.slow_start_after_idle:  # a per-namespace sysctl: this host only
                 host.node.cmd("sysctl -qw net.ipv4.tcp_slow_start_after_idle=0")
+            window = exp.parallel.tcp_window_bytes
+            if window:  # every connection of this host window-bound: its buffers cannot grow past this
+                # (tcp_rmem/tcp_wmem are per namespace; net.core.rmem_max is not, here: the
+                # transport's explicit socket buffers are capped to the window instead)
+                host.node.cmd(f"sysctl -qw 'net.ipv4.tcp_rmem=4096 {min(131072, window)} {window}' "
+                              f"'net.ipv4.tcp_wmem=4096 {min(16384, window)} {window}'")
         # a co-tenant of a worker's device (a prefill server, say) must share its core:
         # on another core it would draw on the same quota in parallel and throttle the worker
         pin = any(ext.pins_workers for ext in self.extensions)
@@ -298,7 +304,8 @@ class TrainingRun:
         create_device(w.device_file)
         self.net.registry.file(w.device_file)
         stage = w.slot.stage
-        cfg.emulation = Emulation(str(w.device_file), self.exp.training.seed, prof.times_for(stage, w.name),
+        slow = self.exp.emulation.slowdown.get(w.slot.replica, 1.0)
+        cfg.emulation = Emulation(str(w.device_file), self.exp.training.seed, prof.times_for(stage, w.name, slow),
                                   prof.message_bytes, prof.grad_bytes[stage], prof.message_latency_s,
                                   sequence=prof.sequence and w.name in prof.workers)
 
@@ -310,7 +317,10 @@ class TrainingRun:
         topo = self.exp.topo
         hops = topo.path(me.dc, peer.dc)
         rate = min(topo.direction(a, b).rate_mbps for a, b in zip(hops, hops[1:]))
-        return Peer(peer.name, ip, n, socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n))
+        buf = socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n)
+        if self.exp.parallel.tcp_window_bytes:
+            buf = min(buf, self.exp.parallel.tcp_window_bytes)
+        return Peer(peer.name, ip, n, buf)
 
     def _collect(self) -> None:
         hub = self._hub

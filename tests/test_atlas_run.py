@@ -80,3 +80,56 @@ def test_a_killed_atlas_process_leaves_training_running_under_fair_sharing(tmp_p
     assert all(sched is None for sched in late)  # dc1->dc2 is one FIFO again: fair sharing restored
     log = "\n".join(result["log"])
     assert f"atlas {victim}" in log and "training continues" in log, log
+
+
+def _emulated(iterations: int, **atlas):
+    return parse_experiment({
+        "name": "atlas-emulated", "topology": str(REPO / "tests" / "data" / "atlas2.yaml"), "device": "emulated",
+        "model": {"layers": 2, "hidden": 256, "heads": 4, "seq_len": 128},
+        "training": {"iterations": iterations, "microbatches": 4, "microbatch_size": 2, "seed": 3},
+        "parallel": {"stages": 2, "replicas": 2, "schedule": "1f1b", "slow_start_after_idle": False},
+        "sim": {"stage_times": [{"forward_s": 0.01, "backward_s": 0.02}] * 2},
+        "atlas": {"sharing": "temporal", "lease_s": 1.0, **atlas.pop("atlas", {})}, **atlas,
+    }, "atlas")
+
+
+@pytest.mark.network(delay="tun")
+def test_the_enforced_plan_follows_a_link_whose_rate_changes_within_two_iterations(tmp_path):
+    run = TrainingRun(_emulated(12), tmp_path)
+    state = {}
+
+    def watch(worker, msg):
+        if not msg.get("iteration_done") or worker != "s1r1":
+            return
+        link = run.net.link("dc1", "dc2")
+        if msg["it"] == 5 and "changed" not in state:
+            state["rate"] = link.params.rate_mbps
+            link.set(rate_mbps=state["rate"] / 2)
+            state["changed"] = msg["it"]
+        elif "changed" in state and msg["it"] == state["changed"] + 2:
+            state["sched"] = link.delay_line_stats()["sched"]
+
+    run.subscribe(watch)
+    run.run()
+    plans = run.extension("atlas").plans
+    before = [p for p in plans if p["published_at_iteration"] <= state["changed"]][-1]
+    after = [p for p in plans if state["changed"] < p["published_at_iteration"] <= state["changed"] + 2]
+    assert after, [(p["published_at_iteration"], p["transfer_s"]) for p in plans]
+    assert after[-1]["transfer_s"] >= 1.6 * before["transfer_s"], (before, after)  # the plan's transfer grew
+    assert state["sched"]["rate_bytes_s"] == pytest.approx(state["rate"] / 2 * 1e6 / 8 * 0.97)  # paced to it
+
+
+@pytest.mark.network(delay="tun")
+@pytest.mark.parametrize(("plan", "first"), [("telemetry", "r1"), ("fixed", "r0")])
+def test_the_order_follows_the_workload_a_slow_pipeline_first(tmp_path, plan, first):
+    """Pipeline r1's devices are twice as slow: a plan made from telemetry gives it the link
+    first (its transfers should never wait: the iteration ends when it does); the fixed
+    order does not (the ablation)."""
+    exp = _emulated(6, atlas={"plan": plan}, emulation={"slowdown": {1: 2.0}})
+    run = TrainingRun(exp, tmp_path)
+    run.run()
+    plans = run.extension("atlas").plans
+    assert plans and plans[-1]["order"][0] == first, plans[-1]
+    if plan == "telemetry":
+        compute = plans[-1]["basis"]["pipeline_compute"]
+        assert compute["1"] == pytest.approx(2 * compute["0"], rel=0.1)

@@ -51,3 +51,20 @@ def test_scheduler_refuses_bad_plans_in_one_line(caps):
         rtts_ok = iperf3(net, net.host("east"), net.host("west"), seconds=1)["goodput_mbps"] > 20
     assert rtts_ok
     assert rate_after == pytest.approx(rate_before / 2)
+
+
+@pytest.mark.network(delay="tun")
+def test_a_scheduler_installed_after_a_rate_change_paces_at_the_new_rate(caps):
+    """An agent that restarts reinstalls its link's scheduler without naming a rate: the delay
+    line paces at the rate the link was set to since, not the topology's."""
+    with Network(two_dcs(delay_ms=1, rate_mbps=50, hosts=2), delay_backend="tun", caps=caps) as net:
+        link = net.link("east", "west")
+        link.set(rate_mbps=20)  # no scheduler in the line yet
+        e0, e1 = net.hosts("east")
+        net.link("east", "west").delay_client.request(
+            {"lane": link.lane, "classes": {"p0": [[e0.ip, None]], "p1": [[e1.ip, None]]}})
+        paced = link.delay_line_stats()["sched"]["rate_bytes_s"]
+        link.set(rate_mbps=30)  # and it follows later changes too
+        followed = link.delay_line_stats()["sched"]["rate_bytes_s"]
+    assert paced == pytest.approx(20e6 / 8 * 0.97)
+    assert followed == pytest.approx(30e6 / 8 * 0.97)

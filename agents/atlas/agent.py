@@ -13,7 +13,7 @@ sharing) within ``lease_s``, and training goes on.
 
 CONFIG: ``{"dc", "listen", "lease_s", "links": {"src->dst": {"control": path, "lane": name}}}``.
 Messages: ``{"type": "plan", "links": {"src->dst": {"classes": {..}, "order": [..],
-"rate_mbps": ..}}}``, ``{"type": "heartbeat"}``, ``{"type": "clear"}``.
+"queue_bytes": null | "share"}}}``, ``{"type": "heartbeat"}``, ``{"type": "clear"}``.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def _apply(line: _Line, lane: str, link: dict, lease: float, active: bool, dc: s
     lease ran out) gets the whole plan again."""
     for whole in ((False, True) if active else (True,)):
         try:
-            if whole:
-                line.request({"lane": lane, "classes": link["classes"], "rate_mbps": link["rate_mbps"],
-                              "lease_s": lease})
+            if whole:  # at the link's rate as the delay line knows it (it follows the link's changes)
+                line.request({"lane": lane, "classes": link["classes"], "lease_s": lease,
+                              "queue_bytes": link.get("queue_bytes")})
             line.request({"lane": lane, "order": link["order"], "lease_s": lease})
             return True
         except (OSError, RuntimeError, ValueError) as exc:

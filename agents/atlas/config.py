@@ -34,6 +34,8 @@ class ControllerConfig:
     message_bytes: int  # a boundary tensor's size (until transfers are measured)
     link_bytes_s: float  # the slowest crossed link (until measured)
     transfer_delays_s: dict[str, float] = field(default_factory=dict)  # "xfer_act:<stage>" -> one-way delay
+    class_queue: str | None = None  # "share": the pipelines' queues split the link's queue; None: 4 x BDP each
+    plan: str = "telemetry"  # telemetry: order from the measured workload; fixed: r0, r1, ...
     links: dict[str, LinkPlan] = field(default_factory=dict)  # "src->dst" -> classes
 
     def to_dict(self) -> dict:

@@ -79,9 +79,11 @@ def run(cfg: ControllerConfig) -> None:
         compute, per_stage = window.slowest_stage_compute()
         message = window.typical_message() or cfg.message_bytes
         link = window.link_rate() or cfg.link_bytes_s  # measured: the plan follows a changed link
-        new = make_plan(cfg.replicas, compute, message, link,
-                        enforced=cfg.sharing == "temporal", basis={"after_iteration": done, "message_bytes": message,
-                               "link_bytes_s": round(link),
+        pipelines = window.pipeline_compute() if cfg.plan == "telemetry" else None
+        new = make_plan(cfg.replicas, compute, message, link, pipeline_compute=pipelines,
+                        previous=plan.order if plan else None, enforced=cfg.sharing == "temporal",
+                        basis={"after_iteration": done, "message_bytes": message, "link_bytes_s": round(link),
+                               "pipeline_compute": {str(r): round(v, 5) for r, v in (pipelines or {}).items()},
                                "stages": {str(s): {k: round(v, 5) for k, v in f.items()}
                                           for s, f in per_stage.items()}})
         if not new.moved(plan, cfg.replan_threshold):
@@ -89,7 +91,7 @@ def run(cfg: ControllerConfig) -> None:
         plan = new
         if cfg.sharing == "temporal" and cfg.replicas > 1:  # one pipeline: nothing to share
             to_agents({"type": "plan", "links": {name: {"classes": link.classes, "order": plan.order,
-                                                        "rate_mbps": link.rate_mbps}
+                                                        "queue_bytes": cfg.class_queue}
                                                  for name, link in cfg.links.items()}})
         tell_orchestrator({"type": "plan", "plan": plan.as_dict()})
         _log(f"plan after iteration {done}: C={plan.compute_s * 1e3:.1f} ms, t={plan.transfer_s * 1e3:.1f} ms, "

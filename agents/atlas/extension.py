@@ -67,6 +67,7 @@ class AtlasExtension(RunExtension):
             warmup_iterations=exp.training.warmup_iterations,
             message_bytes=exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * 4,
             link_bytes_s=min(rates) * 1e6 / 8 if rates else 0.0, transfer_delays_s=delays,
+            class_queue="share" if exp.atlas.class_queue == "share" else None, plan=exp.atlas.plan,
             links={f"{x}->{y}": LinkPlan(classes, exp.topo.direction(x, y).rate_mbps)
                    for (x, y), classes in links.items()})
         self._start(ctx, "controller", "agents.atlas.controller", cfg.to_dict())

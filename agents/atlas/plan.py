@@ -52,16 +52,29 @@ class TemporalPlan:
 
 
 def make_plan(replicas: int, compute_s: float, message_bytes: float, link_bytes_s: float,
-              basis: dict | None = None, enforced: bool = False) -> TemporalPlan:
+              basis: dict | None = None, enforced: bool = False,
+              pipeline_compute: dict[int, float] | None = None, previous: list[str] | None = None) -> TemporalPlan:
     """``enforced``: the gateways enforce the rank order, which staggers the pipelines by
     itself (a lower-ranked pipeline's transfer waits for the owner's, then overlaps the
     owner's compute), so no start offsets; otherwise (senders pacing themselves) pipeline d
-    starts d*t late."""
+    starts d*t late.
+
+    ``pipeline_compute`` (replica -> its measured compute per iteration) makes the order
+    follow the workload: the slowest pipeline first.  The iteration ends when the slowest
+    pipeline does (the all-reduce waits for it), so its transfers should never wait; the
+    faster ones have slack to wait in.  Without it (or with equal figures) the order is
+    r0, r1, ... (``plan: fixed`` always asks for that)."""
     t = message_bytes / link_bytes_s if link_bytes_s > 0 else 0.0
     d = replicas
+    ranks = list(range(d))
+    if previous:  # pipelines within 5% of each other keep their places: no churn on noise
+        ranks.sort(key=lambda r: previous.index(f"r{r}") if f"r{r}" in previous else d + r)
+    if pipeline_compute:
+        top = max(pipeline_compute.values()) or 1.0
+        ranks.sort(key=lambda r: -int(pipeline_compute.get(r, 0.0) / top / 0.05))  # stable: ties keep order
     return TemporalPlan(
-        order=[f"r{r}" for r in range(d)],
-        offsets={r: 0.0 if enforced else r * t for r in range(d)},
+        order=[f"r{r}" for r in ranks],
+        offsets={r: 0.0 if enforced else ranks.index(r) * t for r in range(d)},
         transfer_s=t, compute_s=compute_s,
         lockstep_s=compute_s + d * t, temporal_s=max(compute_s + t, d * t),
         basis=basis or {},
@@ -77,18 +90,26 @@ class TelemetryWindow:
         window also measures the link rate the transfers see (``link_rate``)."""
         self.keep = keep_iterations
         self.compute: dict[tuple[int, int, str], list[float]] = {}  # (stage, it, kind) -> durations
+        self.pipeline: dict[tuple[int, int], float] = {}  # (replica, it) -> its busiest stage's compute
         self.message_bytes: list[int] = []
         self.iterations_done: dict[str, int] = {}
         self.delays = transfer_delays or {}
         self.rates: dict[tuple[str, int], list[float]] = {}  # (key, it) -> bytes / (duration - delay)
+        self._stage_busy: dict[tuple[int, int, int], float] = {}  # (replica, it, stage) -> compute
 
     def add(self, worker: str, msg: dict) -> None:
         if msg.get("type") != "events":
             return
-        stage = int(worker[1:].split("r")[0])
+        stage, replica = (int(x) for x in worker[1:].split("r"))
+        mine: dict[int, float] = {}
         for kind, _mb, start, end, it in msg["events"]:
             if kind in ("forward", "backward"):
                 self.compute.setdefault((stage, it, kind), []).append(end - start)
+                mine[it] = mine.get(it, 0.0) + (end - start)
+        for it, busy in mine.items():
+            self._stage_busy[(replica, it, stage)] = self._stage_busy.get((replica, it, stage), 0.0) + busy
+            self.pipeline[(replica, it)] = max(self.pipeline.get((replica, it), 0.0),
+                                               self._stage_busy[(replica, it, stage)])
         for rec in msg.get("transfers", []):  # [kind, mb, sent, received, bytes, it]
             self.message_bytes.append(int(rec[4]))
             delay = self.delays.get(f"{rec[0]}:{stage}")
@@ -102,6 +123,10 @@ class TelemetryWindow:
                 del self.compute[key]
             for key in [k for k in self.rates if k[1] < oldest]:
                 del self.rates[key]
+            for key in [k for k in self.pipeline if k[1] < oldest]:
+                del self.pipeline[key]
+            for key in [k for k in self._stage_busy if k[1] < oldest]:
+                del self._stage_busy[key]
 
     def min_iterations(self, workers: int) -> int:
         if len(self.iterations_done) < workers:
@@ -119,13 +144,26 @@ class TelemetryWindow:
 
     def link_rate(self) -> float | None:
         """Bytes/s of the slowest cross-DC path as its transfers see it: per path the 90th
-        percentile of size / (duration - delay) over recent transfers (the least contended
-        ones), so a link that changes under the run changes the plan.  None until measured."""
-        paths: dict[str, list[float]] = {}
-        for (key, _it), values in self.rates.items():
-            paths.setdefault(key, []).extend(values)
-        per = [sorted(v)[int(0.9 * (len(v) - 1))] for v in paths.values() if len(v) >= 4]
+        percentile of size / (duration - delay) over the transfers of its latest iteration
+        (the least contended ones), so a link that changes under the run changes the plan
+        one iteration later.  None until measured."""
+        latest: dict[str, int] = {}
+        for key, it in self.rates:
+            latest[key] = max(latest.get(key, -1), it)
+        per = []
+        for key, it in latest.items():
+            v = sorted(self.rates[(key, it)])
+            if len(v) >= 2:
+                per.append(v[int(0.9 * (len(v) - 1))])
         return min(per) if per else None
+
+    def pipeline_compute(self) -> dict[int, float]:
+        """Per pipeline (replica): the median over recent iterations of its busiest stage's
+        forward + backward time in an iteration: how long its devices take, whatever the WAN."""
+        per: dict[int, list[float]] = {}
+        for (replica, _it), busy in self.pipeline.items():
+            per.setdefault(replica, []).append(busy)
+        return {r: statistics.median(v) for r, v in per.items()}
 
     def typical_message(self) -> float:
         return float(statistics.median(self.message_bytes)) if self.message_bytes else 0.0

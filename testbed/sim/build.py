@@ -165,7 +165,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     sim = Simulator(policy)
     D = exp.parallel.replicas
     if fold_replicas is None:
-        fold_replicas = D > 8 and type(sim.policy) is SharingPolicy
+        fold_replicas = D > 8 and type(sim.policy) is SharingPolicy and not (
+            exp.device == "emulated" and exp.emulation.slowdown)
     share = D if fold_replicas else 1
     # the topology's rate is the link's (wire) capacity, of which TCP payload is MSS/(MSS +
     # TCP/IP/Ethernet headers); or (wan_link_gbps set) one connection's measured goodput
@@ -193,7 +194,13 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         if fold_replicas and slot.replica > 0:
             continue
         program = sch.ops(exp.parallel.schedule, slot.stage, P, M, exp.parallel.extra_warmup)
-        workers.append(Worker(slot.name, slot.stage, slot.replica, slot.dc, program, stage_times[slot.stage]))
+        times = stage_times[slot.stage]
+        slow = exp.emulation.slowdown.get(slot.replica, 1.0) if exp.device == "emulated" else 1.0
+        if slow != 1.0:  # a heterogeneous job: this pipeline's devices are slower
+            times = StageTimes(times.forward * slow, times.backward * slow, times.optimizer * slow,
+                               times.send * slow, times.recv * slow,
+                               {k: tuple(v * slow for v in vs) for k, vs in times.samples.items()})
+        workers.append(Worker(slot.name, slot.stage, slot.replica, slot.dc, program, times))
     by_key = {(w.stage, w.replica): w for w in workers}
     act_bytes = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * sim_spec.dtype_bytes
     intra = sim_spec.intra_dc_gbps * 1e9 / 8
@@ -208,7 +215,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             hops = topo.path(a.name, b.name)
             path = [links[(x, y)] for x, y in zip(hops, hops[1:])]
             rtt = 2 * sum(link.delay for link in path)
-            ceiling = n_conn * sim_spec.tcp_window_bytes / rtt if rtt > 0 else float("inf")
+            window = exp.parallel.tcp_window_bytes or sim_spec.tcp_window_bytes
+            ceiling = n_conn * window / rtt if rtt > 0 else float("inf")
             if sim_spec.wan_link_gbps:
                 single = min(topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8
                 ceiling = min(ceiling, n_conn * single)

@@ -1,0 +1,174 @@
+"""Atlas in the paper's regime, on the emulator with emulated devices (prints figures).
+
+    .venv/bin/python experiments/atlas_regime.py [--out results/atlas-regime] [--quick]
+
+The scale model.  At paper scale (experiments/sim-10k.yaml: 175B, 78 pipelines, 50 MB
+activations, 400 Gbit/s DC pairs, 6 MiB windows over 49-67 ms round trips) the ratios that
+decide temporal sharing's outcome are: several pipelines on each WAN link; one connection
+window-bound (6 MiB / RTT is ~0.15 of a pipeline's fair share of the link); the link, shared,
+slower than compute (D x t / C ~ 2.4 per microbatch); transfers long against the round trip.
+Here, on two DCs with the matrix's Ohio-Oregon round trip (49 ms, scaled to 100 Mbit/s):
+
+* D = 4 pipelines share the link; P = 2 (one stage per DC), 4 microbatches;
+* a boundary message is 4 MiB (6.8 x the link's BDP of 612 KB, 27 x a pipeline's fair share
+  of it), t = S / B = 0.35 s alone on the link;
+* every connection's window is capped at 32 KiB (``parallel.tcp_window_bytes``): one
+  connection gets ~0.2 of a pipeline's fair share, as at paper scale; 16 connections lift it;
+* compute per microbatch C = 1.67 t (forward a third, backward two thirds), so D t / C = 2.4;
+* emulated devices (exact times), hosts with Linux's defaults.
+
+Variants: (a) 1 connection, fair sharing; (b) 16 connections, fair; (c) Atlas: 16 connections
++ temporal sharing enforced at the gateway; (s) the full combination: (c) with the best
+schedule of 1F1B, GPipe and 1F1B with a deeper warm-up (DC selection has nothing to choose
+between two DCs; say so).  Each at equal buffer depth on the link: ``router`` (a FIFO of one
+BDP, the pipelines' queues at the enforcing gateway splitting that same BDP) and ``deep``
+(16 BDP, 4 BDP a pipeline).  The ablation: one pipeline's devices 1.5 x slower, the plan's
+order from telemetry (the slow pipeline first) against the fixed r0, r1, ... with the slow
+pipeline last.  Every run is predicted by the simulator (the devices' times, the measured
+window, the controller's order).  Writes ``OUT/atlas_regime.csv`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from testbed.experiment import load_experiment  # noqa: E402
+from testbed.metrics import summarise  # noqa: E402
+from testbed.runner import TrainingRun  # noqa: E402
+from testbed.sim.build import PAYLOAD_FRACTION, simulate  # noqa: E402
+from testbed.sim.engine import PriorityPolicy  # noqa: E402
+
+RATE = 100.0
+ONE_WAY = 24.5  # Ohio-Oregon: 49 ms round trip
+D, M = 4, 4
+SEQ, HIDDEN = 2048, 512  # one microbatch of one sequence: 2048 x 512 x 4 B = 4 MiB
+WINDOW = 32768
+CONNECTIONS = 16
+
+
+def _t() -> float:
+    return SEQ * HIDDEN * 4 / (RATE * 1e6 / 8 * PAYLOAD_FRACTION)
+
+
+def _write(tmp: Path, name: str, queue: int, **over) -> Path:
+    bdp = RATE * 1e6 / 8 * 2 * ONE_WAY / 1000
+    topo = tmp / f"topo-{queue}.yaml"
+    topo.write_text(yaml.safe_dump({
+        "name": "ohio-oregon-scale", "source": "AWS matrix round trip Ohio-Oregon 49 ms (Yuan et al.); 100 Mbit/s",
+        "dcs": [{"name": "ohio", "hosts": D}, {"name": "oregon", "hosts": D}],
+        "wan": [{"a": "ohio", "b": "oregon", "delay_ms": ONE_WAY, "source_rtt_ms": 2 * ONE_WAY, "rate_mbps": RATE,
+                 "queue_bytes": int(queue * bdp)}]}))
+    t = _t()
+    data = {
+        "name": name, "topology": str(topo), "device": "emulated",
+        "model": {"layers": 2, "hidden": HIDDEN, "heads": 8, "seq_len": SEQ},
+        "training": {"iterations": 5, "microbatches": M, "microbatch_size": 1, "seed": 2, "warmup_iterations": 2},
+        "parallel": {"stages": 2, "replicas": D, "schedule": "1f1b", "connections": CONNECTIONS,
+                     "tcp_window_bytes": WINDOW},
+        "sim": {"stage_times": [{"forward_s": round(1.67 * t / 3, 4), "backward_s": round(2 * 1.67 * t / 3, 4)}] * 2},
+        "atlas": {"sharing": "fair", "class_queue": "share"},
+    }
+    for key, value in over.items():
+        section, _, field = key.partition("__")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[section] = value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _measure_window(tmp: Path) -> float:
+    """One connection's effective window on this link with the cap: goodput x RTT."""
+    from testbed.fidelity import iperf3
+    from testbed.network import Network
+    from testbed.spec import load_topology
+
+    topo = load_topology(_write(tmp, "probe", 1).parent / "topo-1.yaml")
+    with Network(topo) as net:
+        a, b = net.host("ohio"), net.host("oregon")
+        a.node.cmd(f"sysctl -qw 'net.ipv4.tcp_wmem=4096 16384 {WINDOW}'")
+        b.node.cmd(f"sysctl -qw 'net.ipv4.tcp_rmem=4096 {min(131072, WINDOW)} {WINDOW}'")
+        perf = iperf3(net, a, b, seconds=6, omit_s=2)
+    return perf["goodput_mbps"] * 1e6 / 8 * 2 * ONE_WAY / 1000
+
+
+def run(tmp: Path, name: str, queue: int, window_eff: float, **over) -> dict:
+    exp = load_experiment(_write(tmp, name, queue, **over))
+    out = tmp / name
+    if not (out / "metrics.json").exists():
+        TrainingRun(exp, out).run()
+    measured = json.loads((out / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
+    policy = None
+    plans = out / "atlas-plans.json"
+    order = None
+    if exp.atlas.sharing == "temporal" and plans.exists() and json.loads(plans.read_text()):
+        order = json.loads(plans.read_text())[-1]["order"]
+        policy = PriorityPolicy(order)
+    data = exp.model_dump()
+    data["sim"]["tcp_window_bytes"] = int(window_eff)
+    data["parallel"]["tcp_window_bytes"] = None
+    data["topology"] = exp.topology_file
+    from testbed.experiment import parse_experiment
+
+    sim_exp = parse_experiment(data, exp.origin)
+    predicted = summarise(simulate(sim_exp, policy=policy, iterations=8, fold_replicas=False))["summary"][
+        "mean_iteration_time_s"]
+    row = {"variant": name, "queue_bdp": queue, "measured_s": round(measured, 3), "predicted_s": round(predicted, 3),
+           "error": round(predicted / measured - 1, 4), "order": " ".join(order) if order else ""}
+    print(f"  {name:<24} queue {queue:>2} BDP: measured {measured:.3f} s, predicted {predicted:.3f} s "
+          f"({row['error']:+.1%}) {row['order']}", flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("results/atlas-regime"))
+    ap.add_argument("--quick", action="store_true", help="router buffers only, no schedule search, no ablation")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    cal = args.out / "window.json"
+    if not cal.exists():
+        cal.write_text(json.dumps({"window_eff_bytes": _measure_window(args.out)}))
+    window_eff = json.loads(cal.read_text())["window_eff_bytes"]
+    print(f"one connection's effective window with a {WINDOW} B cap: {window_eff / 1024:.1f} KiB "
+          f"({window_eff / (2 * ONE_WAY / 1000) * 8 / 1e6:.1f} Mbit/s on the {2 * ONE_WAY:g} ms round trip; a "
+          f"pipeline's fair share is {RATE / D * PAYLOAD_FRACTION:.1f})", flush=True)
+    rows = []
+    for queue in ((1,) if args.quick else (1, 16)):
+        rows.append(run(args.out, f"a-q{queue}", queue, window_eff, parallel__connections=1))
+        rows.append(run(args.out, f"b-q{queue}", queue, window_eff))
+        rows.append(run(args.out, f"c-q{queue}", queue, window_eff, atlas__sharing="temporal"))
+    if not args.quick:
+        for schedule, extra in (("gpipe", 0), ("1f1b", 2)):
+            rows.append(run(args.out, f"s-{schedule}-w{extra}-q1", 1, window_eff, atlas__sharing="temporal",
+                            parallel__schedule=schedule, parallel__extra_warmup=extra))
+        for plan in ("fixed", "telemetry"):  # the slow pipeline is r3: last in the fixed order
+            rows.append(run(args.out, f"slow-{plan}-q1", 1, window_eff, atlas__sharing="temporal", atlas__plan=plan,
+                            emulation__slowdown={3: 1.5}))
+    with open(args.out / "atlas_regime.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    by = {r["variant"]: r for r in rows}
+    for q in ((1,) if args.quick else (1, 16)):
+        a, b, c = (by[f"{v}-q{q}"] for v in "abc")
+        print(f"queue {q} BDP: (c)/(b) measured {b['measured_s'] / c['measured_s']:.2f}x, predicted "
+              f"{b['predicted_s'] / c['predicted_s']:.2f}x; (c)/(a) measured {a['measured_s'] / c['measured_s']:.2f}x")
+    print(f"({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
