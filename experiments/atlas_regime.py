@@ -41,6 +41,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from testbed.emulation import stage_times as emulated_stage_times  # noqa: E402
 from testbed.experiment import load_experiment  # noqa: E402
 from testbed.metrics import summarise  # noqa: E402
 from testbed.runner import TrainingRun  # noqa: E402
@@ -122,8 +123,9 @@ def run(tmp: Path, name: str, queue: int, window_eff: float, **over) -> dict:
     from testbed.experiment import parse_experiment
 
     sim_exp = parse_experiment(data, exp.origin)
-    predicted = summarise(simulate(sim_exp, policy=policy, iterations=8, fold_replicas=False))["summary"][
-        "mean_iteration_time_s"]
+    times, latency = emulated_stage_times(exp)
+    predicted = summarise(simulate(sim_exp, policy=policy, iterations=8, fold_replicas=False, stage_times=times,
+                                   message_overhead_s=latency))["summary"]["mean_iteration_time_s"]
     row = {"variant": name, "queue_bdp": queue, "measured_s": round(measured, 3), "predicted_s": round(predicted, 3),
            "error": round(predicted / measured - 1, 4), "order": " ".join(order) if order else ""}
     print(f"  {name:<24} queue {queue:>2} BDP: measured {measured:.3f} s, predicted {predicted:.3f} s "

@@ -30,6 +30,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from testbed.emulation import stage_times as emulated_stage_times  # noqa: E402
 from testbed.experiment import load_experiment  # noqa: E402
 from testbed.metrics import summarise  # noqa: E402
 from testbed.runner import TrainingRun  # noqa: E402
@@ -67,7 +68,9 @@ def case(tmp: Path, pipelines: int, times_bdp: int, tuned: bool, iterations: int
     if not (reuse and (run_dir / "metrics.json").exists()):
         TrainingRun(exp, run_dir).run()
     measured = json.loads((run_dir / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
-    predicted = summarise(simulate(exp, iterations=max(iterations, 8)))["summary"]["mean_iteration_time_s"]
+    times, latency = emulated_stage_times(exp)
+    predicted = summarise(simulate(exp, iterations=max(iterations, 8), stage_times=times,
+                                   message_overhead_s=latency))["summary"]["mean_iteration_time_s"]
     row = {"pipelines": pipelines, "message_x_bdp": times_bdp, "hosts": "tuned" if tuned else "default",
            "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
            "error": round(predicted / measured - 1, 4)}

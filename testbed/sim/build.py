@@ -173,21 +173,14 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     capacity = ((lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps
                 else (lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION))
     links = {(s, d): Link(f"{s}->{d}", capacity(p) / share, p.delay_ms / 1000.0) for s, d, p in topo.directions()}
-    emulated_latency = None
     if stage_times is None:
-        if exp.device == "emulated":  # the emulated devices' own times: what the run will draw from
-            from ..emulation import stage_times as emulated_stage_times
-
-            stage_times, emulated_latency = emulated_stage_times(exp)
-        elif sim_spec.stage_times:
+        if sim_spec.stage_times:
             stage_times = [StageTimes(t.forward_s, t.backward_s, t.optimizer_s) for t in sim_spec.stage_times]
         else:
             stage_times = flops_stage_times(exp)
     if len(stage_times) != exp.parallel.stages:
         raise ValueError(f"{len(stage_times)} stage times for {exp.parallel.stages} stages")
     overhead = sim_spec.message_overhead_s if message_overhead_s is None else message_overhead_s
-    if emulated_latency is not None and message_overhead_s is None:
-        overhead = emulated_latency
     P, M = exp.parallel.stages, exp.training.microbatches
     workers = []
     for slot in exp.workers():

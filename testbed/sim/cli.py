@@ -73,6 +73,10 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
         for point in points:
             e = _with(exp, point, Path(workdir)) if point else exp
             stage_times, overhead = profiled if profile is not None else (None, None)
+            if profile is None and e.device == "emulated":  # what the emulated devices will draw from
+                from ..emulation import stage_times as emulated_stage_times
+
+                stage_times, overhead = emulated_stage_times(e)
             t0 = time.perf_counter()
             result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
             wall = time.perf_counter() - t0
