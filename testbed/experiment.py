@@ -161,6 +161,10 @@ class SimSpec(_Strict):
     message_overhead_s: float = Field(0.0, ge=0, description="per-message transport latency: a tensor is usable "
                                       "this long after its last byte is in (`--profile` measures it)")
     stage_times: list[StageTimeSpec] | None = None
+    tcp_window_model: bool = Field(
+        False, description="model each channel's TCP window: slow start from 10 segments, doubling per round "
+                           "trip, restarted after an idle RTO (Linux's default): where round trips are long "
+                           "(docs/benchmarks.md says how far it gets)")
 
 
 class Experiment(_Strict):

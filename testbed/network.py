@@ -39,7 +39,7 @@ from .kernel import Backends, Capabilities, choose_backends, mininet_on_path, pr
 from .procs import DatagramClient, stop_all
 from .registry import PREFIX, Registry
 from .shaping import Counters, EgressShaper, NetemParams
-from .spec import Direction, Topology, validation_error
+from .spec import Direction, Topology, default_queue_bytes, validation_error
 
 DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)
 _TCP_MEM = "4096 131072 67108864"
@@ -59,23 +59,6 @@ def _import_mininet():
 
     setLogLevel("error")
     return Mininet, Host, LinuxBridge
-
-
-def default_queue_bytes(params: Direction, rtt_ms: float) -> int:
-    """The bottleneck queue: one bandwidth-delay product of the path, rate x max(20 ms, RTT),
-    at least two GSO packets.
-
-    That is the classical sizing of a WAN router's buffer (Villamizar and Song's rate x RTT):
-    a single loss-based flow halves (Reno) or cuts to 0.7 (CUBIC) its window at a drop, and a
-    queue of about one BDP keeps the link busy while the window grows back, whatever the
-    congestion control.  The earlier default was half a BDP.  (The 0.73-0.76 of the rate that
-    ``testbed fidelity`` once reported for Ohio-Oregon at a 98 ms round trip was not the
-    queue: it measured too soon after slow start.  In steady state that half-BDP queue gave
-    0.988; see ``fidelity.steady_state_seconds``.)  ``queue_bytes`` overrides it."""
-    if params.queue_bytes is not None:
-        return params.queue_bytes
-    rate_bytes = params.rate_mbps * 1e6 / 8
-    return int(max(131072, rate_bytes * max(0.020, rtt_ms / 1000.0)))
 
 
 @dataclass

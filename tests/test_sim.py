@@ -226,3 +226,27 @@ def test_paper_scale_scenarios_load_and_simulate_fast():
     small = load_experiment(REPO / "experiments" / "sim-1k-4dc.yaml")
     assert small.parallel.stages * small.parallel.replicas * small.sim.tensor_parallel >= 1_000
     assert len(small.topo.dcs) >= 4
+
+
+def test_tcp_window_restarts_after_an_idle_rto_and_grows_by_slow_start():
+    from testbed.sim.build import INITIAL_WINDOW, TcpWindow
+
+    rtt, rate = 0.262, 4e6
+    win = TcpWindow(rtt, connections=4, cap=1e6, restart_after_idle=True)
+    # 131 KB over 4 connections from 10 segments: one spread round trip, then the rest at line rate
+    first = win.send_time(131072, rate)
+    assert first == pytest.approx(rtt + (131072 - 4 * INITIAL_WINDOW) / rate)
+    win.end(1.0, 131072)
+    grown = win.cwnd
+    assert grown == pytest.approx(INITIAL_WINDOW + 131072 / 4)  # every byte acknowledged grew it
+    win.begin(1.0 + rtt + 0.2 - 0.01)  # idle just under the RTO: kept
+    assert win.cwnd == grown
+    win.end(2.0)
+    win.begin(2.0 + 3 * (rtt + 0.2) + 0.01)  # three RTOs idle: halved down to 10 segments
+    assert win.cwnd == pytest.approx(INITIAL_WINDOW)
+    tuned = TcpWindow(rtt, connections=4, cap=1e6, restart_after_idle=False)
+    tuned.cwnd = grown
+    tuned.last_sent = 0.0
+    tuned.begin(100.0)
+    assert tuned.cwnd == grown  # WAN-tuned hosts keep their window across idle
+    assert tuned.send_time(131072, rate) == pytest.approx(131072 / rate)  # one round, at line rate

@@ -18,10 +18,79 @@ from .. import modelshape
 from .. import schedules as sch
 from ..experiment import Experiment
 from ..records import Interval, RunRecord, Transfer, WorkerRecord
+from ..spec import default_queue_bytes
 from .engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
 PAYLOAD_FRACTION = 1448 / (1448 + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)
+MSS = 1448
+INITIAL_WINDOW = 10 * MSS  # Linux's initial congestion window
+RTO_MIN_S = 0.2  # Linux: rto = srtt + max(4 rttvar, 200 ms)
+
+
+class TcpWindow:
+    """One channel's congestion window per connection, as Linux runs it: a new connection
+    starts at 10 segments; while a message is under way the window doubles every round trip
+    (slow start) up to ``cap`` (the path's BDP plus its queue, past which a real flow loses
+    packets and backs off); with ``restart_after_idle`` (Linux's default,
+    ``tcp_slow_start_after_idle = 1``) a channel idle for longer than its RTO (RTT + 200 ms)
+    halves its window for every RTO it was idle, down to 10 segments, before sending again.
+    What it does not model: loss recovery, CUBIC's growth past the cap, ACK compression."""
+
+    def __init__(self, rtt: float, connections: int, cap: float, restart_after_idle: bool):
+        self.rtt, self.n = rtt, connections
+        self.cap = max(INITIAL_WINDOW, cap)
+        self.restart = restart_after_idle
+        self.cwnd = float(INITIAL_WINDOW)
+        self.last_sent: float | None = None
+
+    @property
+    def rto(self) -> float:
+        return self.rtt + RTO_MIN_S
+
+    def begin(self, now: float) -> None:
+        """A message starts: restart the window if the channel was idle long enough."""
+        if self.restart and self.last_sent is not None:
+            idle = now - self.last_sent
+            floor = min(INITIAL_WINDOW, self.cwnd)
+            while idle > self.rto and self.cwnd > floor:
+                self.cwnd = max(floor, self.cwnd / 2)
+                idle -= self.rto
+        self._at_begin = self.cwnd
+
+    def rate(self) -> float:
+        return self.n * self.cwnd / self.rtt if self.rtt > 0 else float("inf")
+
+    def grow(self) -> bool:
+        """One round trip of slow start; False once the window is at its cap."""
+        if self.cwnd >= self.cap:
+            return False
+        self.cwnd = min(self.cap, self.cwnd * 2)
+        return True
+
+    def end(self, now: float, size: float = 0.0) -> None:
+        """The message has left: in slow start every byte acknowledged grows the window by a
+        byte, so the last, partial round's acknowledgements count too."""
+        self.last_sent = now
+        if size:
+            self.cwnd = min(self.cap, max(self.cwnd, getattr(self, "_at_begin", self.cwnd) + size / self.n))
+
+    def send_time(self, size: float, bandwidth: float) -> float:
+        """Seconds to push ``size`` bytes alone through a link of ``bandwidth`` from this
+        window (slow start, then at the link's rate), advancing the window as it goes
+        (``end`` then adds the last round's growth)."""
+        self._at_begin = self.cwnd
+        t, left = 0.0, float(size)
+        while left > 0:
+            per_rtt = self.n * self.cwnd
+            if per_rtt >= bandwidth * self.rtt or self.rtt <= 0:
+                return t + left / bandwidth
+            if left <= per_rtt:  # the last round leaves at the link's rate
+                return t + left / bandwidth
+            left -= per_rtt
+            t += self.rtt
+            self.grow()
+        return t
 
 
 def stage_params(exp: Experiment) -> list[int]:
@@ -56,7 +125,8 @@ def profiled_stage_times(timeline: Path, exp: Experiment, skip_iterations: int =
 
     The latency is what a message takes beyond the network's share: each cross-DC transfer
     the receiver was waiting for, minus when a FIFO link of the path's rate and delay would
-    have delivered it (behind the earlier messages on that path), median over the run.  On
+    have delivered it (behind the earlier messages on that path, at the channel's TCP window:
+    ``TcpWindow``), median over the run.  On
     CPU-limited hosts this is the writer and reader threads waiting for their share of the
     worker's CPU quota (a few ms at 0.3 cores); the fluid network model knows nothing of it.
     """
@@ -127,13 +197,26 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
         start = e["ts"] / 1e6
         paths.setdefault((a, b), []).append((start, start + e["dur"] / 1e6, e["args"].get("bytes", 0), key))
     excess = []
+    n = exp.parallel.connections
     for (a, b), items in paths.items():
         hops = topo.path(a, b)
         rate = min(topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8 * PAYLOAD_FRACTION
         delay = topo.one_way_delay_ms(a, b) / 1000.0
+        rtt = topo.rtt_ms(a, b) / 1000.0
+        queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
+        window = exp.parallel.tcp_window_bytes or exp.sim.tcp_window_bytes
+        windows: dict[tuple, TcpWindow] = {}  # per channel: what TCP's window costs (slow start, restarts)
         free = 0.0
         for start, end, size, key in sorted(items):
-            free = max(start, free) + size / rate
+            begin = max(start, free)
+            if exp.sim.tcp_window_model:
+                win = windows.setdefault(key[:2], TcpWindow(rtt, n, min(window, (rate * rtt + queue) / n),
+                                                            exp.parallel.slow_start_after_idle))
+                win.begin(begin)
+                free = begin + win.send_time(size, rate)
+                win.end(free, size)
+            else:
+                free = begin + size / rate
             if key in waited:
                 excess.append(end - (free + delay))
     return max(0.0, statistics.median(excess)) if excess else 0.0
@@ -152,7 +235,8 @@ class SimResult(RunRecord):
 def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: int | None = None,
              stage_times: list[StageTimes] | None = None, message_overhead_s: float | None = None,
              record: bool = True, fold_replicas: bool | None = None,
-             start_offsets: dict[int, float] | None = None, seed: int | None = None) -> SimResult:
+             start_offsets: dict[int, float] | None = None, seed: int | None = None,
+             tcp: bool | None = None) -> SimResult:
     """Simulate ``exp``.  ``fold_replicas`` (default: when D > 8 and sharing is fair)
     simulates one pipeline with every WAN link's bandwidth divided by D: under fair sharing
     identical replicas move in lockstep, so each sees exactly that share; the DP all-reduce
@@ -162,6 +246,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     sim_spec = exp.sim
     topo = exp.topo
     n_it = iterations or exp.training.iterations
+    tcp = sim_spec.tcp_window_model if tcp is None else tcp
     sim = Simulator(policy)
     D = exp.parallel.replicas
     if fold_replicas is None:
@@ -213,7 +298,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             if sim_spec.wan_link_gbps:
                 single = min(topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8
                 ceiling = min(ceiling, n_conn * single)
-            routes[(a.name, b.name)] = (path, ceiling)
+            bottleneck = min(link.bandwidth for link in path) * share  # the link's whole rate (unfolded)
+            queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
+            cap = min(window, (bottleneck * rtt + queue) / n_conn)
+            routes[(a.name, b.name)] = (path, ceiling, rtt, cap)
 
     channels: dict[tuple[str, str], dict] = {}
 
@@ -237,12 +325,45 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             return
         # one channel (a TCP connection set) carries its messages in order: a message queued
         # behind an earlier one of the same channel enters the network when that one has left
-        channel = channels.setdefault((w.name, kind), {"busy": False, "queue": []})
-        path, ceiling = routes[(w.dc, peer.dc)]
+        path, ceiling, rtt, cap = routes[(w.dc, peer.dc)]
+        channel = channels.get((w.name, kind))
+        if channel is None:
+            channel = channels[(w.name, kind)] = {"busy": False, "queue": [], "window": TcpWindow(
+                rtt, n_conn, cap, exp.parallel.slow_start_after_idle)}
 
         def go(channel=channel, path=path, ceiling=ceiling, arrived=arrived, owner=f"r{w.replica}"):
             channel["busy"] = True
-            sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel))
+            win = channel["window"]
+            if not tcp:
+                sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel))
+                return
+            fresh = win.last_sent is None or sim.now - win.last_sent >= win.rtt  # nothing of ours in flight
+            win.begin(sim.now)
+
+            def cap(remaining: float) -> float:
+                # a round whose window holds what is left sends it at the link's rate (then the
+                # message is out), unless the channel's previous message is still in flight (the
+                # window is full of it: this one follows the acknowledgements); a full round's
+                # window is spread over its round trip
+                if fresh and remaining <= win.n * win.cwnd:
+                    return ceiling
+                return min(ceiling, win.rate())
+
+            flow = sim.transfer(path, act_bytes, cap(act_bytes), arrived, owner=owner,
+                                on_sent=lambda t: left(channel))
+            channel["flow"] = flow
+
+            def grow(flow=flow):  # slow start: the window doubles every round trip while the message is under way
+                if channel.get("flow") is not flow or flow.remaining <= 0:
+                    return
+                sim.settle(flow)
+                grew = win.grow()
+                sim.set_ceiling(flow, cap(flow.remaining))
+                if grew or flow.ceiling < ceiling:
+                    sim.at(sim.now + win.rtt, grow)
+
+            if flow is not None and flow.ceiling < ceiling:
+                sim.at(sim.now + win.rtt, grow)
 
         if channel["busy"]:
             channel["queue"].append(go)
@@ -251,6 +372,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
 
     def left(channel: dict) -> None:
         channel["busy"] = False
+        channel["flow"] = None
+        channel["window"].end(sim.now, act_bytes)
         if channel["queue"]:
             channel["queue"].pop(0)()
 

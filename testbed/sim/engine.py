@@ -139,15 +139,16 @@ class Simulator:
 
     # -- network --------------------------------------------------------------------
     def transfer(self, links: list[Link], size: float, ceiling: float, on_arrival: Callable[[float], None],
-                 owner: str = "", on_sent: Callable[[float], None] | None = None) -> None:
+                 owner: str = "", on_sent: Callable[[float], None] | None = None) -> Flow | None:
         """Send ``size`` bytes over ``links``; call ``on_arrival(time)`` when the last byte is in,
-        and ``on_sent(time)`` when it has left (one propagation delay earlier)."""
+        and ``on_sent(time)`` when it has left (one propagation delay earlier).  Returns the
+        flow (None when nothing crosses a link), whose ceiling ``set_ceiling`` may change."""
         delay = sum(link.delay for link in links)
         if not links or size <= 0:
             if on_sent is not None:
                 on_sent(self.now)
             self.at(self.now + delay, lambda: on_arrival(self.now))
-            return
+            return None
         flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, updated=self.now)
 
         def done(t: float) -> None:
@@ -160,6 +161,19 @@ class Simulator:
         for link in links:
             link.flows.append(flow)
         self._reallocate(links)
+        return flow
+
+    def settle(self, flow: Flow) -> None:
+        """Bring ``flow.remaining`` (and its links' counters) up to now."""
+        self._settle(flow.links)
+
+    def set_ceiling(self, flow: Flow, ceiling: float) -> None:
+        """A flow's own cap changed (its TCP window grew): share its links again from now."""
+        if flow.remaining <= 0 or flow not in flow.links[0].flows or ceiling == flow.ceiling:
+            return
+        self._settle(flow.links)
+        flow.ceiling = ceiling
+        self._reallocate(flow.links)
 
     def _settle(self, links: list[Link]) -> None:
         """Advance every flow on these links (and the links they touch) to ``now``."""
