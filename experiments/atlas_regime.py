@@ -90,7 +90,8 @@ def _write(tmp: Path, name: str, queue: int, **over) -> Path:
 
 
 def _measure_window(tmp: Path) -> float:
-    """One connection's effective window on this link with the cap: goodput x RTT."""
+    """One connection's effective window on this link with the cap, set as the transport sets
+    it (both socket buffers, ``iperf3 -w``): goodput x RTT."""
     from testbed.fidelity import iperf3
     from testbed.network import Network
     from testbed.spec import load_topology
@@ -100,7 +101,7 @@ def _measure_window(tmp: Path) -> float:
         a, b = net.host("ohio"), net.host("oregon")
         a.node.cmd(f"sysctl -qw 'net.ipv4.tcp_wmem=4096 16384 {WINDOW}'")
         b.node.cmd(f"sysctl -qw 'net.ipv4.tcp_rmem=4096 {min(131072, WINDOW)} {WINDOW}'")
-        perf = iperf3(net, a, b, seconds=6, omit_s=2)
+        perf = iperf3(net, a, b, seconds=6, omit_s=2, window_bytes=WINDOW)
     return perf["goodput_mbps"] * 1e6 / 8 * 2 * ONE_WAY / 1000
 
 

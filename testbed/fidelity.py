@@ -85,7 +85,7 @@ def ping_loss(src: HostInfo, dst_ip: str, count: int = 2000, interval_s: float =
 
 
 def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, streams: int = 1,
-           port: int = _IPERF_PORT, omit_s: float = 0.0) -> dict:
+           port: int = _IPERF_PORT, omit_s: float = 0.0, window_bytes: int | None = None) -> dict:
     """One iperf3 TCP run src -> dst; returns goodput (receiver) and retransmits.
 
     Goodput is what the receiver got in its own intervals after the omitted ones: the
@@ -97,6 +97,7 @@ def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, str
         for attempt in range(20):
             out = src.node.cmd(
                 f"iperf3 -c {dst.ip} -p {port} -t {seconds} -P {streams} -O {omit_s} -J -C cubic --get-server-output"
+                + (f" -w {window_bytes}" if window_bytes else "")
             )
             try:
                 data = json.loads(out[out.index("{"):])
