@@ -43,6 +43,13 @@ sets the priority order, ``{"lane", "turns": {"t0", "period_s", "slots": [[class
 end_s], ..]}}`` the clock plan (``null``: back to ``order``).  Changes
 apply to packets that arrive afterwards, as netem's do.
 
+Waking late: ``select()`` returns some time after the instant it was asked for (tens of
+microseconds on a quiet machine, a few hundred on a loaded or shared one), and every held
+packet would pay that on top of its delay.  The loop measures how late each timed wake-up is
+and aims its wake-ups (and releases) earlier by a low quantile of the recent lateness (the
+10th percentile of the last 64), so the delay keeps to the configured one on a machine whose
+timers run late without releasing packets early on one whose timers are punctual.
+
 Run as ``python -m testbed.delayline CONFIG.json``; it prints ``ready`` once every TUN
 exists and exits on SIGTERM.
 """
@@ -72,6 +79,8 @@ _TUN_F_TSO4 = 0x02
 _TUN_F_TSO6 = 0x04
 _READ_SIZE = 65536 + 64
 _MAX_BATCH = 256  # packets read from one TUN before looking at the clock again
+_LATE_WINDOW = 64  # timed wake-ups per re-estimate of the aim
+_AIM_CAP_S = 0.001  # never aim earlier than this
 
 
 @dataclass
@@ -284,6 +293,8 @@ class DelayLine:
         self._control_path = control_path
         self._running = True
         self.expired = 0
+        self.aim_s = 0.0  # wake-ups (and releases) this much before the due time: see the docstring
+        self._lateness: list[float] = []
         # a signal wakes select() through this pipe (PEP 475 would otherwise resume it)
         self._wake_r, wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -400,6 +411,7 @@ class DelayLine:
                                 "dropped": ln.dropped,
                                 "held": len(ln.queue),
                                 "sched": ln.sched.stats(msg.get("turns_since")) if ln.sched is not None else None,
+                                "aim_us": round(self.aim_s * 1e6, 1),  # the line's, the same for every lane
                             }
                             for n, ln in self.lanes.items()
                             if msg.get("lane") in (None, n)
@@ -454,7 +466,8 @@ class DelayLine:
                 if lane.lease_until is not None and (next_due is None or lane.lease_until < next_due):
                     next_due = lane.lease_until
                 queue = lane.queue
-                while queue and queue[0][0] <= now:
+                release_until = now + self.aim_s
+                while queue and queue[0][0] <= release_until:
                     pkt = queue.popleft()[1]
                     try:
                         write(lane.fd, pkt)
@@ -462,14 +475,17 @@ class DelayLine:
                         lane.bytes_out += len(pkt)
                     except OSError:
                         lane.dropped += 1
-                if queue and (next_due is None or queue[0][0] < next_due):
-                    next_due = queue[0][0]
-            timeout = None if next_due is None else max(0.0, next_due - monotonic())
+                if queue and (next_due is None or queue[0][0] - self.aim_s < next_due):
+                    next_due = queue[0][0] - self.aim_s  # a release: aimed early (the scheduler's wakes are not)
+            target = next_due
+            timeout = None if target is None else max(0.0, target - monotonic())
             try:
                 ready, _, _ = select.select(fds, [], [], timeout)
             except InterruptedError:
                 continue
             now = monotonic()
+            if not ready and timeout:  # a timed wake-up: how late was it?
+                self._note_lateness(now - target)
             for fd in ready:
                 if fd == control_fd:
                     self._handle_control()
@@ -481,6 +497,14 @@ class DelayLine:
             os.unlink(self._control_path)
         except OSError:
             pass
+
+
+    def _note_lateness(self, late_s: float) -> None:
+        self._lateness.append(late_s)
+        if len(self._lateness) >= _LATE_WINDOW:
+            self._lateness.sort()
+            self.aim_s = min(_AIM_CAP_S, max(0.0, self._lateness[len(self._lateness) // 10]))
+            self._lateness.clear()
 
 
 def _raise_priority() -> None:

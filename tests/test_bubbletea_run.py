@@ -26,6 +26,7 @@ def _exp(iterations: int, **bubbletea):
 
 
 @pytest.mark.network(delay="tun")
+@pytest.mark.fidelity
 def test_prefills_fill_bubbles_and_every_request_is_accounted_for(tmp_path):
     from agents.trainer.reference import reference_losses
 

@@ -64,6 +64,7 @@ def test_the_device_is_one_stream_that_processes_share(tmp_path):
 
 
 @pytest.mark.network
+@pytest.mark.fidelity
 def test_replaying_a_real_runs_profile_gives_its_iteration_time_and_bubbles(tmp_path):
     real = TrainingRun(parse_experiment(_experiment("real"), "test"), tmp_path / "real").run()
     timeline = tmp_path / "real" / "timeline.json"

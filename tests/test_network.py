@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 TESTBED = [sys.executable, "-m", "testbed.cli"]
 
 
+@pytest.mark.fidelity
 def test_each_pair_of_the_3dc_mesh_crosses_its_own_link(caps):
     topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
     with Network(topo, caps=caps) as net:
@@ -43,6 +44,7 @@ def test_hosts_inside_a_dc_reach_each_other_without_the_wan(caps):
     assert rtts and max(rtts) < 5.0
 
 
+@pytest.mark.fidelity
 def test_counters_sampled_every_10ms_add_up_to_the_transfer(caps):
     with Network(two_dcs(delay_ms=5, rate_mbps=50), caps=caps) as net:
         link = net.link("east", "west")
@@ -70,6 +72,7 @@ def test_counters_sampled_every_10ms_add_up_to_the_transfer(caps):
     assert busy <= 50 * 1.25  # never (much) above the configured rate, in the median 10 ms window
 
 
+@pytest.mark.fidelity
 def test_traffic_classes_get_their_shares_under_contention(caps):
     with Network(two_dcs(delay_ms=5, rate_mbps=60, hosts=2), caps=caps) as net:
         (e1, e2), (w1, w2) = net.hosts("east"), net.hosts("west")
@@ -166,6 +169,7 @@ def test_ctrl_c_cleans_up_by_itself():
         subprocess.run(TESTBED + ["clean", "--force"], capture_output=True, cwd=REPO)
 
 
+@pytest.mark.fidelity
 def test_fidelity_json_has_one_object_per_direction():
     topo = REPO / "tests" / "data" / "two-fast.yaml"
     result = subprocess.run(TESTBED + ["fidelity", str(topo), "--json", "--seconds", "2"],

@@ -14,7 +14,7 @@ from conftest import two_dcs
 from testbed.fidelity import iperf3
 from testbed.network import Network, NetworkError
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.fidelity]
 
 
 def test_turn_owner_gets_the_link_and_the_link_stays_busy(delay_backend, caps):

@@ -16,7 +16,7 @@ from testbed.fidelity import iperf3, message_delays, one_way_delays, one_way_pro
 from testbed.network import Network
 from testbed.sim.build import PAYLOAD_FRACTION
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.fidelity]
 
 
 def _rtt_tolerance(rtt_ms: float) -> float:

@@ -22,7 +22,7 @@ from testbed.network import Network, default_queue_bytes
 from testbed.runner import TrainingRun
 from testbed.spec import load_topology
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.fidelity]
 REPO = Path(__file__).resolve().parent.parent
 TESTBED = [sys.executable, "-m", "testbed.cli"]
 
