@@ -161,6 +161,10 @@ def run(
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         exp = load_experiment(experiment)
+        if exp.device == "emulated":  # a bad profile fails before anything is made, variants or not
+            from .emulation import device_profile
+
+            device_profile(exp)
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if exp.compare:
             _run_comparison(exp, out, delay_backend)

@@ -97,6 +97,15 @@ class WanLink(Direction):
                                         description="the round trip the topology's source measured (reference "
                                                     "only: the emulated delay is delay_ms each way)")
 
+    @model_validator(mode="after")
+    def _reverse_is_a_direction(self) -> "WanLink":
+        if self.reverse is not None:  # b -> a: the overrides merged with a -> b must make a direction
+            try:
+                self.backward()
+            except ValidationError as exc:
+                raise ValueError(f"reverse: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        return self
+
     def forward(self) -> Direction:
         return Direction(**self.model_dump(include=set(Direction.model_fields)))
 
