@@ -117,7 +117,7 @@ class WanDirection:
     def set(self, **changes: float) -> Direction:
         """Change delay_ms, jitter_ms, loss, rate_mbps or queue_bytes in place, now.
 
-        All or nothing: the change is applied step by step (rate, the scheduler's pacing,
+        All or nothing: the change is applied step by step (rate, the delay line's rate,
         queue, delay, loss), and when a step fails the steps before it are undone, so
         ``params`` stays what the kernel and the delay line have.  A step that cannot be
         undone either is named in the error, and ``params`` then holds its new value."""
