@@ -77,6 +77,61 @@ def test_the_judge_fails_what_did_not_end_as_documented():
     assert not _judged("kill-orchestrator", ended="killed", leftovers={"processes": [1234]}).documented
 
 
+class _Line:
+    """A delay line that refuses one kind of change (or, ``broken``, every request)."""
+
+    def __init__(self, refuse: str, broken: bool = False):
+        self.refuse, self.broken, self.lanes = refuse, broken, {}
+
+    def request(self, msg: dict) -> dict:
+        if self.broken or self.refuse in msg:
+            from testbed.network import NetworkError
+
+            raise NetworkError(f"delay line: cannot set {self.refuse}")
+        self.lanes.update(msg)
+        return {}
+
+
+class _Shaper:
+    def __init__(self):
+        self.rate_mbps, self.queue_bytes, self.netem = 100.0, 250_000, None
+
+    def set_rate(self, rate):
+        self.rate_mbps = rate
+
+    def set_queue(self, queue):
+        self.queue_bytes = queue
+
+
+def _direction(line):
+    from testbed.kernel import Backends
+    from testbed.network import WanDirection
+    from testbed.spec import Direction
+
+    return WanDirection("dc1", "dc2", Direction(delay_ms=5, rate_mbps=100, queue_bytes=250_000), "gtb-w0", None,
+                        _Shaper(), Backends(delay="tun", loss="delayline"), lane="dc1-dc2", delay_client=line)
+
+
+def test_a_link_change_the_delay_line_refuses_is_undone_whole():
+    from testbed.network import NetworkError
+
+    link = _direction(_Line(refuse="delay_ms"))
+    with pytest.raises(NetworkError, match=r"^dc1->dc2: setting delay failed \(.*\); nothing was changed$"):
+        link.set(rate_mbps=10, queue_bytes=100_000, delay_ms=50)
+    assert (link.shaper.rate_mbps, link.shaper.queue_bytes) == (100.0, 250_000)  # rolled back
+    assert (link.params.rate_mbps, link.params.delay_ms, link.params.queue_bytes) == (100, 5, 250_000)
+    assert link.delay_client.lanes["rate_mbps"] == 100  # the line's own copy of the rate, too
+    link.delay_client.refuse = "nothing"
+    assert link.set(rate_mbps=10, delay_ms=50).rate_mbps == 10 and link.shaper.rate_mbps == 10
+    # a step that cannot be undone either is named, and params says what the link now has
+    link = _direction(_Line(refuse="delay_ms"))
+    link.shaper.set_rate = lambda r, s=link.shaper: (_ for _ in ()).throw(OSError("tc gone")) \
+        if r == 100 else setattr(s, "rate_mbps", r)
+    with pytest.raises(NetworkError, match="could not be undone"):
+        link.set(rate_mbps=10, delay_ms=50)
+    assert link.params.rate_mbps == 10 and link.params.delay_ms == 5
+
+
 # -- the faults, injected into real runs ------------------------------------------------------
 @pytest.fixture(scope="module")
 def chaos_job():
