@@ -61,7 +61,8 @@ DOCUMENTED: dict[str, tuple[str, str]] = {
                           "holds every iteration finished before the kill, once, with its loss", "clean: 30 s"),
     "interrupt-orchestrator": ("exit 130 with one line 'interrupted (SIGINT); everything the testbed made was "
                                "removed', and nothing is left before any `testbed clean`; iterations.jsonl as "
-                               "above", "30 s"),
+                               "above (a Ctrl-C while Python is still starting, before the command runs, ends it "
+                               "silently: nothing was made)", "30 s"),
     "kill-worker": ("error naming the worker: 'died (killed by signal 9)'", "15 s"),
     "kill-delayline": ("error naming the delay line's WAN links", "15 s"),
     "kill-atlas-agent": ("completes with every iteration and the same losses; the log says training continues "
@@ -370,7 +371,7 @@ def _run_orchestrator(exp, inj: Injection, work: Path, out: Outcome) -> dict:
         out.after_s = round(end - fired, 2)
     if inj.fault == "kill-orchestrator" and proc.returncode == -signal.SIGKILL:
         out.ended = "killed"
-    elif proc.returncode == 130:
+    elif proc.returncode in (130, -signal.SIGINT):
         out.ended = "interrupted"
     elif proc.returncode == 0:
         out.ended = "completed"
@@ -458,8 +459,11 @@ def judge(out: Outcome, exp, inj: Injection, ref: list[float] | None, losses: di
         if out.ended != "killed":
             why.append(f"the run ended ({out.ended}) before the kill could land: {msg[:200]}")
     elif f == "interrupt-orchestrator":
-        ended("interrupted", "interrupted (SIGINT)", "everything the testbed made was removed",
-              within=BOUND_S[f])
+        if out.ended == "interrupted" and not msg and out.iterations == 0 and not out.left_at_exit:
+            pass  # before the command ran (Python still importing): it said nothing, and made nothing
+        else:
+            ended("interrupted", "interrupted (SIGINT)", "everything the testbed made was removed",
+                  within=BOUND_S[f])
     elif f == "kill-worker":
         ended("error", inj.target, "died (killed by signal 9)", within=BOUND_S[f])
     elif f == "kill-delayline":

@@ -75,6 +75,13 @@ def test_the_judge_fails_what_did_not_end_as_documented():
     # a SIGKILLed orchestrator leaves its network for `testbed clean`; nothing may outlive that
     assert _judged("kill-orchestrator", ended="killed", left_at_exit={"netns": ["gtb-dc1"]}).documented
     assert not _judged("kill-orchestrator", ended="killed", leftovers={"processes": [1234]}).documented
+    # Ctrl-C: one line, nothing left; silent only when it landed before the command ran
+    said = "interrupted (SIGINT); everything the testbed made was removed"
+    assert _judged("interrupt-orchestrator", ended="interrupted", message=said, after_s=3.0).documented
+    assert _judged("interrupt-orchestrator", ended="interrupted", message="").documented
+    assert not _judged("interrupt-orchestrator", ended="interrupted", message="", iterations=3).documented
+    assert not _judged("interrupt-orchestrator", ended="interrupted", message=said, after_s=3.0,
+                       left_at_exit={"links": ["gtb1s"]}).documented
 
 
 class _Line:
