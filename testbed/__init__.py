@@ -15,7 +15,8 @@ containers, start, stop), talks to them through the ``hub``, and drives every ``
 (``device: emulated``) their op times; ``records`` are what a run (or the simulator,
 ``sim``) leaves behind, and ``metrics`` turns them into metrics.json, a Chrome trace and
 plots; ``compare`` runs an experiment's variants back to back.  *Around it*: ``provision``
-runs the Ansible playbook, and ``cli`` is the ``testbed`` command.
+runs the Ansible playbook, ``chaos`` injects faults into short real runs and judges how
+they ended, and ``cli`` is the ``testbed`` command.
 """
 
 __version__ = "0.1.0"

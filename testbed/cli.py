@@ -161,6 +161,10 @@ def run(
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         exp = load_experiment(experiment)
+        if exp.device == "emulated":  # a bad profile fails before anything is made, variants or not
+            from .emulation import device_profile
+
+            device_profile(exp)
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if exp.compare:
             _run_comparison(exp, out, delay_backend)
@@ -355,6 +359,47 @@ def clean(force: bool = typer.Option(False, help="also when a run still holds th
         f"removed {len(found['processes'])} process(es), {len(found['netns'])} named namespace(s), "
         f"{len(found['links'])} interface(s), {len(found['cgroups'])} cgroup(s), {len(found['files'])} file(s)"
     )
+
+
+@app.command()
+def chaos(
+    runs: int = typer.Option(60, help="injections in the campaign (the faults in turn)"),
+    seed: int = typer.Option(1, help="where each fault lands (iteration, target, outage) is drawn from this"),
+    out_dir: Path = typer.Option(Path("results/chaos"), "--out", help="chaos.jsonl (one outcome a line) goes here"),
+    device: str = typer.Option("cpu", help="cpu (a real model: losses are checked) or emulated"),
+    faults: Optional[str] = typer.Option(None, help="comma-separated subset of the faults"),
+    batch: Optional[int] = typer.Option(None, help="run at most this many injections now (the rest later: "
+                                                   "injections already in chaos.jsonl are not run again)"),
+    report: bool = typer.Option(False, help="only print the table of what chaos.jsonl holds (markdown)"),
+) -> None:
+    """Inject one fault at a time into a short real run (testbed/chaos.py) and say, per fault,
+    whether each run ended as documented, lost no iteration and left nothing behind."""
+    from .chaos import FAULTS, Outcome, _read_jsonl, campaign, summary_line, table
+
+    chosen = tuple(f.strip() for f in faults.split(",")) if faults else FAULTS
+    unknown = [f for f in chosen if f not in FAULTS]
+    if unknown:
+        _fail(f"--faults: no fault {unknown[0]!r} (known: {', '.join(FAULTS)})")
+    if device not in ("cpu", "emulated"):
+        _fail(f"--device: {device!r} is not cpu or emulated")
+    if report:
+        outcomes = [Outcome(**o) for o in _read_jsonl(out_dir / "chaos.jsonl")]
+    else:
+        if not _is_root():
+            _fail("testbed chaos must run as root (it builds networks)")
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            outcomes = campaign(runs, seed, out_dir, device, chosen, batch,
+                                log=lambda m: console.print(m, highlight=False, markup=False))
+        except _user_errors() as exc:
+            _fail(str(exc))
+    out.print(table(outcomes), highlight=False, markup=False)
+    bad = [o for o in outcomes if not o.documented]
+    for o in bad:
+        console.print(f"[red]not as documented:[/] #{o.index} {o.fault} {o.target}: {o.why}", highlight=False)
+    console.print(summary_line(outcomes), highlight=False)
+    if bad:
+        raise typer.Exit(1)
 
 
 @topology_app.command("aws")

@@ -9,10 +9,16 @@ fails here with one line before anything is created.
 Placement: ``placement: {dc: [stages...]}`` lists which DC holds which pipeline stages;
 each stage is replicated ``replicas`` times inside its DC (data parallelism), on distinct
 hosts.  Without it, stages are spread over the DCs in file order, contiguously.
+
+Files are read strictly, as topology files are (``spec.py``): wrong types, infinities, keys
+given twice are one-line errors.  Names become folder and cgroup names, so they are plain
+(letters, digits, ``.``, ``_``, ``-``); sizes that would make the schedule check itself run
+for minutes (microbatches, warm-up) are bounded.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,11 +26,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .schedules import ScheduleError, check
-from .spec import SpecError, Topology, load_topology, read_yaml, resolve_topology, validation_error
+from .spec import (SpecError, Topology, key_text, load_topology, one_line, path_exists, read_yaml, resolve_topology,
+                   validation_error)
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a results folder and a cgroup are named after it
+MAX_MICROBATCHES = 4096
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
@@ -35,19 +45,22 @@ class ModelSpec(_Strict):
 
 
 class TrainingSpec(_Strict):
-    iterations: int = Field(10, ge=1)
-    microbatches: int = Field(4, ge=1)
-    microbatch_size: int = Field(4, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    seed: int = 0
+    iterations: int = Field(10, ge=1, le=10**9)
+    microbatches: int = Field(4, ge=1, le=MAX_MICROBATCHES)
+    microbatch_size: int = Field(4, ge=1, le=65536)
+    lr: float = Field(1e-3, gt=0, le=10)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     warmup_iterations: int = Field(2, ge=0, description="left out of summary figures (allocator, TCP warm-up)")
+    recv_timeout_s: float = Field(300.0, gt=0, le=86400, description="a pipeline peer silent this long ends the run "
+                                  "with an error naming the WAN link between them (a link down for less stalls "
+                                  "training, which then resumes)")
 
 
 class ParallelSpec(_Strict):
-    stages: int = Field(2, ge=1)
-    replicas: int = Field(1, ge=1)
+    stages: int = Field(2, ge=1, le=512)
+    replicas: int = Field(1, ge=1, le=100_000)
     schedule: str = "1f1b"
-    extra_warmup: int = Field(0, ge=0)
+    extra_warmup: int = Field(0, ge=0, le=MAX_MICROBATCHES)
     connections: int = Field(1, ge=1, le=64, description="TCP connections per cross-DC transfer")
     dp_across_dcs: bool = Field(
         False, description="baseline (d): every DC holds whole pipelines (replica r in DC r mod #DCs) and "
@@ -168,8 +181,8 @@ class SimSpec(_Strict):
 
 
 class Experiment(_Strict):
-    name: str
-    topology: str
+    name: str = Field(pattern=NAME_PATTERN)
+    topology: str = Field(min_length=1, max_length=4096)
     description: str = ""
     model: ModelSpec = ModelSpec()
     training: TrainingSpec = TrainingSpec()
@@ -284,7 +297,7 @@ def _place(exp: Experiment, topo: Topology, origin: str) -> list[WorkerSlot]:
     seen: dict[int, str] = {}
     for dc, stages in placement.items():
         if dc not in names:
-            raise SpecError(f"{origin}: placement.{dc}: no DC {dc!r} in topology {topo.name} ({', '.join(sorted(names))})")
+            raise SpecError(f"{origin}: placement.{key_text(dc)}: no DC {dc!r} in topology {topo.name} ({', '.join(sorted(names))})")
         for s in stages:
             if not 0 <= s < p.stages:
                 raise SpecError(f"{origin}: placement.{dc}: stage {s} is outside 0..{p.stages - 1}")
@@ -309,14 +322,28 @@ def _place(exp: Experiment, topo: Topology, origin: str) -> list[WorkerSlot]:
     return sorted(slots, key=lambda w: (w.stage, w.replica))
 
 
-def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | None = None) -> Experiment:
-    if not isinstance(data, dict):
-        raise SpecError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | None = None,
+                     strict: bool = False) -> Experiment:
+    """Validate already-parsed YAML (and read the topology it names); raise SpecError with a
+    one-line message.  ``strict``: no coercion of types (what a file gets)."""
     try:
-        exp = Experiment.model_validate(data)
+        return _parse_experiment(data, origin, base_dir, strict)
+    except SpecError as exc:
+        raise SpecError(one_line(str(exc))) from None
+
+
+def _parse_experiment(data: Any, origin: str, base_dir: Path | None, strict: bool) -> Experiment:
+    if not isinstance(data, dict):
+        raise SpecError(one_line(f"{origin}: expected a mapping at the top level, got {type(data).__name__}"))
+    try:
+        exp = Experiment.model_validate(data, strict=strict)
     except ValidationError as exc:
         raise validation_error(exc, origin) from None
     exp._origin = origin
+    for variant in exp.compare or {}:
+        if not re.match(NAME_PATTERN, f"{exp.name}-{variant}"):
+            raise SpecError(f"{origin}: compare.{key_text(variant)}: a variant's name must be letters, digits, "
+                            f"'.', '_' or '-', at most {63 - len(exp.name)} characters (it names a results folder)")
     m = exp.model
     if m.hidden % m.heads:
         raise SpecError(f"{origin}: model.heads: hidden ({m.hidden}) must be a multiple of heads ({m.heads})")
@@ -328,7 +355,7 @@ def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | N
     except ScheduleError as exc:
         raise SpecError(f"{origin}: parallel.schedule: {exc}") from None
     topo_path = Path(exp.topology)
-    if base_dir is not None and not topo_path.is_absolute() and (base_dir / topo_path).exists():
+    if base_dir is not None and not topo_path.is_absolute() and path_exists(base_dir / topo_path):
         topo_path = base_dir / topo_path
     try:
         topo_file = resolve_topology(str(topo_path), near=base_dir)
@@ -338,9 +365,13 @@ def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | N
     exp._topo = topo
     exp._topo_file = str(Path(topo_file).resolve())
     exp._slots = _place(exp, topo, origin)
+    decode_dc = exp.bubbletea.decode_dc
+    if decode_dc is not None and decode_dc not in {dc.name for dc in topo.dcs}:
+        raise SpecError(one_line(f"{origin}: bubbletea.decode_dc: no DC {decode_dc!r} in topology {topo.name} "
+                                 f"({', '.join(dc.name for dc in topo.dcs)})"))
     return exp
 
 
 def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment YAML file (and the topology it names)."""
-    return parse_experiment(read_yaml(path), str(path), Path(path).parent)
+    return parse_experiment(read_yaml(path), str(path), Path(path).parent, strict=True)

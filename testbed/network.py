@@ -14,7 +14,12 @@ a WAN link is shaped at the sending gateway:
 ``Network`` builds all of it, records every piece in the ``Registry`` as it appears, and
 removes it on ``stop()`` (also on Ctrl-C through the context manager; after SIGKILL,
 ``testbed clean`` does it from the registry).  ``WanDirection`` is the handle callers use
-at run time: change parameters in place, sample counters, define traffic classes.
+at run time: change parameters in place (all or nothing: a step the kernel or the delay line
+refuses rolls back the steps before it), sample counters, define traffic classes.
+Faults: ``set_link_up`` cuts a WAN link (both ends down, as a cut fibre) and restores it
+with its routes, ``link_state`` says whether a direction is up, and ``check`` raises when a
+delay line has died (its links would otherwise carry traffic without their delay, silently:
+policy routing falls through to the direct route).
 
 Addresses: DC ``i`` (1-based, in file order) is ``10.i.0.0/24``; host ``j`` is ``10.i.0.j``;
 the gateway is ``10.i.0.254``; WAN link ``n`` uses ``10.255.x.y/30``.  These exist only inside
@@ -86,6 +91,8 @@ class _DelayLineClient:
             return self._client.request(self._control, msg)
         except RuntimeError as exc:
             raise NetworkError(f"delay line {self._control}: {exc}") from None
+        except OSError as exc:  # gone (no socket), or no answer within the timeout
+            raise NetworkError(f"delay line {self._control} does not answer: {exc.strerror or exc}") from None
 
     def close(self) -> None:
         self._client.close()
@@ -108,41 +115,90 @@ class WanDirection:
     _loss_installed: bool = field(default=False, repr=False)
 
     def set(self, **changes: float) -> Direction:
-        """Change delay_ms, jitter_ms, loss, rate_mbps or queue_bytes in place, now."""
+        """Change delay_ms, jitter_ms, loss, rate_mbps or queue_bytes in place, now.
+
+        All or nothing: the change is applied step by step (rate, the delay line's rate,
+        queue, delay, loss), and when a step fails the steps before it are undone, so
+        ``params`` stays what the kernel and the delay line have.  A step that cannot be
+        undone either is named in the error, and ``params`` then holds its new value."""
         merged = self.params.model_dump() | changes
         try:
             new = Direction(**merged)
         except ValidationError as exc:
             raise NetworkError(str(validation_error(exc, f"{self.src}->{self.dst}"))) from None
         old = self.params
+        done: list[tuple[str, tuple[str, ...], Callable[[], None]]] = []
+        for name, fields, apply, undo in self._steps(old, new):
+            try:
+                apply()
+            except Exception as exc:
+                stuck = []
+                for done_name, done_fields, done_undo in reversed(done):
+                    try:
+                        done_undo()
+                    except Exception:
+                        stuck.append((done_name, done_fields))
+                why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                if not stuck:
+                    raise NetworkError(f"{self.src}->{self.dst}: setting {name} failed ({why}); nothing was "
+                                       f"changed") from None
+                kept = {f: getattr(new, f) for _, fs in stuck for f in fs}
+                self.params = Direction(**(old.model_dump() | kept))
+                raise NetworkError(f"{self.src}->{self.dst}: setting {name} failed ({why}), and "
+                                   f"{', '.join(n for n, _ in stuck)} could not be undone: now {kept}") from None
+            done.append((name, fields, undo))
+        self.params = new
+        return new
+
+    def _steps(self, old: Direction, new: Direction) -> list[tuple[str, tuple[str, ...], Callable[[], None],
+                                                                    Callable[[], None]]]:
+        """(what, fields, apply, undo) for every part of the change, in the order applied."""
+        steps = []
+        sh = self.shaper
         if new.rate_mbps != old.rate_mbps:
-            self.shaper.set_rate(new.rate_mbps)
+            steps.append(("rate", ("rate_mbps",), lambda: sh.set_rate(new.rate_mbps), lambda: sh.set_rate(old.rate_mbps)))
             if self.delay_client is not None:  # the line knows its link's rate (Atlas's scheduler paces to it)
-                self.delay_client.request({"lane": self.lane, "rate_mbps": new.rate_mbps})
+                def line_rate(rate: float) -> None:
+                    self.delay_client.request({"lane": self.lane, "rate_mbps": rate})
+                steps.append(("the delay line's rate", (), lambda: line_rate(new.rate_mbps),
+                              lambda: line_rate(old.rate_mbps)))
         if new.queue_bytes != old.queue_bytes and new.queue_bytes is not None:
-            self.shaper.set_queue(new.queue_bytes)
+            prev_queue = sh.queue_bytes
+            steps.append(("queue", ("queue_bytes",), lambda: sh.set_queue(new.queue_bytes),
+                          lambda: sh.set_queue(prev_queue)))
             if self.delay_client is not None:
-                self.delay_client.request({"lane": self.lane, "link_queue_bytes": new.queue_bytes})
+                def line_queue(queue: int) -> None:
+                    self.delay_client.request({"lane": self.lane, "link_queue_bytes": queue})
+                steps.append(("the delay line's queue", (), lambda: line_queue(new.queue_bytes),
+                              lambda: line_queue(prev_queue)))
         delay_changed = (new.delay_ms, new.jitter_ms) != (old.delay_ms, old.jitter_ms)
         if self.backends.delay == "netem":
             if delay_changed or new.loss != old.loss:
-                self.shaper.set_netem(NetemParams(new.delay_ms, new.jitter_ms, new.loss))
+                prev_netem = sh.netem
+                steps.append(("delay and loss (netem)", ("delay_ms", "jitter_ms", "loss"),
+                              lambda: sh.set_netem(NetemParams(new.delay_ms, new.jitter_ms, new.loss)),
+                              lambda: sh.set_netem(prev_netem)))
         elif delay_changed and self.delay_client is not None:
-            self.delay_client.request({"lane": self.lane, "delay_ms": new.delay_ms, "jitter_ms": new.jitter_ms})
+            def delay(p: Direction) -> None:
+                self.delay_client.request({"lane": self.lane, "delay_ms": p.delay_ms, "jitter_ms": p.jitter_ms})
+            steps.append(("delay", ("delay_ms", "jitter_ms"), lambda: delay(new), lambda: delay(old)))
         if new.loss != old.loss:
             if self.backends.loss == "delayline":
-                self.delay_client.request({"lane": self.lane, "loss": new.loss})
+                def loss(value: float) -> None:
+                    self.delay_client.request({"lane": self.lane, "loss": value})
+                steps.append(("loss", ("loss",), lambda: loss(new.loss), lambda: loss(old.loss)))
             elif self.backends.loss == "iptables":
-                self._set_iptables_loss(new.loss)
-        self.params = new
-        return new
+                steps.append(("loss", ("loss",), lambda: self._set_iptables_loss(new.loss),
+                              lambda: self._set_iptables_loss(old.loss)))
+        return steps
 
     def _set_iptables_loss(self, loss: float) -> None:
         chain = self._loss_chain
         cmds = []
-        if not self._loss_installed:
-            cmds.append(f"iptables -w -N {chain} && iptables -w -A FORWARD -o {self.ifname} -j {chain}")
-            self._loss_installed = True
+        if not self._loss_installed:  # idempotent: a failed attempt may be repeated
+            cmds.append(f"(iptables -w -N {chain} 2>/dev/null || true) && "
+                        f"(iptables -w -C FORWARD -o {self.ifname} -j {chain} 2>/dev/null || "
+                        f"iptables -w -A FORWARD -o {self.ifname} -j {chain})")
         cmds.append(f"iptables -w -F {chain}")
         if loss > 0:
             cmds.append(
@@ -151,6 +207,7 @@ class WanDirection:
         out = self.router.cmd(" && ".join(cmds) + " && echo gtb-ok")
         if "gtb-ok" not in out:
             raise NetworkError(f"{self.src}->{self.dst}: setting loss failed: {out.strip().splitlines()[-1:]}")
+        self._loss_installed = True
 
     def counters(self) -> Counters:
         """Bytes and packets sent on the link so far, drops, backlog, per traffic class."""
@@ -287,6 +344,68 @@ class Network:
     def delay_line_pids(self) -> dict[str, int]:
         """The delay-line process of each DC gateway that has one (its CPU can be measured)."""
         return {dc: p.pid for dc, p in self._delay_procs.items()}
+
+    # -- faults -----------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise NetworkError naming the links when a delay line has died: without it policy
+        routing falls through to the direct route, and its links would carry traffic
+        without their delay (and without Atlas's scheduler), silently."""
+        for dc, proc in self._delay_procs.items():
+            code = proc.poll()
+            if code is None:
+                continue
+            links = [f"{dc} -> {nb}" for nb in self._neighbours(dc)]
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise NetworkError(f"WAN link{'s' if len(links) > 1 else ''} {', '.join(links)}: the delay line in "
+                               f"{dc}'s gateway died ({how}); the link{'s' if len(links) > 1 else ''} would carry "
+                               f"traffic without {'their' if len(links) > 1 else 'its'} delay")
+
+    def _ip(self, dc: str, *args: str) -> subprocess.CompletedProcess:
+        """``ip ARGS`` inside DC ``dc``'s gateway (safe from any thread: its own process)."""
+        return subprocess.run(["nsenter", "-t", str(self._routers[dc].pid), "-n", "ip", *args],
+                              capture_output=True, text=True, timeout=10)
+
+    def link_state(self, src: str, dst: str) -> str:
+        """"up", "down" (the interface, or its peer, is down) or "delay line dead" for the
+        WAN direction src -> dst."""
+        self.link(src, dst)
+        proc = self._delay_procs.get(src)
+        if proc is not None and proc.poll() is not None:
+            return "delay line dead"
+        out = self._ip(src, "-j", "link", "show", "dev", self._wan_ifname(src, dst))
+        try:
+            flags = json.loads(out.stdout)[0]["flags"]
+        except (ValueError, IndexError, KeyError):
+            return "down"
+        return "up" if "UP" in flags and "LOWER_UP" in flags else "down"
+
+    def set_link_up(self, a: str, b: str, up: bool) -> None:
+        """Take the WAN link between ``a`` and ``b`` down, both directions (both gateways'
+        interfaces: a cut fibre), or bring it back.  Going down, the kernel drops every route
+        through the link; coming back, they are put back, so traffic flows again (TCP
+        resumes at its next retransmission)."""
+        self.link(a, b)
+        for src, dst in ((a, b), (b, a)):
+            res = self._ip(src, "link", "set", "dev", self._wan_ifname(src, dst), "up" if up else "down")
+            if res.returncode:
+                raise NetworkError(f"WAN link {src} -> {dst}: cannot set it {'up' if up else 'down'}: "
+                                   f"{res.stderr.strip() or res.returncode}")
+        if up:
+            deadline = time.monotonic() + 5.0
+            while any(self.link_state(x, y) == "down" for x, y in ((a, b), (b, a))) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the carrier follows both ends up
+            for dc in (a, b):
+                self._restore_routes(dc)
+
+    def _restore_routes(self, dc: str) -> None:
+        hops = self.topo.next_hops(dc)
+        for other in self.topo.dcs:
+            if other.name == dc:
+                continue
+            via = self._wan_addr[(dc, hops[other.name])]
+            res = self._ip(dc, "route", "replace", self.subnet(other.name), "via", via)
+            if res.returncode:
+                raise NetworkError(f"{dc}: cannot restore the route to {other.name} via {via}: {res.stderr.strip()}")
 
     def popen(self, host: HostInfo | Any, cmd: list[str], **kwargs) -> subprocess.Popen:
         """Start a process inside a host; it is recorded and ended by stop()/clean."""

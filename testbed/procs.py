@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,6 +37,7 @@ from .registry import PREFIX, Registry
 REPO = Path(__file__).resolve().parent.parent
 CFS_PERIOD_US = 5000
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_TORCH_WARNING = re.compile(r"\[W\d{4} [\d:.]+ [^\]]*\]")  # a torch C++ warning line
 
 
 class ProcessError(RuntimeError):
@@ -71,6 +73,13 @@ def python_env(**extra: str) -> dict[str, str]:
 
 
 # -- CPU containers -----------------------------------------------------------------------
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 class CpuContainers:
     """One cgroup CPU quota per device stand-in, under ``<cgroup root>/gtb-<run>-<pid>``."""
 
@@ -82,8 +91,35 @@ class CpuContainers:
             self.version, root = 1, Path("/sys/fs/cgroup/cpu")
             if not root.exists():
                 root = Path("/sys/fs/cgroup/cpu,cpuacct")
+        self.root = root
         self.base = root / f"{PREFIX}-{run_name.replace('/', '-')[:20]}-{os.getpid()}"
         self.available = root.exists() and os.access(root, os.W_OK)
+        self._problem: str | None = None
+        self._probed = False
+
+    def problem(self) -> str | None:
+        """Why CPU quotas cannot be had here (None when they can): no cpu controller, a tree
+        that is not writable, or one that refuses a quota.  Probed once, by making the run's
+        container and a quota in it; afterwards ``make`` gives no quota when there is a
+        problem."""
+        if self._probed:
+            return self._problem
+        self._probed = True
+        if not self.root.exists():
+            self._problem = f"there is no cgroup CPU controller at {self.root}"
+        elif not os.access(self.root, os.W_OK):
+            self._problem = f"the cgroup tree {self.root} is not writable" + (
+                " (a read-only file system)" if _read_only(self.root) else "")
+        else:
+            try:
+                probe = self.make("gtb-probe", 0.5)
+                if probe is not None:
+                    probe.rmdir()
+            except OSError as exc:
+                self._problem = f"the cgroup tree {self.root} refuses a CPU quota ({exc.strerror})"
+        if self._problem:
+            self.available = False
+        return self._problem
 
     def make(self, name: str, cpus: float) -> Path | None:
         """A container with ``cpus`` cores of quota; None without cgroups or for ``cpus`` 0."""
@@ -162,8 +198,11 @@ class Process:
         return self.popen.poll() is None
 
     def last_log_line(self) -> str:
+        """The log's last line that is not a warning of torch's C++ core (``[W...]``, such as
+        c10d's "hostname of the client socket cannot be retrieved"): they say nothing of why a
+        process ended, and would stand in for the cause in the error."""
         try:
-            lines = [ln for ln in self.log.read_text().splitlines() if ln.strip()]
+            lines = [ln for ln in self.log.read_text().splitlines() if ln.strip() and not _TORCH_WARNING.match(ln)]
         except OSError:
             return ""
         return lines[-1] if lines else ""

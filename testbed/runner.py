@@ -11,12 +11,24 @@ through the same hooks and knows none of them by name.  When training ends, ``re
 hold what happened and ``metrics.py`` turns them into per-iteration figures, a Chrome
 trace and plots.
 
-A worker that dies or reports an error ends the whole run within a second or two, with an
-error naming the worker; every process, namespace and cgroup is removed in all cases.
+Faults, and how a run ends (``testbed chaos`` measures them, docs/benchmarks.md): a worker
+that dies or reports an error ends the whole run within a second or two, with an error
+naming the worker (its log's last line when it had last words); a delay
+line that dies ends it naming its links; a peer silent for ``training.recv_timeout_s``
+(a WAN link down that long) ends it naming the worker, the peer and the WAN link between
+them with its state, while a shorter outage only stalls training.  Every finished iteration
+is appended to ``iterations.jsonl`` in the results folder as it completes, so a run that
+fails, or whose orchestrator is killed, keeps what it did; a results folder that cannot be
+written (a full disk) ends the run naming the folder.  A requested resource that cannot be
+had is an error (``device: cuda`` without a usable GPU, with torch's reason) or a warning
+recorded in metrics.json's ``summary.warnings`` (CPU quotas the cgroup tree refuses; an
+NVIDIA GPU that torch cannot use under ``device: auto``).  Every process, namespace and
+cgroup is removed in all cases.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -29,7 +41,7 @@ from agents.trainer.device import create_device
 from .experiment import Experiment, WorkerSlot
 from .extension import ExtensionError, RunExtension, extensions_for
 from .hub import TelemetryHub
-from .network import HostInfo, Network
+from .network import HostInfo, Network, NetworkError
 from .procs import CpuContainers, Launcher, Process, ProcessError, python_env
 from .records import RunRecord, WorkerRecord
 
@@ -76,6 +88,44 @@ def detect_gpus() -> int:
         return 0
 
 
+def cuda_problem() -> str | None:
+    """Why torch cannot use a GPU here, in words (None when it can)."""
+    try:
+        import torch
+    except Exception as exc:
+        return f"torch cannot be imported ({type(exc).__name__}: {exc})"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    try:
+        torch.cuda.init()
+    except Exception as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        return f"CUDA does not initialise: {lines[0] if lines else type(exc).__name__}"
+    if torch.cuda.device_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return "torch sees no CUDA device" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+    return None
+
+
+def nvidia_pci_devices(root: str | Path = "/sys/bus/pci/devices") -> list[str]:
+    """PCI addresses of NVIDIA display or 3D controllers on this machine (vendor 0x10de,
+    class 0x03xxxx), whether or not a driver is bound."""
+    found = []
+    try:
+        entries = sorted(Path(root).iterdir())
+    except OSError:
+        return []
+    for dev in entries:
+        try:
+            vendor = (dev / "vendor").read_text().strip().lower()
+            cls = (dev / "class").read_text().strip().lower()
+        except OSError:
+            continue
+        if vendor == "0x10de" and cls.startswith("0x03"):
+            found.append(dev.name)
+    return found
+
+
 class TrainingRun:
     """One run of ``exp``; results go to ``out_dir``.  ``extensions``: what plugs in (default
     ``extensions_for(exp)``)."""
@@ -101,6 +151,9 @@ class TrainingRun:
         self.warnings: list[str] = []
         self.wan_check: list[dict] = []
         self.device_profile = None  # device: emulated: where op times come from
+        self._devices: list[str] = []
+        self._iterations_file = None
+        self._iterations_written = 0
         self._peer_owner = {p: ext for ext in self.extensions for p in ext.peers}
 
     # -- what extensions and callers use -----------------------------------------------
@@ -137,14 +190,26 @@ class TrainingRun:
 
     # -- the run --------------------------------------------------------------------
     def run(self) -> dict:
-        from . import metrics
-
         exp = self.exp
         if exp.device == "emulated":  # a bad profile fails here, before anything is built
             from .emulation import device_profile
 
             self.device_profile = device_profile(exp)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._devices = self._device_plan()  # device: cuda without a usable GPU fails here, before anything is built
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._iterations_file = open(self.out_dir / "iterations.jsonl", "w")
+        except OSError as exc:
+            raise self._write_error(exc) from None
+        try:
+            return self._run()
+        finally:
+            self._iterations_file.close()
+
+    def _run(self) -> dict:
+        from . import metrics
+
+        exp = self.exp
         options: dict = {}
         for ext in self.extensions:
             options.update(ext.network_options())
@@ -173,17 +238,44 @@ class TrainingRun:
                     except Exception as exc:  # a broken extension must not keep the run from cleaning up
                         self.log(f"{ext.name}: stopping failed: {type(exc).__name__}: {exc}")
                 self.launcher.stop(list(self.workers))
-                self.launcher.copy_logs(self.out_dir / "worker-logs", list(self.workers))
+                try:
+                    self.launcher.copy_logs(self.out_dir / "worker-logs", list(self.workers))
+                except OSError as exc:  # a full disk must not hide why the run ended
+                    self.log(f"worker logs not kept: {exc.strerror}")
                 self._hub.close()
                 self._hub = None
         record = self.record()
         result = metrics.summarise(record)
         for ext in self.extensions:
             result["summary"].update(ext.summarise(record, result, self.out_dir))
-        metrics.write_outputs(record, result, self.out_dir)
-        for ext in self.extensions:
-            ext.write_outputs(record, result, self.out_dir)
+        try:
+            metrics.write_outputs(record, result, self.out_dir)
+            for ext in self.extensions:
+                ext.write_outputs(record, result, self.out_dir)
+        except OSError as exc:
+            raise self._write_error(exc) from None
         return result
+
+    def _write_error(self, exc: OSError) -> RunError:
+        what = f" ({Path(exc.filename).name})" if exc.filename else ""
+        return RunError(f"results folder {self.out_dir}: cannot write{what}: {exc.strerror or exc}")
+
+    def _iteration_finished(self) -> None:
+        """Append every iteration all workers have now finished to iterations.jsonl, once each,
+        as it completes (a failed or killed run keeps them)."""
+        done = self.iterations_done()
+        while self._iterations_written < done:
+            k = self._iterations_written
+            ends = [w.record.iteration_end[k] for w in self.workers.values() if k in w.record.iteration_end]
+            losses = [w.record.losses[k] for w in self.workers.values() if k in w.record.losses]
+            line = {"iteration": k, "end_s": round(max(ends) - self.go_time, 6) if ends else None,
+                    "loss": sum(losses) if losses else None}
+            try:
+                self._iterations_file.write(json.dumps(line) + "\n")
+                self._iterations_file.flush()
+            except OSError as exc:
+                raise self._write_error(exc) from None
+            self._iterations_written += 1
 
     def record(self) -> RunRecord:
         """What this run has recorded so far, as the metrics read it."""
@@ -224,7 +316,12 @@ class TrainingRun:
             return ["emulated"] * len(slots)
         gpus = detect_gpus() if want in ("auto", "cuda") else 0
         if want == "cuda" and gpus == 0:
-            raise RunError("device: cuda asked for, but torch sees no GPU here")
+            raise RunError(f"device: cuda asked for, but torch cannot use a GPU here: {cuda_problem() or 'no GPU'}")
+        if want == "auto" and gpus == 0:
+            nvidia = nvidia_pci_devices()
+            if nvidia:  # a GPU is there and will not be used: say so, loudly, in metrics.json too
+                self.warn(f"device: auto: an NVIDIA GPU is present (PCI {', '.join(nvidia)}) but torch cannot use it "
+                          f"({cuda_problem() or 'no CUDA device'}): the workers run in CPU containers")
         if gpus == 0:
             return ["cpu"] * len(slots)
         if gpus < len(slots):
@@ -234,7 +331,12 @@ class TrainingRun:
     def _launch(self, net: Network) -> None:
         exp = self.exp
         slots = exp.workers()
-        devices = self._device_plan()
+        devices = self._devices or self._device_plan()
+        quotas = sorted({s.dc for s, d in zip(slots, devices) if d == "cpu" and exp.topo.dc(s.dc).host.cpus > 0})
+        problem = self.containers.problem() if quotas else None
+        if problem:  # the figures would not be one device's per worker: say so, loudly, in metrics.json too
+            self.warn(f"the topology gives hosts in {', '.join(quotas)} a CPU quota (host.cpus), but {problem}: "
+                      f"the workers run without one")
         for slot, device in zip(slots, devices):
             host = net.host(slot.dc, slot.host_index)
             rec = WorkerRecord(slot.name, slot.stage, slot.replica, slot.dc, host.name, host.ip, device)
@@ -279,7 +381,8 @@ class TrainingRun:
             worker=Me(slot.name, slot.stage, slot.replica, w.host.ip),
             stages=exp.parallel.stages, replicas=exp.parallel.replicas, schedule=exp.parallel.schedule,
             extra_warmup=exp.parallel.extra_warmup, model=exp.model.model_dump(),
-            training=exp.training.model_dump(), telemetry=str(self.telemetry_path), port=_PORT, device=device)
+            training=exp.training.model_dump(), telemetry=str(self.telemetry_path), port=_PORT, device=device,
+            recv_timeout_s=exp.training.recv_timeout_s)
         for key, peer_stage in (("next", slot.stage + 1), ("prev", slot.stage - 1)):
             peer = by_key.get((peer_stage, slot.replica))
             if peer is not None:
@@ -380,6 +483,7 @@ class TrainingRun:
                 if msg.get("loss") is not None:
                     w.record.losses[msg["it"]] = msg["loss"]
                 w.iterations_done = msg["it"] + 1
+                self._iteration_finished()
         elif kind == "done":
             w.record.add_transfers(msg.get("transfers", []))
             w.report = msg.get("report")
@@ -391,13 +495,37 @@ class TrainingRun:
             while time.monotonic() < deadline:
                 self._check_alive()
                 time.sleep(0.05)
+            if msg.get("peer") in self.workers:  # a peer silent for recv_timeout_s: name the link between
+                raise RunError(self._silent_peer(w, self.workers[msg["peer"]], msg.get("silent_s")))
             raise RunError(f"{w.where()} failed: {msg['msg']}")
         for fn in self._subscribers:
             fn(w.name, msg)
         for ext in self.extensions:
             ext.on_worker_message(w.name, msg)
 
+    def _silent_peer(self, w: WorkerState, peer: WorkerState, seconds: float | None) -> str:
+        head = (f"{w.where()} heard nothing from {peer.name} in {peer.slot.dc} for "
+                f"{seconds if seconds is not None else self.exp.training.recv_timeout_s:g} s (training.recv_timeout_s)")
+        if peer.slot.dc == w.slot.dc:
+            return f"{head}, inside DC {w.slot.dc}"
+        hops = self.exp.topo.path(peer.slot.dc, w.slot.dc)
+        links = []
+        for a, b in zip(hops, hops[1:]):
+            try:
+                state = self.net.link_state(a, b)
+            except (NetworkError, OSError) as exc:
+                state = f"state unknown: {exc}"
+            links.append((f"WAN link {a} -> {b}", state))
+        bad = [(name, state) for name, state in links if state != "up"] or links
+        return f"{head}: " + ", ".join(f"{name} is {state}" if state in ("up", "down") else f"{name}: {state}"
+                                       for name, state in bad)
+
     def _check_alive(self) -> None:
+        if self.net is not None:
+            try:
+                self.net.check()  # a dead delay line: its links would lose their delay silently
+            except NetworkError as exc:
+                raise RunError(str(exc)) from None
         dead = [w for w in self.workers.values()
                 if w.proc and not w.proc.alive() and (w.proc.popen.returncode != 0 or not w.done)]
         if not dead:

@@ -160,7 +160,21 @@ class EgressShaper:
 
     # -- changing in place ----------------------------------------------------------
     def set_rate(self, rate_mbps: float) -> None:
+        """Change the link's rate (and every class's share of it) in place.  On a failure the
+        rate goes back (as far as the kernel lets it), so ``rate_mbps`` is what tc has."""
+        old = self.rate_mbps
         self.rate_mbps = rate_mbps
+        try:
+            self._apply_rate()
+        except BaseException:
+            self.rate_mbps = old
+            try:
+                self._apply_rate()
+            except Exception:
+                pass
+            raise
+
+    def _apply_rate(self) -> None:
         rate = self._rate()
         self._ipr.tc("change-class", "htb", self.index, _LINK, parent=_ROOT, **self._class_args(rate, rate))
         self._apply_shares()
@@ -169,16 +183,28 @@ class EgressShaper:
                 self._leaf("change", leaf)
 
     def set_queue(self, queue_bytes: int) -> None:
-        self.queue_bytes = queue_bytes
-        for leaf in self._leaves():
-            self._leaf("change", leaf)
+        self._change_leaves("queue_bytes", queue_bytes)
 
     def set_netem(self, params: NetemParams) -> None:
         if self.netem is None:
             raise RuntimeError(f"{self.ifname}: this shaper has bfifo leaves; delay lives in the delay line")
-        self.netem = params
-        for leaf in self._leaves():
-            self._leaf("change", leaf)
+        self._change_leaves("netem", params)
+
+    def _change_leaves(self, attr: str, value) -> None:
+        """Set ``attr`` and change every leaf; on a failure put the old value back on them."""
+        old = getattr(self, attr)
+        setattr(self, attr, value)
+        try:
+            for leaf in self._leaves():
+                self._leaf("change", leaf)
+        except BaseException:
+            setattr(self, attr, old)
+            try:
+                for leaf in self._leaves():
+                    self._leaf("change", leaf)
+            except Exception:
+                pass
+            raise
 
     # -- traffic classes ------------------------------------------------------------
     def add_class(self, name: str, matches: list[tuple[str | None, str | None]], share: float = 0.0) -> None:

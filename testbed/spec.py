@@ -11,6 +11,11 @@ links), otherwise ``b -> a`` is the same.  ``delay_ms`` is always one-way: a lin
 a measured round trip (the AWS matrix) carries half of it each way and records the measured
 figure as ``source_rtt_ms``, which ``testbed fidelity`` and every run's WAN check compare
 against.
+
+Files are read strictly: a value of the wrong type is an error, not coerced (``hosts: "2"``,
+``cpus: true``), as are infinities and NaN, a key given twice, a file that is not UTF-8 or
+nests or expands (YAML aliases) beyond reason.  Specs built in code (benchmarks, sweeps)
+are validated the same way, except that numbers may be coerced.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 MAX_DCS = 250
 MAX_HOSTS_PER_DC = 250
+MAX_FILE_BYTES = 4 << 20  # a spec file is a few KB; more is a mistake (or an attack)
+MAX_VALUES = 200_000  # values a file may hold once its YAML aliases are expanded
+MAX_DEPTH = 64
 
 
 class SpecError(ValueError):
@@ -33,7 +41,7 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class HostResources(_Strict):
@@ -89,6 +97,15 @@ class WanLink(Direction):
                                         description="the round trip the topology's source measured (reference "
                                                     "only: the emulated delay is delay_ms each way)")
 
+    @model_validator(mode="after")
+    def _reverse_is_a_direction(self) -> "WanLink":
+        if self.reverse is not None:  # b -> a: the overrides merged with a -> b must make a direction
+            try:
+                self.backward()
+            except ValidationError as exc:
+                raise ValueError(f"reverse: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        return self
+
     def forward(self) -> Direction:
         return Direction(**self.model_dump(include=set(Direction.model_fields)))
 
@@ -108,7 +125,7 @@ class Topology(_Strict):
     description: str = ""
     source: str = ""
     dcs: list[DataCenter] = Field(min_length=1, max_length=MAX_DCS)
-    wan: list[WanLink] = []
+    wan: list[WanLink] = Field([], max_length=MAX_DCS * (MAX_DCS - 1) // 2)
     intra_dc: IntraDC = IntraDC()
 
     @model_validator(mode="after")
@@ -226,59 +243,147 @@ def default_queue_bytes(params: Direction, rtt_ms: float) -> int:
     return int(max(131072, rate_bytes * max(0.020, rtt_ms / 1000.0)))
 
 
+def key_text(key: Any) -> str:
+    """A key the user wrote, as a field name: plain when it is plain, else quoted on one line."""
+    text = str(key)
+    plain = text and text.isprintable() and not any(c.isspace() or c in "'\"" for c in text)
+    return text if plain else repr(text)
+
+
 def _where(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + str(part)
+            out += ("." if out else "") + key_text(part)
     return out or "(top level)"
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line: newlines a user's value may carry are shown escaped."""
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def validation_error(exc: ValidationError, origin: str) -> SpecError:
     """pydantic's first complaint as one line: origin, field path, problem."""
     err = exc.errors()[0]
     loc = _where(tuple(p for p in err["loc"] if p not in ("function-after",)))
-    return SpecError(f"{origin}: {loc}: {err['msg'].removeprefix('Value error, ')}")
+    return SpecError(one_line(f"{origin}: {loc}: {err['msg'].removeprefix('Value error, ')}"))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML
+    keeps the last one silently: a second ``dcs:`` would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key!r}", key_node.start_mark)
+                    seen.add(key)
+                except TypeError:
+                    pass  # an unhashable key: the base class says so
+        return super().construct_mapping(node, deep)
+
+
+def _check_size(data: Any, origin: str) -> None:
+    """Reject data that nests deeper than MAX_DEPTH or holds more than MAX_VALUES values once
+    aliases are expanded (a few lines of YAML anchors can stand for billions), or refers to
+    itself."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(obj: Any, depth: int) -> int:
+        if not isinstance(obj, (list, dict)):
+            return 1
+        key = id(obj)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise SpecError(f"{origin}: a YAML alias refers to the node that holds it")
+        if depth > MAX_DEPTH:
+            raise SpecError(f"{origin}: nested more than {MAX_DEPTH} levels deep")
+        active.add(key)
+        items = list(obj.keys()) + list(obj.values()) if isinstance(obj, dict) else obj
+        total = 1
+        for item in items:
+            total += size(item, depth + 1)
+            if total > MAX_VALUES:
+                raise SpecError(f"{origin}: more than {MAX_VALUES:,} values once YAML aliases are expanded")
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    size(data, 0)
 
 
 def read_yaml(path: str | Path) -> Any:
     """A YAML file's content, or SpecError naming the file and the line."""
     path = Path(path)
+    if "\0" in str(path):
+        raise SpecError(one_line(f"{key_text(str(path))}: cannot read: a file name has no NUL byte"))
     try:
-        text = path.read_text()
+        if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or a device: may block or never end
+            raise OSError(0, "not a regular file")
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+        raise SpecError(one_line(f"{path}: cannot read: {exc.strerror}")) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise SpecError(one_line(f"{path}: more than {MAX_FILE_BYTES:,} bytes; a spec file is a few KB"))
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(one_line(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})")) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{path}: invalid YAML at {where}: {problem}") from None
+        raise SpecError(one_line(f"{path}: invalid YAML at {where}: {problem}")) from None
+    except RecursionError:
+        raise SpecError(one_line(f"{path}: nested more than {MAX_DEPTH} levels deep")) from None
+    _check_size(data, one_line(str(path)))
+    return data
 
 
-def parse_topology(data: Any, origin: str = "<topology>") -> Topology:
-    """Validate already-parsed YAML; raise SpecError with a one-line message."""
+def parse_topology(data: Any, origin: str = "<topology>", strict: bool = False) -> Topology:
+    """Validate already-parsed YAML; raise SpecError with a one-line message.  ``strict``: no
+    coercion of types (what a file gets)."""
     if not isinstance(data, dict):
-        raise SpecError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+        raise SpecError(one_line(f"{origin}: expected a mapping at the top level, got {type(data).__name__}"))
     try:
-        return Topology.model_validate(data)
+        return Topology.model_validate(data, strict=strict)
     except ValidationError as exc:
         raise validation_error(exc, origin) from None
 
 
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology YAML file."""
-    return parse_topology(read_yaml(path), str(path))
+    return parse_topology(read_yaml(path), str(path), strict=True)
+
+
+def path_exists(path: Path) -> bool:
+    """``path.exists()``, False for a path the OS cannot even look up (a NUL byte, a name too long)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def resolve_topology(name_or_path: str | Path, near: Path | None = None) -> Path:
     """A topology given by path, or by name: from ``topologies/`` beside ``near`` (an
     experiment file's folder), in the working directory, or in this checkout's."""
     p = Path(name_or_path)
-    if p.exists():
+    if path_exists(p):
         return p
     folders = []
     if near is not None:
@@ -286,7 +391,7 @@ def resolve_topology(name_or_path: str | Path, near: Path | None = None) -> Path
     folders += [Path.cwd() / "topologies", Path(__file__).resolve().parent.parent / "topologies"]
     for folder in folders:
         for candidate in (folder / f"{name_or_path}.yaml", folder / str(name_or_path)):
-            if candidate.exists():
+            if path_exists(candidate):
                 return candidate
     looked = ", ".join(dict.fromkeys(f"{f}/" for f in folders))
-    raise SpecError(f"{name_or_path}: no such topology file (looked in ./, {looked})")
+    raise SpecError(one_line(f"{key_text(name_or_path)}: no such topology file (looked in ./, {looked})"))

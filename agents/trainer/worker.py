@@ -39,6 +39,22 @@ from testbed import schedules as sch
 ACT, GRAD = 0, 1
 
 
+class PeerSilent(RuntimeError):
+    """A pipeline peer sent nothing for ``recv_timeout_s``; the orchestrator names the WAN
+    link between the two."""
+
+    def __init__(self, peer: str, what: str, seconds: float):
+        super().__init__(f"no {what} from {peer} for {seconds:g} s")
+        self.peer, self.seconds = peer, seconds
+
+
+def _recv(channel, peer: str, what: str, timeout: float) -> bytearray:
+    try:
+        return channel.recv(timeout=timeout)
+    except TimeoutError:
+        raise PeerSilent(peer, what, timeout) from None
+
+
 class Compute(Protocol):
     """What a worker's device does for each op of the schedule."""
 
@@ -150,7 +166,7 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
                     board.show(wait_id(it, waits))
                 waits += 1
             if k == sch.RECV_ACT:
-                buf = act_in.recv(timeout=cfg.recv_timeout_s)
+                buf = _recv(act_in, prv.name, "activation", cfg.recv_timeout_s)
                 if board is not None:
                     board.show(0)
                 compute.take_activation(i, buf, act_in.last_arrival)
@@ -162,7 +178,7 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
                 act_out.send(compute.activation(i))
                 mark("send", i, it)
             elif k == sch.RECV_GRAD:
-                buf = grad_in.recv(timeout=cfg.recv_timeout_s)
+                buf = _recv(grad_in, nxt.name, "gradient", cfg.recv_timeout_s)
                 if board is not None:
                     board.show(0)
                 compute.take_gradient(i, buf, grad_in.last_arrival)
@@ -208,7 +224,10 @@ def main() -> int:
         msg = f"{type(exc).__name__}: {exc}"
         try:
             tel = Telemetry(cfg.telemetry, cfg.worker.name)
-            tel.send({"type": "error", "msg": msg, "trace": traceback.format_exc()[-2000:]})
+            err = {"type": "error", "msg": msg, "trace": traceback.format_exc()[-2000:]}
+            if isinstance(exc, PeerSilent):
+                err.update(peer=exc.peer, silent_s=exc.seconds)
+            tel.send(err)
         except OSError:
             pass
         print(traceback.format_exc(), file=sys.stderr)
