@@ -27,6 +27,11 @@ from . import __version__
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
 topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
 app.add_typer(topology_app, name="topology")
+
+# Titan / Titan-Next (agents/titan/cli.py): testbed titan study | emulate | backbone
+from agents.titan.cli import app as _titan_app  # noqa: E402  (imports only typer and rich)
+
+app.add_typer(_titan_app, name="titan")
 console = Console(stderr=True)
 out = Console()
 
