@@ -16,7 +16,7 @@ holds and backs off when it degrades; its exact rules are not public.  These are
 
 So a path above its thresholds is never raised (bad or severe never raises, and a marginal
 window resets the good streak), and the back-off reaches 0 from any fraction within
-``max_backoff_steps`` bad windows: ceil(log(floor / max_fraction) / log(backoff)) + 1.
+``max_backoff_steps`` bad windows: floor(log(floor / max_fraction) / log(backoff)) + 1.
 Measurements keep coming at fraction 0 because Titan probes every Internet path (the
 emulator sends a low-rate probe stream on each).
 """
@@ -68,7 +68,7 @@ class TitanController:
     @property
     def max_backoff_steps(self) -> int:
         """Bad windows that take any fraction to 0."""
-        return math.ceil(math.log(self.floor / self.max_fraction) / math.log(self.backoff)) + 1
+        return math.floor(math.log(self.floor / self.max_fraction) / math.log(self.backoff)) + 1
 
     def judge(self, q: Quality | None) -> str | None:
         if q is None or q.packets < self.min_packets:
