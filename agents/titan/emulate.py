@@ -396,9 +396,12 @@ class Emulation:
             key = (s.call, s.region, s.sid if s.up else s.sid - 1)
             part = by_part.setdefault(key, {})
             part["up" if s.up else "down"] = r.get("owd_p50_ms")
+            part["min_up" if s.up else "min_down"] = r.get("owd_min_ms")
+            part["n_up" if s.up else "n_down"] = got
             part["route"], part["dc"] = s.route, s.dc
         # each participant's RTT against its bound
-        over = 0
+        over = over_min = 0
+        over_rows: list[dict] = []
         rtts = []
         for (call, u, _), p in by_part.items():
             if p.get("up") is None or p.get("down") is None:
@@ -410,10 +413,15 @@ class Emulation:
                 bound = min(bound, spec.latency.max_rtt_ms)
             rtt = p["up"] + p["down"]
             model = (w.wan_rtt if p["route"] == WAN else w.inet_rtt)[u, p["dc"]]
+            row = {"call": call, "region": w.users[u], "dc": w.dcs[p["dc"]], "route": p["route"],
+                   "rtt_ms": rtt, "rtt_min_ms": p["min_up"] + p["min_down"], "packets": p["n_up"] + p["n_down"],
+                   "model_rtt_ms": float(model), "bound_ms": float(bound)}
             if rtt > bound + spec.latency_allowance_ms:
                 over += 1
-            rtts.append({"call": call, "region": w.users[u], "dc": w.dcs[p["dc"]], "route": p["route"],
-                         "rtt_ms": rtt, "model_rtt_ms": float(model), "bound_ms": float(bound)})
+                over_rows.append(row)
+            if row["rtt_min_ms"] > bound + spec.latency_allowance_ms:
+                over_min += 1
+            rtts.append(row)
         model = prep.model[policy]
         real = prep.realised[policy]
         return PolicyRun(
@@ -422,6 +430,7 @@ class Emulation:
             participants_over_bound=over, participant_rtt=rtts, loss=lost / max(total_sent, 1),
             route_violations=violations, route_coverage=covered_pkts / max(expected_pkts, 1),
             misrouted_packets=misrouted, internet_share_calls=float((real.route == INTERNET).mean()),
+            details={"over_bound": over_rows[:50], "over_bound_min": over_min},
         )
 
     # -- Titan's controller, live ----------------------------------------------------------
@@ -610,4 +619,6 @@ def _policy_json(pr: PolicyRun, prep: Prepared) -> dict:
         "slot_load_kbps": pr.slot_load_kbps.tolist(),
         "model_slot_load_kbps": model.link_load.tolist(),
         "participant_rtt": rtts,
+        "over_bound": pr.details.get("over_bound", []),
+        "participants_over_bound_min_rtt": pr.details.get("over_bound_min", 0),
     }

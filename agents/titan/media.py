@@ -141,7 +141,7 @@ class MediaAgent:
             for sid, r in self.rx.items():
                 w = sorted(r.owd)
                 rx[sid] = {"received": r.n, "seq_lo": r.lo, "seq_hi": r.hi, "jitter_ms": r.jitter,
-                           "owd_p50_ms": w[len(w) // 2] if w else None,
+                           "owd_p50_ms": w[len(w) // 2] if w else None, "owd_min_ms": w[0] if w else None,
                            "owd_p95_ms": w[min(len(w) - 1, int(0.95 * len(w)))] if w else None}
             with open(msg["path"], "w") as fh:
                 json.dump({"rx": rx, "sent": self.sent}, fh)
