@@ -44,7 +44,7 @@ import numpy as np
 from . import lp
 from . import workload as wl
 from .controller import Quality, TitanController
-from .emunet import DualPathNetwork
+from .emunet import DualPathNetwork, wait_ready
 from .media import INTERNET_TOS, PORT, ip_bytes_per_packet
 from .placement import (INTERNET, WAN, Evaluation, Options, Plan, Realisation, evaluate, incidence, realise,
                         realise_greedy, rule_plan)
@@ -241,11 +241,9 @@ class Emulation:
         self.dpn.net.registry.file(control)
         procs.append(("hub", control, self.dpn.popen_in_hub([sys.executable, "-m", "agents.titan.routecheck",
                                                              str(cfg)], "titan:routecheck:hub")))
-        from .emunet import _wait_ready
-
         for who, control, proc in procs:
             name = who.name if hasattr(who, "name") else who
-            _wait_ready(proc, f"titan agent {name}")
+            wait_ready(proc, f"titan agent {name}")
             client = self.dpn.control_client(control, name)
             if hasattr(who, "name"):
                 self.agents[name] = client

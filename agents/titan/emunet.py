@@ -223,7 +223,7 @@ class DualPathNetwork:
         self.net.registry.process(proc.pid, "titan:hub-delayline", own_netns=False)
         self._procs.append(proc)
         self._hub_proc = proc
-        _wait_ready(proc, "the Internet hub's delay line")
+        wait_ready(proc, "the Internet hub's delay line")
         batch = []
         for n, ln in enumerate(self.lanes.values()):
             table = _TABLE_LANE0 + n
@@ -309,7 +309,7 @@ def _pythonpath() -> str:
     return str(_REPO) + (os.pathsep + extra if extra else "")
 
 
-def _wait_ready(proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
+def wait_ready(proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
     import select
 
     deadline = time.monotonic() + timeout

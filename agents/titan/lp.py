@@ -124,8 +124,7 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
     T = dem.slots
     L = world.n_links
     plan = Plan(name)
-    rows = _Rows(world, options, problem, routes, plan)
-    rows.aggregate = aggregate
+    rows = _Rows(world, options, problem, routes, plan, aggregate)
     all_slots = sorted(set(rows.slot.tolist()))
     active = set(all_slots) if initial_slots is None else set(rows.busy_slots(initial_slots))
     rounds = []
@@ -196,9 +195,10 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
 class _Rows:
     """A day's demand per (plan key, slot, region), and every (row, placement) pairing."""
 
-    def __init__(self, world: World, options: Options, problem: DayProblem, routes: tuple[int, ...], plan: Plan):
+    def __init__(self, world: World, options: Options, problem: DayProblem, routes: tuple[int, ...], plan: Plan,
+                 aggregate: bool = True):
         dem = problem.demand
-        self.world, self.routes = world, routes
+        self.world, self.routes, self.aggregate = world, routes, aggregate
         U, T = len(world.users), dem.slots
         uniq_cfg, cfg_inv = np.unique(dem.config, return_inverse=True)
         key_of_cfg = np.empty(len(uniq_cfg), dtype=np.int64)

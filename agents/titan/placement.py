@@ -121,18 +121,17 @@ class Plan:
     class_of: dict[tuple, int] = field(default_factory=dict)
     solve_s: float = 0.0
     stats: dict = field(default_factory=dict)
+    _own: set[int] | None = field(default=None, init=False, repr=False)  # keys with mixes, built on first use
 
     def key(self, k: int, options: "Options") -> int:
+        """The plan key a configuration's calls follow: its own, else its placement set's class."""
         if self.class_of:
+            if self._own is None:
+                self._own = {key for key, _ in self.cells} | set(self.default)
             got = self.class_of.get(options.placement_set(k))
-            if got is not None and not self._has_own(k):
+            if got is not None and k not in self._own:
                 return got
         return k
-
-    def _has_own(self, k: int) -> bool:
-        if not hasattr(self, "_own"):
-            self._own = {key for key, _ in self.cells} | set(self.default)
-        return k in self._own
 
     def get(self, k: int, slot: int, options: "Options") -> Mix | None:
         key = self.key(k, options)
