@@ -134,6 +134,8 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
         t1 = time.perf_counter()
         built = _build(rows, np.isin(rows.slot, sorted(active)), problem.capacity, T)
         h = _highs(built, solver)
+        if solver == "ipm":  # only the peaks are used (each slot's placement comes from its tie-break LP):
+            h.setOptionValue("run_crossover", "off")  # no need to cross over to a vertex
         h.run()
         _check(h, name, "sum of peaks")
         sol = np.asarray(h.getSolution().col_value)

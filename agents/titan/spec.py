@@ -97,7 +97,7 @@ class StudySpec(_CapMixin, _Strict):
     capacity_headroom: float = Field(1.25, ge=1.0, description="DC capacity = headroom x the nearest-DC policy's peak over the horizon")
     internet_cap: float = Field(0.5, gt=0, le=1, description="Titan's guardrail: the largest share of a (region, DC) path's participants on the Internet, where its quality meets the targets")
     titan_fraction: float | None = Field(None, ge=0, le=1, description="Titan baseline: share of eligible calls offloaded (default: internet_cap)")
-    max_configs: int = Field(300, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
+    max_configs: int = Field(200, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
     tie_break_eps: float = Field(1e-3, ge=0, description="tie-break re-solve keeps sum of peaks <= (1+eps) x optimum")
     targets: Targets = Targets()
 

@@ -126,6 +126,8 @@ def _summarise(spec, world, evals, solves, capacity, n_calls, n_configs, T) -> d
             "migrations": ev.migrations, "unplanned": ev.unplanned, "calls_over_latency_bound": ev.over_bound,
             "internet_cap_excess": ev.cap_excess,
             "dc_peak_utilisation": float((ev.dc_participants.max(axis=1) / capacity).max()),
+            "dc_capacity_excess": float(np.maximum(ev.dc_participants - capacity[:, None], 0).sum()
+                                        / ev.dc_participants.sum()),
             "rtt_ms_wan": rtt_w, "rtt_ms_internet": rtt_i,
         }
     tn = out["policies"]["titan-next"]
