@@ -119,6 +119,8 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
     generation) until all fit.  ``solver`` is HiGHS's ``ipm`` or ``simplex`` for the peaks
     LP (slot LPs use simplex); ``aggregate`` uses the y/z variables (else each placement's
     traffic goes straight into the link rows: fewer rows, more nonzeros)."""
+    import highspy
+
     t_start = time.perf_counter()
     dem = problem.demand
     T = dem.slots
@@ -137,6 +139,9 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
         if solver == "ipm":  # only the peaks are used (each slot's placement comes from its tie-break LP):
             h.setOptionValue("run_crossover", "off")  # no need to cross over to a vertex
         h.run()
+        if solver == "ipm" and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            h.setOptionValue("run_crossover", "on")  # IPM alone could not certify it: finish with crossover
+            h.run()
         _check(h, name, "sum of peaks")
         sol = np.asarray(h.getSolution().col_value)
         peaks = np.zeros(L)
