@@ -148,7 +148,7 @@ def emulation_plots(result: dict, out: Path) -> list[Path]:
         written.append(_save(fig, out / "emu_latency_cdf.png", plt))
     ctl = result.get("controller")
     if ctl:
-        fig, ax = plt.subplots(figsize=(9, 3.5))
+        fig, ax = plt.subplots(figsize=(11, 3.8))
         paths = sorted({r["path"] for r in ctl["timeline"]})
         for path in paths:
             rows = [r for r in ctl["timeline"] if r["path"] == path]
@@ -157,8 +157,8 @@ def emulation_plots(result: dict, out: Path) -> list[Path]:
         if ctl.get("fault_at_s") is not None:
             ax.axvline(ctl["fault_at_s"], color="red", ls=":", label=f"fault on {ctl['fault_path']}")
         ax.set_xlabel("s")
-        ax.set_ylabel("offload fraction")
-        ax.legend(fontsize=7, ncol=2)
+        ax.set_ylabel("offload fraction (home region -> DC)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         written.append(_save(fig, out / "emu_controller.png", plt))
     return written
