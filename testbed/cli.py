@@ -28,10 +28,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distribu
 topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
 app.add_typer(topology_app, name="topology")
 
-# Titan / Titan-Next (agents/titan/cli.py): testbed titan study | emulate | backbone
-from agents.titan.cli import app as _titan_app  # noqa: E402  (imports only typer and rich)
+# command groups of agents (``extension.COMMANDS``): ``testbed titan ...``
+from .extension import command_groups  # noqa: E402
 
-app.add_typer(_titan_app, name="titan")
+for _name, _group in command_groups().items():
+    app.add_typer(_group, name=_name)
 console = Console(stderr=True)
 out = Console()
 
