@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import skip_unless_network
+from conftest import _skip_unless_network
 
 pytestmark = pytest.mark.network
 
@@ -24,7 +24,8 @@ BASELINES = ("nearest-wan", "wan-lp", "titan", "greedy-internet")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    caps = skip_unless_network()
+    # module scope: set up before the autouse per-test check, so it skips by itself
+    caps = _skip_unless_network()
     from agents.titan import emulate
     from agents.titan.spec import EmulationSpec, load_spec
 
@@ -92,10 +93,9 @@ def test_controller_backs_off_a_faulted_path_within_the_bound_and_keeps_the_othe
     assert max(others.values()) > 0
 
 
-def test_scapy_sees_only_internet_marked_packets_at_the_hub(tmp_path):
+def test_scapy_sees_only_internet_marked_packets_at_the_hub(tmp_path, caps):
     """A spot check independent of the route counters: sniff the Internet hub with scapy
     while one host sends a WAN-marked and an Internet-marked stream to the same server."""
-    caps = skip_unless_network()
     from agents.titan.emulate import internet_model
     from agents.titan.emunet import HUB_NS, DualPathNetwork
     from agents.titan.media import INTERNET_TOS

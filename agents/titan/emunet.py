@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.network import HostInfo, Network, NetworkError
+from testbed.procs import DatagramClient, python_env, stop_all
 from testbed.spec import parse_topology
 
 from .media import INTERNET_TOS
@@ -48,7 +50,6 @@ HUB_NS = "gtbti"
 MARK = 0x7A
 _TABLE_HUB = 3000
 _TABLE_LANE0 = 4000
-_REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -126,15 +127,7 @@ class DualPathNetwork:
         if self._hub_ctl is not None:
             self._hub_ctl.close()
             self._hub_ctl = None
-        for p in self._procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self._procs:
-            try:
-                p.wait(3)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(3)
+        stop_all(self._procs, timeout=3.0)
         self._procs.clear()
         # the hub namespace and its interfaces are in the registry: the network's clean-up
         # (registry.clean) ends what runs inside it and deletes it
@@ -219,7 +212,7 @@ class DualPathNetwork:
         cfg_path.write_text(json.dumps(cfg))
         proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS, sys.executable, "-m", "testbed.delayline",
                                  str(cfg_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ, PYTHONPATH=_pythonpath()))
+                                env=python_env())
         self.net.registry.process(proc.pid, "titan:hub-delayline", own_netns=False)
         self._procs.append(proc)
         self._hub_proc = proc
@@ -257,56 +250,41 @@ class DualPathNetwork:
 
     def popen_in_router(self, region: str, cmd: list[str], role: str) -> subprocess.Popen:
         proc = self.net.router(region).popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                             env=dict(os.environ, PYTHONPATH=_pythonpath()))
+                                             env=python_env())
         self.net.registry.process(proc.pid, role, own_netns=False)
         self._procs.append(proc)
         return proc
 
     def popen_in_hub(self, cmd: list[str], role: str) -> subprocess.Popen:
         proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS] + cmd, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=_pythonpath()))
+                                stderr=subprocess.PIPE, text=True, env=python_env())
         self.net.registry.process(proc.pid, role, own_netns=False)
         self._procs.append(proc)
         return proc
 
     def popen_in_host(self, host: HostInfo, cmd: list[str]) -> subprocess.Popen:
         return self.net.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=_pythonpath()))
+                              env=python_env())
 
 
-class ControlClient:
-    """JSON requests over a Unix datagram socket (the delay line's and the agents' protocol)."""
+class ControlClient(DatagramClient):
+    """``testbed.procs.DatagramClient`` to one agent's control socket (the delay line's and
+    the agents' protocol), with room for large replies (a window's per-stream statistics)
+    and a refusal raised as ``NetworkError``."""
+
+    MAX_REPLY = 4 << 20
 
     def __init__(self, server: Path, path: Path, timeout: float = 5.0):
-        import socket
+        super().__init__(path, timeout)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.MAX_REPLY)
+        self.server = str(server)
 
-        if path.exists():
-            path.unlink()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(str(path))
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self._sock.settimeout(timeout)
-        self._server = str(server)
-        self._path = path
-
-    def request(self, msg: dict) -> dict:
-        self._sock.sendto(json.dumps(msg).encode(), self._server)
-        reply = json.loads(self._sock.recv(4 << 20))
+    def request(self, msg: dict) -> dict:  # type: ignore[override]
+        self.sock.sendto(json.dumps(msg).encode(), self.server)
+        reply = json.loads(self.sock.recv(self.MAX_REPLY))
         if not reply.get("ok"):
-            raise NetworkError(f"{self._server}: {reply.get('error')}")
+            raise NetworkError(f"{self.server}: {reply.get('error')}")
         return reply
-
-    def close(self) -> None:
-        self._sock.close()
-        try:
-            self._path.unlink()
-        except OSError:
-            pass
-
-
-def _pythonpath() -> str:
-    extra = os.environ.get("PYTHONPATH", "")
-    return str(_REPO) + (os.pathsep + extra if extra else "")
 
 
 def wait_ready(proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
