@@ -97,6 +97,18 @@ def test_bad_spec_field_is_one_line():
         load_spec(StudySpec, None, {"internet_cap": 0.3, "titan_fraction": 0.5})
 
 
+
+def test_shipped_titan_specs_load():
+    """experiments/titan/ holds Titan's specs (apart from the training experiments, which
+    ``testbed run`` loads): each one validates."""
+    from pathlib import Path
+
+    from agents.titan.spec import EmulationSpec
+
+    folder = Path(__file__).resolve().parent.parent / "experiments" / "titan"
+    assert load_spec(StudySpec, folder / "week.yaml").days == 7
+    assert load_spec(EmulationSpec, folder / "emu.yaml").users
+
 @pytest.fixture(scope="module")
 def small():
     """Seven EU/US user regions, three DCs, two days of calls."""
