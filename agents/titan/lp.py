@@ -43,7 +43,9 @@ slot, each minimising RTT under the link limits.  Re-solving the whole day took 
 than the peaks LP itself (a WAN-only day at 96 slots: 118 s for the peaks, 70 s more for
 the re-solve).
 
-Solving: HiGHS's interior point method (IPM, then crossover to a vertex).  Measured here
+Solving: HiGHS's interior point method, without crossover to a vertex for the peaks LP
+(only its peaks are used; each slot's placement comes from its tie-break LP), with crossover
+only where IPM alone ends without a certified optimum.  Measured here
 (2 shared cores), the peaks LP of a day over 54 user regions and 21 DCs took 383 s at 96
 slots of 15 minutes, 34 s at 24 slots of an hour; dual simplex took 413 s on just 8 slots
 (the peak columns, each in every slot's link row, make the LP very degenerate), IPM 10 s.
