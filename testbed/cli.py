@@ -27,6 +27,12 @@ from . import __version__
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
 topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
 app.add_typer(topology_app, name="topology")
+
+# command groups of agents (``extension.COMMANDS``): ``testbed titan ...``
+from .extension import command_groups  # noqa: E402
+
+for _name, _group in command_groups().items():
+    app.add_typer(_group, name=_name)
 console = Console(stderr=True)
 out = Console()
 

@@ -21,7 +21,8 @@ drives every extension through the same hooks, in this order:
 
 A third-party extension registers under the ``testbed.extensions`` entry-point group.
 ``TOOLS`` names what extensions offer the command besides a run (``testbed plan`` is
-Atlas's planner), loaded the same way.
+Atlas's planner), loaded the same way; ``COMMANDS`` names whole command groups an agent
+adds (``testbed titan ...``: Titan / Titan-Next, which is no training run).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ REGISTRY: dict[str, str] = {
 # what an extension offers the ``testbed`` command besides a run (name -> module)
 TOOLS: dict[str, str] = {
     "plan": "agents.atlas.planner",  # Atlas's DC selection and stage assignment: ``testbed plan``
+}
+# command groups agents add to ``testbed`` (name -> "module:typer app"); their modules may
+# import only light things at the top (typer, rich): the command loads them at start
+COMMANDS: dict[str, str] = {
+    "titan": "agents.titan.cli:app",  # Titan / Titan-Next: ``testbed titan study|emulate|backbone``
 }
 
 
@@ -144,6 +150,15 @@ def _load(target: str) -> type[RunExtension]:
 def tool(name: str):
     """The module behind one of the extensions' command-line tools (``TOOLS``)."""
     return importlib.import_module(TOOLS[name])
+
+
+def command_groups() -> dict[str, Any]:
+    """The typer apps behind ``COMMANDS``, by group name."""
+    out = {}
+    for name, target in COMMANDS.items():
+        module, _, attr = target.partition(":")
+        out[name] = getattr(importlib.import_module(module), attr)
+    return out
 
 
 def registered() -> dict[str, Callable[[], type[RunExtension]]]:

@@ -90,13 +90,14 @@ def test_the_core_reaches_extensions_only_through_the_registry():
     graph = _graph()
     for name, deps in graph.items():
         if name.startswith("testbed"):
-            bad = sorted(d for d in deps if d.startswith(("agents.atlas", "agents.bubbletea")))
+            bad = sorted(d for d in deps if d.startswith(("agents.atlas", "agents.bubbletea", "agents.titan")))
             assert not bad, f"{name} imports {bad}"
     runner = (REPO / "testbed" / "runner.py").read_text()
     assert not re.search(r"atlas|bubbletea", runner, re.IGNORECASE)
-    from testbed.extension import REGISTRY
+    from testbed.extension import COMMANDS, REGISTRY
 
     assert set(REGISTRY) >= {"atlas", "bubbletea"}
+    assert "titan" in COMMANDS
 
 
 def test_every_package_is_installed():

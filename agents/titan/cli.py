@@ -1,0 +1,184 @@
+"""``testbed titan ...``: the offline study, the emulated run, the backbone.
+
+How it fits: ``testbed/cli.py`` mounts ``app`` as its ``titan`` sub-command.  Each command is
+a thin layer over ``study.run_study``, ``emulate.run`` and ``regions.Backbone``; errors a
+user can fix (unknown region, infeasible latency bound, a bad spec, a busy machine) print one
+line and exit 2; Ctrl-C and SIGTERM unwind through the network's clean-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(no_args_is_help=True, help="Titan and Titan-Next: conferencing traffic offloaded to Internet paths.")
+console = Console(stderr=True)
+out = Console()
+_MAIN_PID = os.getpid()
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _user_errors() -> tuple:
+    from testbed.kernel import BackendUnavailable
+    from testbed.network import NetworkError
+    from testbed.registry import Busy
+    from testbed.spec import SpecError
+
+    from .spec import TitanError
+
+    return (TitanError, SpecError, BackendUnavailable, NetworkError, Busy)
+
+
+def _split(text: Optional[str]) -> Optional[list[str]]:
+    return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+
+@app.command("study")
+def study(
+    spec: Optional[Path] = typer.Argument(None, help="study spec (YAML); default: the built-in week"),
+    days: Optional[int] = typer.Option(None, help="days evaluated"),
+    users: Optional[str] = typer.Option(None, help="comma-separated user regions (default: all in the matrix)"),
+    dcs: Optional[str] = typer.Option(None, help="comma-separated media-server DCs"),
+    calls_per_day: Optional[int] = typer.Option(None, help="synthetic calls on a weekday"),
+    delta_ms: Optional[float] = typer.Option(None, help="latency slack over the nearest DC, per participant"),
+    max_rtt_ms: Optional[float] = typer.Option(None, help="absolute bound on a call's worst participant RTT"),
+    internet_cap: Optional[float] = typer.Option(None, help="largest Internet share per (region, DC) path"),
+    max_configs: Optional[int] = typer.Option(None, help="configurations planned one by one"),
+    seed: Optional[int] = typer.Option(None, help="workload seed"),
+    solver: str = typer.Option("ipm", help="HiGHS solver: ipm or simplex"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default results/NAME)"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """A week of synthetic calls over Azure regions: every policy, the LP per day, reductions."""
+    from .spec import StudySpec, load_spec
+    from .study import BASELINES, run_study, write_outputs
+
+    try:
+        s = load_spec(StudySpec, spec, {"days": days, "users": _split(users), "dcs": _split(dcs),
+                                        "workload.calls_per_day": calls_per_day, "latency.delta_ms": delta_ms,
+                                        "latency.max_rtt_ms": max_rtt_ms, "internet_cap": internet_cap,
+                                        "max_configs": max_configs, "workload.seed": seed})
+        if solver not in ("ipm", "simplex"):
+            raise _user_errors()[0](f"solver: {solver!r} is not ipm or simplex")
+        with console.status("running the study") as status:
+            summary = run_study(s, log=lambda m: status.update(m), solver=solver)
+        folder = out_dir or Path("results") / s.name
+        write_outputs(summary, folder)
+    except _user_errors() as exc:
+        _fail(str(exc))
+    js = {k: v for k, v in summary.items() if k != "_arrays"}
+    if as_json:
+        out.print_json(json.dumps(js))
+        return
+    table = Table(title=f"{s.name}: {js['calls']:,} calls, {js['user_regions']} user regions, {js['dcs']} DCs, "
+                        f"{s.days} days")
+    for col in ("policy", "sum of peaks, week (Gbit/s)", "mean day (Gbit/s)", "Titan-Next saves (week)",
+                "Internet share", "migrations", "over bound"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    red = js["titan_next_reduction"]
+    for name, p in js["policies"].items():
+        table.add_row(name, f"{p['sum_of_peaks_week_kbps'] / 1e6:.2f}", f"{p['sum_of_peaks_day_mean_kbps'] / 1e6:.2f}",
+                      f"{red[name]['week']:.1%}" if name in red else "-", f"{p['internet_share_traffic']:.1%}",
+                      f"{p['migrations']:.1%}", str(p["calls_over_latency_bound"]))
+    console.print(table)
+    solve = js["solve_s"]
+    console.print("LP per day: " + ", ".join(f"{n} mean {v['mean']:.1f} s (max {v['max']:.1f} s, "
+                                               f"{v['variables_mean']:,.0f} variables)" for n, v in solve.items()))
+    console.print(f"paper: up to {js['paper_reduction']:.0%} lower sum of peaks; here against "
+                  + ", ".join(f"{b} {red[b]['week']:.0%}" for b in BASELINES) + f"; results: {folder}")
+
+
+@app.command("emulate")
+def emulate(
+    spec: Optional[Path] = typer.Argument(None, help="emulation spec (YAML); default: the built-in one"),
+    policies: Optional[str] = typer.Option(None, help="comma-separated policies to play"),
+    day_seconds: Optional[float] = typer.Option(None, help="one emulated day lasts this long"),
+    controller_seconds: Optional[float] = typer.Option(None, help="also run Titan's controller live this long"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default results/NAME)"),
+    as_json: bool = typer.Option(False, "--json", help="print the result (without per-slot arrays) as JSON"),
+) -> None:
+    """Build the dual-path network, play a day of real UDP calls under each policy, measure."""
+    from . import emulate as emu
+    from .plots import emulation_plots
+    from .spec import EmulationSpec, load_spec
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        s = load_spec(EmulationSpec, spec, {"policies": _split(policies), "day_seconds": day_seconds,
+                                            "controller_seconds": controller_seconds})
+        folder = out_dir or Path("results") / s.name
+        with console.status("emulating") as status:
+            result = emu.run(s, folder, log=lambda m: status.update(m))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "emulation.json").write_text(json.dumps(result, indent=1))
+        emulation_plots(result, folder)
+    except _user_errors() as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt as exc:
+        by = exc.args[0] if exc.args else "SIGINT"
+        _fail(f"interrupted ({by}); everything the testbed made was removed", 130)
+    if as_json:
+        slim = {k: v for k, v in result.items() if k != "policies"}
+        slim["policies"] = {n: {k: v for k, v in p.items() if not k.endswith("slot_load_kbps")
+                                and k != "participant_rtt"} for n, p in result["policies"].items()}
+        out.print_json(json.dumps(slim))
+        return
+    table = Table(title=f"{s.name}: one day in {s.day_seconds:g} s, real UDP calls")
+    for col in ("policy", "sum of peaks measured (Mbit/s)", "model", "over bound", "route violations",
+                "misrouted pkts", "loss", "Internet share"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    for name, p in result["policies"].items():
+        table.add_row(name, f"{p['sum_of_peaks_kbps'] / 1e3:.2f}", f"{p['model_sum_of_peaks_kbps'] / 1e3:.2f}",
+                      f"{p['participants_over_bound']}/{p['participants_measured']}", str(p["route_violations"]),
+                      str(p["misrouted_packets"]), f"{p['loss']:.2%}", f"{p['internet_share_calls']:.0%}")
+    console.print(table)
+    ctl = result.get("controller")
+    if ctl:
+        console.print(f"controller: fault on {ctl['fault_path']} at {ctl['fault_at_s']}; "
+                      f"Internet share of calls {ctl['internet_share_calls']:.0%}")
+    console.print(f"results: {folder}")
+
+
+@app.command("backbone")
+def backbone(
+    regions: Optional[str] = typer.Option(None, help="comma-separated regions (default: all in the matrix)"),
+    relay_factor: float = typer.Option(1.1, help="drop a-b if a relay c has RTT(a,c)+RTT(c,b) <= factor x RTT(a,b)"),
+    as_json: bool = typer.Option(False, "--json", help="print the edges as JSON"),
+) -> None:
+    """The WAN backbone pruned from Azure's P95 RTT matrix."""
+    from .regions import Backbone, load_wan
+
+    try:
+        wan = load_wan()
+        keys = [wan.key(r, "regions") for r in _split(regions)] if regions else None
+        bb = Backbone(wan, keys, relay_factor)
+    except _user_errors() as exc:
+        _fail(str(exc))
+    if as_json:
+        out.print_json(json.dumps([{"a": a, "b": b, "rtt_ms": r} for a, b, r in bb.edges]))
+        return
+    console.print(f"{len(bb.nodes)} regions, {len(bb.edges)} backbone links (of {len(bb.nodes) * (len(bb.nodes) - 1) // 2} "
+                  f"pairs) at relay factor {relay_factor:g}")
+    for a, b, r in bb.edges[:40]:
+        out.print(f"{a:>22} - {b:<22} {r:6.1f} ms")
+    if len(bb.edges) > 40:
+        out.print(f"... and {len(bb.edges) - 40} more (--json for all)")
+
+
+def _on_sigterm(signum, frame):
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)
+    raise KeyboardInterrupt(signal.Signals(signum).name)

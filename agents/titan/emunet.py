@@ -1,0 +1,305 @@
+"""The dual-path network: Azure regions as testbed DCs on a WAN backbone, plus Internet paths.
+
+How it fits: the WAN half is the testbed's own ``Network`` (``testbed/network.py``): every
+region of a ``World`` (user regions and media-server DCs) is a testbed DC with participant
+hosts and, where it hosts a DC, one media-server host behind its gateway router; the
+backbone's edges are WAN links with half the edge's P95 RTT as one-way delay each way, a
+shaped rate, and counters (``WanDirection.counters``) that give each WAN link's load.  The
+testbed routes DC to DC over the direct link if there is one, else along the shortest-delay
+path: the rule ``regions.Backbone`` plans with, checked pair by pair when the network starts.
+
+The Internet half is built here, inside the same registry (so ``testbed clean`` removes it):
+
+* a hub namespace ``gtbti`` ("the Internet"), joined to every gateway router by a veth pair
+  (``gtbti<i>`` on the hub, ``gtbtr<i>`` on router i, 10.254.i.0/30);
+* a TUN delay line (``testbed.delayline``) in the hub with one lane per ordered (region,
+  region) pair that has an Internet path: the pair's modelled one-way Internet delay,
+  jitter and loss (``regions.AzureWan.internet_rtt``; the spec's overrides); policy routing
+  in the hub sends packets from subnet a to subnet b through lane (a, b);
+* marks and policy routing in every gateway: a packet from the router's own hosts with DSCP
+  CS1 (``media.INTERNET_TOS``, set by the sender per call) is marked by an iptables mangle
+  rule (chain ``GTB-TITAN``) and routed by an ``ip rule fwmark`` to the hub instead of onto
+  the WAN; everything else takes the testbed's WAN routes.
+
+So a call's route is chosen by its packets' DSCP and enforced by the routers; which links
+its packets really left on is counted per stream by ``routecheck`` processes in every
+router and in the hub.  Addresses exist only inside these namespaces; nothing routes out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from testbed.network import HostInfo, Network, NetworkError
+from testbed.procs import DatagramClient, python_env, stop_all
+from testbed.spec import parse_topology
+
+from .media import INTERNET_TOS
+from .regions import World
+from .spec import EmulationSpec, TitanError
+
+HUB_NS = "gtbti"
+MARK = 0x7A
+_TABLE_HUB = 3000
+_TABLE_LANE0 = 4000
+
+
+@dataclass
+class InternetLane:
+    name: str
+    src: str  # region
+    dst: str
+    delay_ms: float
+    jitter_ms: float
+    loss: float
+
+
+def topology_data(world: World, spec: EmulationSpec) -> dict[str, Any]:
+    """The testbed topology (as YAML data) for a world: regions as DCs, backbone edges as links."""
+    regions = world.backbone.nodes
+    dcs = []
+    for r in regions:
+        hosts = (spec.hosts_per_region if r in world.users else 0) + (1 if r in world.dcs else 0)
+        dcs.append({"name": r, "hosts": hosts})
+    wan = [{"a": a, "b": b, "delay_ms": round(rtt / 2.0, 3), "rate_mbps": spec.wan_rate_mbps}
+           for a, b, rtt in world.backbone.edges]
+    return {"name": spec.name, "description": "Titan emulation: Azure regions on their P95-RTT backbone",
+            "dcs": dcs, "wan": wan}
+
+
+class DualPathNetwork:
+    """Build, drive and tear down the WAN + Internet network for a ``World``."""
+
+    def __init__(self, world: World, spec: EmulationSpec, caps=None,
+                 progress: Callable[[str], None] | None = None):
+        self.world = world
+        self.spec = spec
+        self.topo = parse_topology(topology_data(world, spec), spec.name)
+        self.net = Network(self.topo, caps=caps, progress=progress)
+        self._progress = progress or (lambda m: None)
+        self.lanes: dict[tuple[str, str], InternetLane] = {}
+        self._hub_proc: subprocess.Popen | None = None
+        self._hub_ctl = None
+        self._procs: list[subprocess.Popen] = []
+        self.index: dict[str, int] = {}
+
+    # -- hosts ------------------------------------------------------------------------
+    def participant_hosts(self, region: str) -> list[HostInfo]:
+        return self.net.hosts(region)[: self.spec.hosts_per_region] if region in self.world.users else []
+
+    def server_host(self, dc: str) -> HostInfo:
+        return self.net.hosts(dc)[-1]
+
+    def hub_ifname(self, region: str) -> str:
+        return f"{HUB_NS}{self.index[region]}"
+
+    def router_hub_ifname(self, region: str) -> str:
+        return f"gtbtr{self.index[region]}"
+
+    # -- lifecycle --------------------------------------------------------------------
+    def __enter__(self) -> "DualPathNetwork":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "DualPathNetwork":
+        self.net.start()
+        try:
+            self.index = {r: int(self.net.subnet(r).split(".")[1]) for r in self.world.backbone.nodes}
+            self._check_routes()
+            self._progress("building the Internet paths")
+            self._build_internet()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self._hub_ctl is not None:
+            self._hub_ctl.close()
+            self._hub_ctl = None
+        stop_all(self._procs, timeout=3.0)
+        self._procs.clear()
+        # the hub namespace and its interfaces are in the registry: the network's clean-up
+        # (registry.clean) ends what runs inside it and deletes it
+        self.net.stop()
+
+    def _check_routes(self) -> None:
+        for u in self.world.users:
+            for d in self.world.dcs:
+                if u != d and self.world.backbone.path(u, d) != self.topo.path(u, d):
+                    raise TitanError(f"emulation: the testbed routes {u}->{d} over {self.topo.path(u, d)}, "
+                                     f"the plan over {self.world.backbone.path(u, d)}")
+
+    def _run(self, cmd: list[str]) -> None:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise NetworkError(f"{' '.join(cmd[:6])}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+
+    def _router(self, region: str, cmd: str) -> None:
+        out = self.net.router(region).cmd(cmd + " && echo gtb-ok")
+        if "gtb-ok" not in out:
+            raise NetworkError(f"router {region}: {cmd.split('&&')[0].strip()}: {out.strip().splitlines()[-1:]}")
+
+    def _build_internet(self) -> None:
+        reg = self.net.registry
+        self._run(["ip", "netns", "add", HUB_NS])
+        reg.netns(HUB_NS)
+        hub = ["ip", "netns", "exec", HUB_NS]
+        self._run(hub + ["sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
+                         "net.ipv4.conf.default.rp_filter=0", "net.ipv6.conf.all.disable_ipv6=1",
+                         "net.ipv6.conf.default.disable_ipv6=1"])
+        self._run(hub + ["ip", "link", "set", "lo", "up"])
+        for region, i in self.index.items():
+            router = self.net.router(region)
+            h_if, r_if = self.hub_ifname(region), self.router_hub_ifname(region)
+            reg.link(h_if)
+            reg.link(r_if)
+            self._run(["ip", "link", "add", h_if, "netns", HUB_NS, "type", "veth", "peer", "name", r_if,
+                       "netns", str(router.pid)])
+            self._run(hub + ["ip", "addr", "add", f"10.254.{i}.1/30", "dev", h_if])
+            self._run(hub + ["ip", "link", "set", h_if, "up"])
+            self._run(hub + ["ip", "route", "add", self.net.subnet(region), "via", f"10.254.{i}.2"])
+            subnet = self.net.subnet(region)
+            self._router(region, " && ".join([
+                f"sysctl -qw net.ipv4.conf.{r_if}.rp_filter=0",
+                f"ip addr add 10.254.{i}.2/30 dev {r_if}",
+                f"ip link set {r_if} up",
+                f"ip route add default via 10.254.{i}.1 dev {r_if} table {_TABLE_HUB}",
+                f"ip rule add from {subnet} fwmark {MARK:#x} lookup {_TABLE_HUB} priority 5",
+                "iptables -w -t mangle -N GTB-TITAN",
+                "iptables -w -t mangle -A PREROUTING -j GTB-TITAN",
+                f"iptables -w -t mangle -A GTB-TITAN -s {subnet} -m dscp --dscp {INTERNET_TOS >> 2} "
+                f"-j MARK --set-mark {MARK:#x}",
+            ]))
+        self._start_hub_lanes()
+
+    def _lane_params(self, a: str, b: str) -> InternetLane:
+        spec = self.spec
+        one_way = self.world.wan.internet_rtt(a, b) / 2.0
+        loss, jitter = spec.internet_loss, spec.internet_jitter_ms
+        for o in spec.internet:
+            if {self.world.wan.key(o.user), self.world.wan.key(o.dc)} == {a, b}:
+                loss = o.loss if o.loss is not None else loss
+                jitter = o.jitter_ms if o.jitter_ms is not None else jitter
+                one_way += o.extra_delay_ms or 0.0
+        name = f"gtbtl{self.index[a]}x{self.index[b]}"
+        return InternetLane(name, a, b, one_way, min(jitter, one_way), loss)
+
+    def _start_hub_lanes(self) -> None:
+        pairs = sorted({(u, d) for u in self.world.users for d in self.world.dcs if u != d}
+                       | {(d, u) for u in self.world.users for d in self.world.dcs if u != d})
+        for a, b in pairs:
+            self.lanes[(a, b)] = self._lane_params(a, b)
+        state = self.net.registry.dir
+        cfg_path = state / f"{HUB_NS}-delayline.json"
+        control = state / f"{HUB_NS}.sock"
+        cfg = {"lanes": [{"name": ln.name, "delay_ms": ln.delay_ms, "jitter_ms": ln.jitter_ms, "loss": ln.loss}
+                         for ln in self.lanes.values()],
+               "control_path": str(control), "compensation_ms": self.net.compensation_ms, "seed": 254,
+               "realtime": self.net.realtime}
+        self.net.registry.file(cfg_path)
+        self.net.registry.file(control)
+        cfg_path.write_text(json.dumps(cfg))
+        proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS, sys.executable, "-m", "testbed.delayline",
+                                 str(cfg_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=python_env())
+        self.net.registry.process(proc.pid, "titan:hub-delayline", own_netns=False)
+        self._procs.append(proc)
+        self._hub_proc = proc
+        wait_ready(proc, "the Internet hub's delay line")
+        batch = []
+        for n, ln in enumerate(self.lanes.values()):
+            table = _TABLE_LANE0 + n
+            batch += [f"link set {ln.name} up txqlen 10000",
+                      f"route add default dev {ln.name} table {table}",
+                      f"rule add iif {ln.name} lookup main priority 100",
+                      f"rule add from {self.net.subnet(ln.src)} to {self.net.subnet(ln.dst)} lookup {table} "
+                      f"priority {200 + n}"]
+        res = subprocess.run(["ip", "-n", HUB_NS, "-batch", "-"], input="\n".join(batch) + "\n",
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise NetworkError(f"hub routing: {res.stderr.strip().splitlines()[-1:]}")
+        self._hub_ctl = self.control_client(control, f"{HUB_NS}-dl")
+
+    def control_client(self, server: Path | str, tag: str) -> "ControlClient":
+        """A datagram client for an agent's control socket, its own path registered."""
+        path = self.net.registry.dir / f"{HUB_NS}-client-{os.getpid()}-{tag}.sock"
+        self.net.registry.file(path)
+        return ControlClient(Path(server), path)
+
+    # -- run time ---------------------------------------------------------------------
+    def set_internet(self, a: str, b: str, **changes: float) -> None:
+        """Change an Internet path (both directions) now: delay_ms (one-way), jitter_ms, loss."""
+        for src, dst in ((a, b), (b, a)):
+            lane = self.lanes.get((src, dst))
+            if lane is None:
+                raise TitanError(f"no Internet path {src} -> {dst}")
+            self._hub_ctl.request({"lane": lane.name, **changes})
+            for k, v in changes.items():
+                setattr(lane, k, v)
+
+    def popen_in_router(self, region: str, cmd: list[str], role: str) -> subprocess.Popen:
+        proc = self.net.router(region).popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                             env=python_env())
+        self.net.registry.process(proc.pid, role, own_netns=False)
+        self._procs.append(proc)
+        return proc
+
+    def popen_in_hub(self, cmd: list[str], role: str) -> subprocess.Popen:
+        proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS] + cmd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=python_env())
+        self.net.registry.process(proc.pid, role, own_netns=False)
+        self._procs.append(proc)
+        return proc
+
+    def popen_in_host(self, host: HostInfo, cmd: list[str]) -> subprocess.Popen:
+        return self.net.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=python_env())
+
+
+class ControlClient(DatagramClient):
+    """``testbed.procs.DatagramClient`` to one agent's control socket (the delay line's and
+    the agents' protocol), with room for large replies (a window's per-stream statistics)
+    and a refusal raised as ``NetworkError``."""
+
+    MAX_REPLY = 4 << 20
+
+    def __init__(self, server: Path, path: Path, timeout: float = 5.0):
+        super().__init__(path, timeout)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.MAX_REPLY)
+        self.server = str(server)
+
+    def request(self, msg: dict) -> dict:  # type: ignore[override]
+        self.sock.sendto(json.dumps(msg).encode(), self.server)
+        reply = json.loads(self.sock.recv(self.MAX_REPLY))
+        if not reply.get("ok"):
+            raise NetworkError(f"{self.server}: {reply.get('error')}")
+        return reply
+
+
+def wait_ready(proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
+    import select
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if r:
+            line = proc.stdout.readline()
+            if line.strip() == "ready":
+                return
+            if not line and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    err = proc.stderr.read() if proc.poll() is not None else "no answer"
+    raise NetworkError(f"{what} failed to start: {(err or 'no output').strip().splitlines()[-1:]}")

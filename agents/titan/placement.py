@@ -1,0 +1,388 @@
+"""Where each call goes: allowed placements, plans, quota-counter realisation, evaluation.
+
+How it fits: ``Options`` works out, per call configuration, the nearest-DC choice over the
+WAN and every (DC, route) the latency rule allows (the pruning that keeps the LP sparse).
+A ``Plan`` gives, per (configuration, slot), fractions over those placements: the baselines
+build theirs by rule (``rule_plan``), the LPs (``lp.py``) by optimisation.  ``realise`` turns
+a plan into one placement per call with **quota counters** (largest remainder: each new call
+of a (configuration, slot) goes to the placement furthest below its quota of the traffic
+placed so far, so every placement stays within one call's traffic of its share; quotas
+count traffic because the LP's fractions are fractions of traffic; no random sampling) and counts
+**migrations** (a call starts on the plan for its first participant's region alone and moves
+when its settled configuration is placed elsewhere).  ``evaluate`` measures a realisation:
+per-slot load of every WAN link (kbps, from the calls' actual overlaps with the slots), each
+link's peak and their sum, DC load against capacity, per-participant RTT against the bound,
+and the share offloaded to the Internet.
+
+Routes: 0 = WAN (the private backbone, entering at the participant's region), 1 = Internet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .regions import World
+from .spec import LatencyRule, TitanError
+from .workload import Calls, Configs, slot_overlaps
+
+WAN, INTERNET = 0, 1
+ROUTE_NAMES = ("wan", "internet")
+
+
+@dataclass
+class ConfigOptions:
+    regions: tuple[int, ...]  # user indices
+    nearest: int  # DC index of the nearest-DC choice
+    ref_rtt: np.ndarray  # per region: RTT over the WAN to the nearest DC
+    options: list[tuple[int, int]]  # allowed (dc, route), lowest mean latency first
+    latency: np.ndarray  # [option, region] RTT ms
+    crosses: np.ndarray  # [option] does the placement put any traffic on a WAN link
+
+
+class Options:
+    """Allowed placements per configuration, computed once and cached."""
+
+    def __init__(self, world: World, configs: Configs, rule: LatencyRule):
+        self.world = world
+        self.configs = configs
+        self.rule = rule
+        self._cache: dict[int, ConfigOptions] = {}
+
+    def __getitem__(self, k: int) -> ConfigOptions:
+        opt = self._cache.get(k)
+        if opt is None:
+            opt = self._cache[k] = self._compute(self.configs.keys[k])
+        return opt
+
+    def _compute(self, regions: tuple[int, ...]) -> ConfigOptions:
+        w = self.world
+        r = list(regions)
+        wan = w.wan_rtt[r, :]  # [region, dc]
+        worst = wan.max(axis=0)
+        nearest = int(np.lexsort((wan.mean(axis=0), worst))[0])
+        ref = wan[:, nearest]
+        bound = ref[:, None] + self.rule.delta_ms + 1e-9
+        local = w.local[r, :]
+        inet = w.inet_rtt[r, :]
+        ok_wan = np.all(wan <= bound, axis=0)
+        ok_inet = (np.all(inet <= bound, axis=0) & ~local.all(axis=0)
+                   & np.all(w.inet_ok[r, :] | local, axis=0))
+        if self.rule.max_rtt_ms is not None:
+            ok_wan &= worst <= self.rule.max_rtt_ms + 1e-9
+            ok_inet &= inet.max(axis=0) <= self.rule.max_rtt_ms + 1e-9
+        options = [(int(d), WAN) for d in np.flatnonzero(ok_wan)] + [(int(d), INTERNET) for d in np.flatnonzero(ok_inet)]
+        if not options:
+            names = ", ".join(w.users[i] for i in r)
+            best = float(min(worst.min(), np.where(local.all(axis=0), np.inf, inet.max(axis=0)).min()))
+            raise TitanError(f"latency.max_rtt_ms: {self.rule.max_rtt_ms:g} ms is infeasible: a call between "
+                             f"{names} gets at best {best:.0f} ms worst-participant RTT (nearest DC "
+                             f"{w.dcs[nearest]} over the WAN: {worst[nearest]:.0f} ms)")
+        lat = np.array([wan[:, d] if route == WAN else inet[:, d] for d, route in options])
+        crosses = np.array([route == WAN and not local[:, d].all() for d, route in options])
+        order = np.lexsort((np.arange(len(options)), lat.mean(axis=1)))
+        return ConfigOptions(regions, nearest, ref, [options[i] for i in order], lat[order], crosses[order])
+
+    def placement_set(self, k: int) -> tuple[tuple[int, int], ...]:
+        """The configuration's allowed placements as a canonical sorted tuple."""
+        return tuple(sorted(self[k].options))
+
+    def option_index(self, k: int, dc: int, route: int) -> int | None:
+        try:
+            return self[k].options.index((dc, route))
+        except ValueError:
+            return None
+
+    def check_all(self, config_ids: np.ndarray) -> None:
+        """Raise the one-line infeasibility error now, for any configuration that has none."""
+        for k in np.unique(config_ids):
+            self[int(k)]
+
+
+Mix = tuple[np.ndarray, np.ndarray, np.ndarray]  # (dc, route, fraction) arrays
+
+
+@dataclass
+class Plan:
+    """Placement mixes per (plan key, slot).
+
+    A plan key is a configuration, or (for the LP's long tail) a class of configurations
+    with the same allowed placements: ``class_of`` maps such a placement set (a sorted tuple
+    of (dc, route)) to its key, so a configuration never seen in the forecast still finds
+    its class.  ``cells`` maps (key, slot) to a mix; a key missing from ``cells`` uses
+    ``default`` (key -> mix); a configuration with neither goes to its nearest DC over the
+    WAN (counted as unplanned).
+    """
+
+    name: str
+    cells: dict[tuple[int, int], Mix] = field(default_factory=dict)
+    default: dict[int, Mix] = field(default_factory=dict)
+    class_of: dict[tuple, int] = field(default_factory=dict)
+    solve_s: float = 0.0
+    stats: dict = field(default_factory=dict)
+    _own: set[int] | None = field(default=None, init=False, repr=False)  # keys with mixes, built on first use
+
+    def key(self, k: int, options: "Options") -> int:
+        """The plan key a configuration's calls follow: its own, else its placement set's class."""
+        if self.class_of:
+            if self._own is None:
+                self._own = {key for key, _ in self.cells} | set(self.default)
+            got = self.class_of.get(options.placement_set(k))
+            if got is not None and k not in self._own:
+                return got
+        return k
+
+    def get(self, k: int, slot: int, options: "Options") -> Mix | None:
+        key = self.key(k, options)
+        got = self.cells.get((key, slot))
+        return got if got is not None else self.default.get(key)
+
+
+def _mix(pairs: list[tuple[int, int]], fracs: list[float]) -> Mix:
+    return (np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]), np.array(fracs, dtype=np.float64))
+
+
+def rule_plan(name: str, options: Options, config_ids: np.ndarray, internet_fraction: float) -> Plan:
+    """The rule-based baselines at the nearest DC: ``internet_fraction`` 0 = nearest DC over
+    the WAN; f = Titan's fixed fraction of the calls whose Internet placement is allowed."""
+    plan = Plan(name)
+    for k in np.unique(config_ids):
+        k = int(k)
+        co = options[k]
+        i = options.option_index(k, co.nearest, INTERNET)
+        if i is None or internet_fraction <= 0:
+            plan.default[k] = _mix([(co.nearest, WAN)], [1.0])
+        elif internet_fraction >= 1:
+            plan.default[k] = _mix([(co.nearest, INTERNET)], [1.0])
+        else:
+            plan.default[k] = _mix([(co.nearest, WAN), (co.nearest, INTERNET)],
+                                   [1 - internet_fraction, internet_fraction])
+    return plan
+
+
+@dataclass
+class Realisation:
+    dc: np.ndarray  # per call
+    route: np.ndarray
+    migrated: np.ndarray  # bool per call
+    planned: np.ndarray  # bool: the call's configuration had a plan cell or rule (else fallback)
+
+
+def realise(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray, provisional_ids: np.ndarray,
+            t0: float, slot_s: float) -> Realisation:
+    """One placement per call by quota counters (largest remainder), calls in start order."""
+    n = len(calls)
+    dc = np.empty(n, dtype=np.int64)
+    route = np.empty(n, dtype=np.int64)
+    migrated = np.zeros(n, dtype=bool)
+    planned = np.ones(n, dtype=bool)
+    slots = np.floor((calls.start_s - t0) / slot_s).astype(np.int64).tolist()
+    lens = np.diff(calls.ptr)
+    traffic = np.bincount(np.repeat(np.arange(n), lens), weights=calls.count, minlength=n) * (
+        calls.up_kbps + calls.down_kbps)
+    weights = traffic.tolist()
+    counters: dict[tuple, list] = {}
+
+    def place(k: int, slot: int, tag: str, weight: float) -> tuple[int, int, bool]:
+        got = plan.get(k, slot, options)
+        if got is None:
+            return options[k].nearest, WAN, False
+        dcs, routes, frac = got
+        if len(dcs) == 1:
+            return int(dcs[0]), int(routes[0]), True
+        key = (tag, plan.key(k, options), slot)
+        state = counters.get(key)
+        if state is None:
+            state = counters[key] = [0.0, np.zeros(len(dcs))]
+        state[0] += weight
+        deficit = frac * state[0] - state[1]
+        j = int(np.argmax(deficit))  # ties: the first placement of the mix
+        state[1][j] += weight
+        return int(dcs[j]), int(routes[j]), True
+
+    cfg = config_ids.tolist()
+    prov = provisional_ids.tolist()
+    for i in range(n):
+        d, r, ok = place(cfg[i], slots[i], "final", weights[i])
+        dc[i], route[i], planned[i] = d, r, ok
+        if prov[i] != cfg[i]:
+            pd, pr, _ = place(prov[i], slots[i], "provisional", 1.0)
+            migrated[i] = (pd, pr) != (d, r)
+    return Realisation(dc, route, migrated, planned)
+
+
+def realise_greedy(options: Options, calls: Calls, config_ids: np.ndarray, provisional_ids: np.ndarray,
+                   t0: float, slot_s: float) -> Realisation:
+    """Greedy Internet-whenever-eligible: each call, in start order, at its nearest DC, over
+    the Internet if that placement is allowed and every participant's path stays within its
+    Internet share cap (counted over the participants placed at that DC in the slot so far),
+    else over the WAN."""
+    w = options.world
+    cap = w.inet_cap
+    n = len(calls)
+    dc = np.empty(n, dtype=np.int64)
+    route = np.empty(n, dtype=np.int64)
+    migrated = np.zeros(n, dtype=bool)
+    slots = np.floor((calls.start_s - t0) / slot_s).astype(np.int64).tolist()
+    placed: dict[tuple[int, int, int], list[float]] = {}  # (slot, user, dc) -> [all, internet]
+    regions, counts, ptr = calls.region.tolist(), calls.count.tolist(), calls.ptr.tolist()
+
+    def place(k: int, slot: int, members: list[tuple[int, int]], commit: bool) -> tuple[int, int]:
+        co = options[k]
+        d = co.nearest
+        r = WAN
+        if options.option_index(k, d, INTERNET) is not None:
+            ok = True
+            for u, c in members:
+                if w.local[u, d]:
+                    continue
+                a = placed.get((slot, u, d), [0.0, 0.0])
+                if a[1] + c > cap[u, d] * (a[0] + c) + 1e-9:
+                    ok = False
+                    break
+            r = INTERNET if ok else WAN
+        if commit:
+            for u, c in members:
+                a = placed.setdefault((slot, u, d), [0.0, 0.0])
+                a[0] += c
+                a[1] += c if r == INTERNET else 0
+        return d, r
+
+    cfg, prov = config_ids.tolist(), provisional_ids.tolist()
+    first = calls.first.tolist()
+    for i in range(n):
+        members = list(zip(regions[ptr[i]:ptr[i + 1]], counts[ptr[i]:ptr[i + 1]]))
+        if prov[i] != cfg[i]:
+            pd, pr = place(prov[i], slots[i], [(first[i], 1)], commit=False)
+        d, r = place(cfg[i], slots[i], members, commit=True)
+        dc[i], route[i] = d, r
+        if prov[i] != cfg[i]:
+            migrated[i] = (pd, pr) != (d, r)
+    return Realisation(dc, route, migrated, np.ones(n, dtype=bool))
+
+
+def plan_loads(world: World, options: Options, plan: Plan, demand) -> np.ndarray:
+    """[link, slot] kbps a plan puts on the WAN for a demand, fractions taken as they are
+    (the planned load, before realisation rounds them to calls)."""
+    U, D = len(world.users), len(world.dcs)
+    T = demand.slots
+    up = np.zeros((U * D, T))
+    dn = np.zeros((U * D, T))
+    for i in range(len(demand.config)):
+        k, t, u = int(demand.config[i]), int(demand.slot[i]), int(demand.region[i])
+        got = plan.get(k, t, options)
+        dcs, routes, frac = got if got is not None else _mix([(options[k].nearest, WAN)], [1.0])
+        for d, r, f in zip(dcs, routes, frac):
+            if r == WAN and not world.local[u, d]:
+                up[u * D + d, t] += f * demand.up_kbps[i]
+                dn[u * D + d, t] += f * demand.down_kbps[i]
+    inc_up, inc_dn = incidence(world)
+    return inc_up @ up + inc_dn @ dn
+
+
+@dataclass
+class Evaluation:
+    link_load: np.ndarray  # [link, slot] kbps, averaged over the slot
+    dc_participants: np.ndarray  # [dc, slot] concurrent participants
+    internet_share_calls: float  # of calls
+    internet_share_traffic: float  # of traffic that would cross the WAN at its placement's DC
+    migrations: float  # share of calls
+    unplanned: float  # share of calls placed by the nearest-DC fallback
+    latency: np.ndarray  # per entry (call x region): RTT ms
+    latency_route: np.ndarray  # per entry: route
+    latency_weight: np.ndarray  # per entry: participants
+    over_bound: int  # calls with a participant over its latency bound
+    cap_excess: float  # share of Internet participant-time above the paths' caps (per slot)
+    cross_kbps: np.ndarray  # [slot] traffic of participants not local to their call's DC
+    internet_kbps: np.ndarray  # [slot] the part of it on the Internet
+
+    def peaks(self, slots_per_period: int | None = None) -> np.ndarray:
+        """Each link's peak, over the whole horizon or per period ([period, link])."""
+        if slots_per_period is None:
+            return self.link_load.max(axis=1)
+        L, S = self.link_load.shape
+        return self.link_load[:, : S - S % slots_per_period].reshape(L, -1, slots_per_period).max(axis=2).T
+
+    def sum_of_peaks(self, slots_per_period: int | None = None) -> np.ndarray | float:
+        p = self.peaks(slots_per_period)
+        return float(p.sum()) if slots_per_period is None else p.sum(axis=1)
+
+
+def incidence(world: World) -> tuple[np.ndarray, np.ndarray]:
+    """[link, pair] 0/1 matrices for user -> DC and DC -> user traffic (pair = u * D + d)."""
+    U, D, L = len(world.users), len(world.dcs), world.n_links
+    up = np.zeros((L, U * D), dtype=np.float32)
+    dn = np.zeros((L, U * D), dtype=np.float32)
+    for u in range(U):
+        for d in range(D):
+            up[world.up_links[u][d], u * D + d] = 1.0
+            dn[world.down_links[u][d], u * D + d] = 1.0
+    return up, dn
+
+
+def evaluate(world: World, options: Options, calls: Calls, config_ids: np.ndarray, real: Realisation,
+             t0: float, slot_s: float, slots: int, incid: tuple[np.ndarray, np.ndarray] | None = None) -> Evaluation:
+    U, D = len(world.users), len(world.dcs)
+    lens = np.diff(calls.ptr)
+    ecall = np.repeat(np.arange(len(calls)), lens)
+    eu = calls.region
+    ed = real.dc[ecall]
+    er = real.route[ecall]
+    elocal = world.local[eu, ed]
+    # latency per entry, and the bound it must meet
+    lat = np.where(er == WAN, world.wan_rtt[eu, ed], world.inet_rtt[eu, ed])
+    over = np.zeros(len(calls), dtype=bool)
+    for k in np.unique(config_ids):
+        sel_calls = config_ids == k
+        co = options[int(k)]
+        sel = sel_calls[ecall]
+        # entries of this configuration's calls come in the configuration's region order
+        ref = np.tile(co.ref_rtt, int(sel_calls.sum()))
+        bad = lat[sel] > ref + options.rule.delta_ms + 1e-6
+        if options.rule.max_rtt_ms is not None:
+            bad |= lat[sel] > options.rule.max_rtt_ms + 1e-6
+        over[ecall[sel][bad]] = True
+
+    row, slot, frac = slot_overlaps(calls.start_s, calls.end_s, t0, slot_s, slots)
+    # expand (call, slot) rows over the call's entries
+    per = lens[row]
+    ridx = np.repeat(np.arange(len(row)), per)
+    ent = np.repeat(calls.ptr[row], per) + (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per))
+    c = row[ridx]
+    f = frac[ridx]
+    s = slot[ridx]
+    part = calls.count[ent] * f
+    dcp = np.bincount(real.dc[c] * slots + s, weights=part, minlength=D * slots).reshape(D, slots)
+    on_wan = (real.route[c] == WAN) & ~world.local[calls.region[ent], real.dc[c]]
+    pair = calls.region[ent] * D + real.dc[c]
+    key = pair[on_wan] * slots + s[on_wan]
+    up = np.bincount(key, weights=(part * calls.up_kbps[c])[on_wan], minlength=U * D * slots).reshape(U * D, slots)
+    dn = np.bincount(key, weights=(part * calls.down_kbps[c])[on_wan], minlength=U * D * slots).reshape(U * D, slots)
+    inc_up, inc_dn = incid if incid is not None else incidence(world)
+    load = inc_up @ up + inc_dn @ dn
+    # Internet share per (path, slot) against the caps
+    nonlocal_ = ~world.local[calls.region[ent], real.dc[c]]
+    pk = pair[nonlocal_] * slots + s[nonlocal_]
+    all_p = np.bincount(pk, weights=part[nonlocal_], minlength=U * D * slots)
+    inet_p = np.bincount(pk, weights=(part * (real.route[c] == INTERNET))[nonlocal_], minlength=U * D * slots)
+    cap = np.repeat(world.inet_cap.ravel(), slots)
+    excess = np.maximum(inet_p - cap * all_p, 0.0).sum()
+    kb = part * (calls.up_kbps[c] + calls.down_kbps[c])
+    cross_kbps = np.bincount(s[nonlocal_], weights=kb[nonlocal_], minlength=slots)
+    inet_kbps = np.bincount(s[nonlocal_], weights=(kb * (real.route[c] == INTERNET))[nonlocal_], minlength=slots)
+
+    cross = ~elocal
+    traffic = calls.count * (calls.up_kbps[ecall] + calls.down_kbps[ecall]) * calls.duration_s[ecall]
+    tot = traffic[cross].sum()
+    inet = traffic[cross & (er == INTERNET)].sum()
+    n = max(len(calls), 1)
+    return Evaluation(
+        link_load=np.asarray(load, dtype=np.float64), dc_participants=dcp,
+        internet_share_calls=float((real.route == INTERNET).sum() / n),
+        internet_share_traffic=float(inet / tot) if tot > 0 else 0.0,
+        migrations=float(real.migrated.sum() / n), unplanned=float((~real.planned).sum() / n),
+        latency=lat, latency_route=er, latency_weight=calls.count.astype(np.float64),
+        over_bound=int(over.sum()), cap_excess=float(excess / inet_p.sum()) if inet_p.sum() > 0 else 0.0,
+        cross_kbps=cross_kbps, internet_kbps=inet_kbps,
+    )

@@ -1,0 +1,203 @@
+"""What a Titan study or emulation is asked to do, validated by pydantic.
+
+How it fits: ``StudySpec`` drives the offline study (``study.py``: a week of synthetic calls
+over many Azure regions, every policy, LPs per day); ``EmulationSpec`` drives the emulated
+run (``emulate.py``: a few regions and DCs as testbed DCs, real UDP media).  Both share
+``LatencyRule`` (the bound every policy respects), ``WorkloadSpec`` (the synthetic calls) and
+``Targets`` (Teams' network targets, the Titan controller's thresholds).  Anything a user can
+get wrong raises ``TitanError`` with a one-line message naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class TitanError(ValueError):
+    """Bad input for Titan (unknown region, infeasible latency bound, bad spec); one line."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Targets(_Strict):
+    """Teams' network targets, client to Microsoft edge (``data/teams_network_targets.csv``)."""
+
+    rtt_ms: float = Field(100.0, gt=0)
+    loss: float = Field(0.01, gt=0, lt=1)
+    jitter_ms: float = Field(30.0, gt=0)
+
+
+class LatencyRule(_Strict):
+    """A placement (DC, route) is allowed for a call configuration only if every
+    participant's RTT to the media server is within ``delta_ms`` of what the nearest-DC
+    choice over the WAN gives that participant, and (if set) the worst participant's RTT is
+    at most ``max_rtt_ms``."""
+
+    delta_ms: float = Field(20.0, ge=0, description="slack over the nearest-DC choice's RTT, per participant")
+    max_rtt_ms: float | None = Field(None, gt=0, description="absolute bound on the worst participant's RTT")
+
+
+class WorkloadSpec(_Strict):
+    """The synthetic calls (see ``workload.py`` for the model and why it is synthetic)."""
+
+    calls_per_day: int = Field(100_000, ge=1, description="calls a weekday, summed over user regions")
+    local_fraction: float = Field(0.7, ge=0, le=1, description="chance that a participant joins from the call's home region")
+    gravity_ms: float = Field(40.0, gt=0, description="remote participants' regions weigh exp(-RTT/gravity_ms)")
+    audio_video_hd: tuple[float, float, float] = (0.4, 0.5, 0.1)
+    median_duration_min: float = Field(30.0, gt=0)
+    weekend_factor: float = Field(0.25, ge=0, le=1)
+    max_participants: int = Field(250, ge=2, le=1000, description="the heavy tail's cap")
+    seed: int = 1
+
+    @model_validator(mode="after")
+    def _mix_sums_to_one(self) -> "WorkloadSpec":
+        if abs(sum(self.audio_video_hd) - 1.0) > 1e-6 or min(self.audio_video_hd) < 0:
+            raise ValueError(f"audio_video_hd: must be three non-negative shares summing to 1, got {self.audio_video_hd}")
+        return self
+
+
+# 21 media-server DCs spread over the four groups (the paper measured 21 DCs)
+DEFAULT_DCS = [
+    "eastus", "eastus2", "centralus", "southcentralus", "westus2", "westus3", "canadacentral", "brazilsouth",
+    "northeurope", "westeurope", "uksouth", "francecentral", "germanywestcentral", "swedencentral",
+    "southeastasia", "eastasia", "japaneast", "australiaeast", "centralindia", "uaenorth", "southafricanorth",
+]
+
+
+class _CapMixin:
+    @model_validator(mode="after")
+    def _titan_within_cap(self):
+        if self.titan_fraction is not None and self.titan_fraction > self.internet_cap + 1e-12:
+            raise ValueError(f"titan_fraction: {self.titan_fraction} exceeds internet_cap {self.internet_cap}")
+        return self
+
+    @property
+    def titan_share(self) -> float:
+        return self.internet_cap if self.titan_fraction is None else self.titan_fraction
+
+
+class StudySpec(_CapMixin, _Strict):
+    """The offline study: a week of calls over Azure regions, every policy."""
+
+    name: str = "titan-week"
+    users: list[str] | None = Field(None, description="user regions (default: every region in the matrix)")
+    dcs: list[str] = Field(default_factory=lambda: list(DEFAULT_DCS), min_length=1)
+    days: int = Field(7, ge=1, le=35)
+    history_days: int = Field(7, ge=1, le=28, description="days before the first evaluated day that predict it")
+    slot_minutes: int = Field(60, ge=1, le=240, description="planning and measurement slot (the LP at 15 minutes took 383 s a day here)")
+    relay_factor: float = Field(1.1, ge=1.0, description="drop backbone edge a-b if a relay c has RTT(a,c)+RTT(c,b) <= factor x RTT(a,b)")
+    latency: LatencyRule = LatencyRule()
+    workload: WorkloadSpec = WorkloadSpec()
+    capacity_headroom: float = Field(1.25, ge=1.0, description="DC capacity = headroom x the nearest-DC policy's peak over the horizon")
+    internet_cap: float = Field(0.5, gt=0, le=1, description="Titan's guardrail: the largest share of a (region, DC) path's participants on the Internet, where its quality meets the targets")
+    titan_fraction: float | None = Field(None, ge=0, le=1, description="Titan baseline: share of eligible calls offloaded (default: internet_cap)")
+    max_configs: int = Field(200, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
+    tie_break_eps: float = Field(1e-3, ge=0, description="tie-break re-solve keeps sum of peaks <= (1+eps) x optimum")
+    targets: Targets = Targets()
+
+    @model_validator(mode="after")
+    def _slots_divide_day(self) -> "StudySpec":
+        if 1440 % self.slot_minutes:
+            raise ValueError(f"slot_minutes: {self.slot_minutes} does not divide a day (1440 minutes)")
+        return self
+
+
+class InternetPathOverride(_Strict):
+    """Emulation: one Internet path's shaping, both directions (user region <-> DC)."""
+
+    user: str
+    dc: str
+    loss: float | None = Field(None, ge=0, lt=1)
+    jitter_ms: float | None = Field(None, ge=0)
+    extra_delay_ms: float | None = Field(None, description="added to the modelled one-way Internet delay")
+
+
+class FaultSpec(_Strict):
+    """Emulation: a degradation injected on an Internet path during the Titan controller run."""
+
+    user: str
+    dc: str
+    at_fraction: float = Field(0.4, gt=0, lt=1, description="when, as a fraction of the run")
+    loss: float = Field(0.05, ge=0, lt=1)
+    extra_delay_ms: float = Field(0.0, ge=0)
+
+
+class EmulationSpec(_CapMixin, _Strict):
+    """The emulated run: a few regions and DCs, hundreds of calls, a day compressed into seconds."""
+
+    name: str = "titan-emu"
+    users: list[str] = Field(default_factory=lambda: ["uksouth", "westeurope", "northeurope", "eastus", "centralus"])
+    dcs: list[str] = Field(default_factory=lambda: ["westeurope", "northeurope", "eastus"])
+    hosts_per_region: int = Field(1, ge=1, le=8)
+    history_days: int = Field(7, ge=1, le=28, description="synthetic days before the emulated one; their mean is the forecast")
+    day_seconds: float = Field(16.0, gt=1, le=3600, description="one emulated day lasts this long")
+    slots: int = Field(16, ge=2, le=288, description="planning/measurement slots per day")
+    bitrate_scale: float = Field(0.2, gt=0, le=1, description="Teams bitrates are multiplied by this")
+    packets_per_s: float = Field(25.0, gt=0, le=500, description="per media stream (Teams audio sends 50)")
+    wan_rate_mbps: float = Field(100.0, gt=0)
+    internet_loss: float = Field(0.002, ge=0, lt=1)
+    internet_jitter_ms: float = Field(2.0, ge=0)
+    internet: list[InternetPathOverride] = []
+    relay_factor: float = Field(1.1, ge=1.0)
+    latency: LatencyRule = LatencyRule()
+    workload: WorkloadSpec = WorkloadSpec(calls_per_day=1000, median_duration_min=30.0, max_participants=6)
+    capacity_headroom: float = Field(1.25, ge=1.0)
+    internet_cap: float = Field(0.5, gt=0, le=1)
+    titan_fraction: float | None = Field(None, ge=0, le=1)
+    policies: list[str] = Field(default_factory=lambda: ["nearest-wan", "wan-lp", "titan", "greedy-internet", "titan-next"])
+    tie_break_eps: float = Field(1e-3, ge=0)
+    targets: Targets = Targets()
+    controller_seconds: float = Field(0.0, ge=0, description="also run Titan's controller live this long (0: not)")
+    controller_window_s: float = Field(1.0, gt=0)
+    fault: FaultSpec | None = None
+    latency_allowance_ms: float = Field(1.5, ge=0, description="emulator overhead allowed over a call's latency bound")
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _parse(model: type[BaseModel], data: Any, origin: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise TitanError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise TitanError(f"{origin}: {_where(tuple(err['loc']))}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def load_spec(model: type[BaseModel], path: str | Path | None, overrides: dict[str, Any] | None = None) -> Any:
+    """A spec from a YAML file (or the defaults), with dotted-key overrides (``latency.delta_ms``)."""
+    data: dict[str, Any] = {}
+    origin = "<defaults>"
+    if path is not None:
+        origin = str(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise TitanError(f"{path}: cannot read: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise TitanError(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise TitanError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return _parse(model, data, origin)

@@ -1,0 +1,268 @@
+"""Titan / Titan-Next offline: data, backbone, workload, latency rule, LP, realisation, study, CLI.
+
+No root and no network: these run everywhere in a few seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from agents.titan import lp
+from agents.titan import workload as wl
+from agents.titan.placement import (INTERNET, WAN, Options, Plan, _mix, evaluate, plan_loads, realise,
+                                    realise_greedy, rule_plan)
+from agents.titan.regions import Backbone, build_world, load_wan
+from agents.titan.spec import LatencyRule, StudySpec, TitanError, WorkloadSpec, load_spec
+from testbed.spec import parse_topology
+
+EU_US = ["uksouth", "westeurope", "northeurope", "francecentral", "eastus", "centralus", "westus2"]
+
+
+def test_matrix_regions_groups_and_teams_targets_load():
+    wan = load_wan()
+    assert len(wan.regions) == 54
+    assert wan.key("West Europe") == wan.key("westeurope") == "westeurope"
+    assert wan.region("Jio India West").key == "jioindiawest"
+    assert {r.group for r in wan.regions} == {"Americas", "Europe", "APAC", "MEA"}
+    t = wan.targets()
+    assert (t.rtt_ms, t.loss, t.jitter_ms) == (100.0, 0.01, 30.0)
+    assert wan.bitrates("video", 3) == (500.0, 1000.0)
+    assert wan.bitrates("audio", 2) == (30.0, 30.0)
+
+
+def test_backbone_keeps_exactly_the_edges_no_relay_explains():
+    wan = load_wan()
+    bb = Backbone(wan, None, 1.1)
+    kept = {frozenset((a, b)) for a, b, _ in bb.edges}
+    keys = wan.keys
+    for a, b in itertools.combinations(keys, 2):
+        relay = any(wan.rtt(a, c) + wan.rtt(c, b) <= 1.1 * wan.rtt(a, b) for c in keys if c not in (a, b))
+        assert (frozenset((a, b)) in kept) == (not relay), (a, b)
+    assert 0 < len(bb.edges) < len(keys) * (len(keys) - 1) // 2
+    assert set(bb.path("brazilsouth", "japaneast")) <= set(keys)  # connected
+
+
+def test_backbone_routes_like_the_testbed_topology():
+    """The plan's paths must be the emulator's: same rule as testbed.spec.Topology."""
+    wan = load_wan()
+    bb = Backbone(wan, EU_US, 1.1)
+    topo = parse_topology({"name": "t", "dcs": [{"name": r, "hosts": 1} for r in EU_US],
+                           "wan": [{"a": a, "b": b, "delay_ms": r / 2, "rate_mbps": 10} for a, b, r in bb.edges]})
+    for a, b in itertools.permutations(EU_US, 2):
+        assert bb.path(a, b) == topo.path(a, b)
+
+
+def test_internet_is_comparable_in_europe_and_worse_across_to_apac():
+    wan = load_wan()
+    eu = wan.internet_rtt("westeurope", "francecentral") - wan.rtt("westeurope", "francecentral")
+    apac_mea = wan.internet_rtt("japaneast", "uaenorth") - wan.rtt("japaneast", "uaenorth")
+    assert abs(eu) <= 7.5 and apac_mea > 80
+
+
+def test_unknown_region_is_a_one_line_error_naming_the_field():
+    with pytest.raises(TitanError) as e:
+        build_world(["uksouth", "Atlantis"], ["westeurope"])
+    msg = str(e.value)
+    assert msg.startswith("users: unknown Azure region 'Atlantis'") and "\n" not in msg
+    result = CliRunner().invoke(_cli(), ["titan", "study", "--dcs", "westeurope,Atlantis", "--days", "1"])
+    assert result.exit_code == 2
+    assert "dcs: unknown Azure region 'Atlantis'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_infeasible_latency_bound_is_a_one_line_error():
+    world = build_world(["uksouth", "eastus"], ["westeurope"])
+    configs = wl.Configs()
+    k = configs.id((0, 1))  # a call between London and Virginia, media server in the Netherlands
+    opts = Options(world, configs, LatencyRule(delta_ms=20, max_rtt_ms=50))
+    with pytest.raises(TitanError) as e:
+        opts[k]
+    assert str(e.value).startswith("latency.max_rtt_ms: 50 ms is infeasible") and "\n" not in str(e.value)
+    result = CliRunner().invoke(_cli(), ["titan", "study", "--users", "uksouth,eastus", "--dcs", "westeurope",
+                                         "--days", "1", "--calls-per-day", "200", "--max-rtt-ms", "20"])
+    assert result.exit_code == 2 and "latency.max_rtt_ms: 20 ms is infeasible" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bad_spec_field_is_one_line():
+    with pytest.raises(TitanError) as e:
+        load_spec(StudySpec, None, {"latency.delta_ms": -5})
+    assert str(e.value).startswith("<defaults>: latency.delta_ms:")
+    with pytest.raises(TitanError, match="titan_fraction"):
+        load_spec(StudySpec, None, {"internet_cap": 0.3, "titan_fraction": 0.5})
+
+
+
+def test_shipped_titan_specs_load():
+    """experiments/titan/ holds Titan's specs (apart from the training experiments, which
+    ``testbed run`` loads): each one validates."""
+    from pathlib import Path
+
+    from agents.titan.spec import EmulationSpec
+
+    folder = Path(__file__).resolve().parent.parent / "experiments" / "titan"
+    assert load_spec(StudySpec, folder / "week.yaml").days == 7
+    assert load_spec(EmulationSpec, folder / "emu.yaml").users
+
+@pytest.fixture(scope="module")
+def small():
+    """Seven EU/US user regions, three DCs, two days of calls."""
+    world = build_world(EU_US, ["westeurope", "eastus", "westus2"], internet_cap=0.5)
+    spec = WorkloadSpec(calls_per_day=4000, seed=3)
+    calls = wl.generate(world, spec, 2)
+    configs = wl.Configs()
+    cfg = configs.of_calls(calls)
+    prov = configs.provisional_of_calls(calls)
+    opts = Options(world, configs, LatencyRule(delta_ms=20))
+    opts.check_all(np.concatenate((cfg, prov)))
+    return world, calls, configs, cfg, prov, opts
+
+
+def test_workload_is_diurnal_in_local_time_mostly_small_with_a_tail(small):
+    world, calls, *_ = small
+    weekday = calls.start_s < wl.DAY_S
+    assert 3000 < weekday.sum() < 5000
+    sizes = calls.size
+    assert np.mean((sizes >= 2) & (sizes <= 4)) > 0.75 and sizes.max() >= 10
+    # London calls: local business hours (UTC+0) busier than local night
+    home = np.array(world.users)[calls.first]
+    hour = (calls.start_s % wl.DAY_S) / 3600
+    london = home == "uksouth"
+    assert ((hour >= 9) & (hour < 17) & london).sum() > 10 * ((hour >= 0) & (hour < 6) & london).sum()
+    # Los Angeles-ish (UTC-8): its business day is later in UTC than London's
+    west = home == "westus2"
+    assert np.median(hour[west & weekday]) > np.median(hour[london & weekday]) + 4
+    assert set(np.unique(calls.media)) == {0, 1, 2}
+
+
+def test_latency_rule_allows_only_placements_within_the_bound(small):
+    world, calls, configs, cfg, prov, opts = small
+    for k in np.unique(cfg)[:300]:
+        co = opts[int(k)]
+        assert (co.nearest, WAN) in co.options
+        for (d, r), lat in zip(co.options, co.latency):
+            assert np.all(lat <= co.ref_rtt + 20 + 1e-6)
+            if r == INTERNET:
+                assert world.inet_ok[list(co.regions), d][~world.local[list(co.regions), d]].all()
+
+
+def test_lp_beats_the_rule_plans_on_the_demand_it_plans_for(small):
+    world, calls, configs, cfg, prov, opts = small
+    slot_s, T = 1800.0, 48
+    demand = wl.demand(calls, cfg, 0.0, slot_s, T)
+    cap = lp.capacities(world, opts, demand, 1.25)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 60), cap)  # head + tail classes
+    tn = lp.solve_day(world, opts, problem, "titan-next", (WAN, INTERNET), 1e-3, solver="simplex")
+    wanlp = lp.solve_day(world, opts, problem, "wan-lp", (WAN,), 1e-3, solver="ipm")
+    rules = {f: rule_plan("r", opts, demand.config, f) for f in (0.0, 0.5)}
+
+    def sop(plan):
+        return plan_loads(world, opts, plan, demand).max(axis=1).sum()
+
+    assert tn.stats["tail_classes"] > 0
+    # the plan's own bookkeeping agrees with its loads (tie-break kept within eps)
+    assert sop(tn) == pytest.approx(tn.stats["planned_sum_of_peaks_kbps"], rel=2e-3)
+    assert sop(tn) <= sop(rules[0.5]) + 1e-6  # Titan at the cap is one feasible point of the LP
+    assert sop(wanlp) <= sop(rules[0.0]) + 1e-6  # nearest over the WAN is one of the WAN LP
+    assert sop(tn) < 0.8 * sop(rules[0.0])
+    # Internet share per (region, DC, slot) within the cap, DC load within capacity, by the fractions
+    inet = np.zeros((len(world.users), len(world.dcs), T))
+    allp = np.zeros_like(inet)
+    dc_load = np.zeros((len(world.dcs), T))
+    for i in range(len(demand.config)):
+        k, t, u = int(demand.config[i]), int(demand.slot[i]), int(demand.region[i])
+        for d, r, f in zip(*tn.get(k, t, opts)):
+            dc_load[d, t] += f * demand.participants[i]
+            if not world.local[u, d]:
+                allp[u, d, t] += f * demand.participants[i]
+                inet[u, d, t] += f * demand.participants[i] * (r == INTERNET)
+    assert np.all(inet <= 0.5 * allp + 1e-6)
+    assert np.all(dc_load <= cap[:, None] * (1 + 1e-6))
+
+
+def test_tie_break_lowers_latency_without_raising_the_peaks(small):
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    cap = lp.capacities(world, opts, demand, 1.25)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 40), cap)
+    plain = lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), None, solver="simplex")
+    tied = lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), 1e-3, solver="simplex")
+
+    def latency(plan):
+        total = 0.0
+        for i in range(len(demand.config)):
+            k, t, u = int(demand.config[i]), int(demand.slot[i]), int(demand.region[i])
+            for d, r, f in zip(*plan.get(k, t, opts)):
+                total += f * demand.participants[i] * world.rtt(r)[u, d]
+        return total
+
+    assert tied.stats["sum_of_peaks_after_tiebreak_kbps"] <= plain.stats["planned_sum_of_peaks_kbps"] * (1 + 1e-3) + 1e-3
+    assert latency(tied) <= latency(plain) + 1e-6
+
+
+def test_quota_counters_realise_fractions_deterministically_and_count_migrations(small):
+    world, calls, configs, cfg, prov, opts = small
+    multi = np.flatnonzero(np.diff(calls.ptr) >= 2)
+    k = int(np.bincount(cfg[multi]).argmax())  # the commonest multi-region configuration
+    sel = np.flatnonzero(cfg == k)
+    sub = calls.select(np.isin(np.arange(len(calls)), sel))
+    co = opts[k]
+    assert len(co.options) >= 2
+    (d0, r0), (d1, r1) = co.options[:2]
+    plan = Plan("p", default={k: _mix([(d0, r0), (d1, r1)], [0.3, 0.7])})
+    sub.up_kbps[:] = 100.0  # equal weights: the counters must hit call counts exactly
+    sub.down_kbps[:] = 100.0
+    sub.count[:] = 1
+    a = realise(plan, opts, sub, cfg[sel], prov[sel], 0.0, 1e9)
+    b = realise(plan, opts, sub, cfg[sel], prov[sel], 0.0, 1e9)
+    assert np.array_equal(a.dc, b.dc) and np.array_equal(a.route, b.route)
+    n = len(sel)
+    got1 = np.sum((a.dc == d1) & (a.route == r1))
+    assert abs(got1 - 0.7 * n) <= 1
+    prefix = np.cumsum((a.dc == d1) & (a.route == r1))
+    assert np.all(np.abs(prefix - 0.7 * np.arange(1, n + 1)) <= 1)
+    # the provisional placement (first participant's region alone, nearest DC over the WAN)
+    # differs from the settled one for some calls: those are migrations
+    first_only = {int(p): _mix([(opts[int(p)].nearest, WAN)], [1.0]) for p in np.unique(prov[sel])}
+    plan.default.update(first_only)
+    m = realise(plan, opts, sub, cfg[sel], prov[sel], 0.0, 1e9)
+    moved = np.array([(m.dc[i], m.route[i]) != (opts[int(prov[sel][i])].nearest, WAN) for i in range(n)])
+    assert np.array_equal(m.migrated, moved) and m.migrated.any()
+
+
+def test_greedy_stays_within_the_internet_caps(small):
+    world, calls, configs, cfg, prov, opts = small
+    real = realise_greedy(opts, calls, cfg, prov, 0.0, 3600.0)
+    ev = evaluate(world, opts, calls, cfg, real, 0.0, 3600.0, 48)
+    assert real.route.mean() > 0.1
+    assert ev.cap_excess < 0.1 and ev.over_bound == 0
+
+
+def test_small_study_end_to_end(tmp_path):
+    from agents.titan.study import BASELINES, run_study, write_outputs
+
+    spec = load_spec(StudySpec, None, {"users": EU_US, "dcs": ["westeurope", "eastus", "westus2"], "days": 2,
+                                       "history_days": 2, "slot_minutes": 60, "max_configs": 80,
+                                       "workload.calls_per_day": 3000})
+    summary = run_study(spec, solver="simplex")
+    files = write_outputs(summary, tmp_path)
+    names = {p.name for p in files}
+    assert {"summary.json", "days.csv", "peaks.csv", "link_load.png", "sum_of_peaks.png", "latency_cdf.png",
+            "internet_share.png", "solver_time.png"} <= names
+    js = json.loads((tmp_path / "summary.json").read_text())
+    pol = js["policies"]
+    assert all(p["calls_over_latency_bound"] == 0 for p in pol.values())
+    assert pol["titan-next"]["sum_of_peaks_week_kbps"] < pol["nearest-wan"]["sum_of_peaks_week_kbps"]
+    assert set(js["titan_next_reduction"]) >= set(BASELINES)
+    assert len(js["solves"]["titan-next"]) == 2 and all(r["solve_s"] < 30 for r in js["solves"]["titan-next"])
+
+
+def _cli():
+    from testbed.cli import app
+
+    return app
