@@ -523,7 +523,7 @@ def run_job(script: str, image: Image | None = None, network: bool = False, writ
         return JobResult(int(rc_text) if rc_text.lstrip("-").isdigit() else None, console, accel, tail.boot_s,
                          wall, files, timed_out)
     finally:
-        _remove_tree(job_dir)
+        _remove_job_dir(job_dir)
 
 
 def shell(image: Image | None = None, accel: str | None = None, network: bool = False) -> int:
@@ -550,7 +550,7 @@ def shell(image: Image | None = None, accel: str | None = None, network: bool = 
         finally:
             _stop_qemu(proc)
     finally:
-        _remove_tree(job_dir)
+        _remove_job_dir(job_dir)
 
 
 def pytest_job(nodeids: list[str], report_name: str = "results.jsonl", extra_args: list[str] | None = None) -> str:
@@ -670,8 +670,16 @@ def _new_job_dir() -> Path:
     while (runs / f"run-{os.getpid()}-{n}").exists():
         n += 1
     path = runs / f"run-{os.getpid()}-{n}"
-    path.mkdir()
+    path.mkdir(parents=True)
     return path
+
+
+def _remove_job_dir(path: Path) -> None:
+    _remove_tree(path)
+    try:
+        path.parent.rmdir()  # runs/ goes too when no other run is using it
+    except OSError:
+        pass
 
 
 def _mounts_under(path: Path) -> list[str]:
@@ -691,11 +699,6 @@ def _remove_tree(path: Path) -> None:
     if left:
         raise VMError(f"refusing to remove {path}: still mounted: {left[0]}")
     shutil.rmtree(path)
-    if path.parent == CACHE / "runs":
-        try:
-            path.parent.rmdir()
-        except OSError:
-            pass
 
 
 def _check(cmd: list[str], what: str, log: Path | None = None) -> None:
