@@ -15,7 +15,9 @@ containers, start, stop), talks to them through the ``hub``, and drives every ``
 (``device: emulated``) their op times; ``records`` are what a run (or the simulator,
 ``sim``) leaves behind, and ``metrics`` turns them into metrics.json, a Chrome trace and
 plots; ``compare`` runs an experiment's variants back to back.  *Around it*: ``provision``
-runs the Ansible playbook, and ``cli`` is the ``testbed`` command.
+runs the Ansible playbook, ``cli`` is the ``testbed`` command, and ``vm`` (by hand:
+``vmcli``, ``testbed vm``) boots a throwaway VM with Debian's stock kernel, where the netem
+backend runs on a machine whose kernel has none.
 """
 
 __version__ = "0.1.0"
