@@ -46,8 +46,9 @@ case "$what" in
   test)
     apt_install vagrant  # the tests validate the Vagrantfile
     # Where this kernel has no netem, the netem variants run in a VM with Debian's stock kernel
-    # (testbed/vm.py, tests/netem_vm.py; its image is built once into .cache/vm). Required here:
-    # a VM that cannot run fails those tests instead of skipping them.
+    # (testbed/vm.py, tests/netem_vm.py; its image is built once, ~8 min, into
+    # /var/cache/geo-testbed/vm). Required here: a VM that cannot be built or run fails those
+    # tests with the one-line reason instead of skipping them; a build gives up after 20 min.
     apt_install qemu-system-x86 debootstrap e2fsprogs
     export GTB_NETEM_VM="${GTB_NETEM_VM:-required}"
     exec .venv/bin/python -m pytest -ra ;;

@@ -4,8 +4,10 @@ How it fits: a machine whose kernel has no netem qdisc (or a user without root o
 has) cannot run the netem delay backend.  This module builds, once, a Debian 12 image from
 the Debian registry and boots it under QEMU to run commands or the netem test variants in:
 
-* **Build** (``build_image``, cached under ``.cache/vm/image-KEY/``; ~8 min here, most of it
-  the guest under TCG): ``debootstrap`` makes a Debian 12 root filesystem with Debian's kernel
+* **Build** (``build_image``, cached under ``/var/cache/geo-testbed/vm/image-KEY/``, which
+  outlives clones and ``git clean``, or ``GTB_VM_CACHE``; ~8 min here, most of it the guest
+  under TCG; the whole build gives up after ``GTB_VM_BUILD_TIMEOUT_S``, 20 min, with a
+  one-line ``VMError``): ``debootstrap`` makes a Debian 12 root filesystem with Debian's kernel
   package (``linux-image-amd64``: 6.1, ``sch_netem`` a module), Python and iproute2; in a
   chroot, at native speed, apt pre-installs the playbook's base packages (its own list; see
   ``PRESEED``) and setup.sh's bootstrap step makes the venv (the project and its pinned
@@ -17,7 +19,8 @@ the Debian registry and boots it under QEMU to run commands or the netem test va
   a machine that is not this one, on a kernel that is not this one; its ``testbed`` role
   asserts that ``testbed doctor`` finds a delay backend, and the build that it is netem.
   KEY hashes the playbook, ``pyproject.toml`` and this recipe, so a change to any of them
-  rebuilds; older images are removed.  Downloaded ``.deb`` files stay in ``.cache/vm/debs``.
+  rebuilds; the previous image is kept (another checkout may use it), older ones are
+  removed.  Downloaded ``.deb`` files stay in the cache's ``debs/``.
 * **Run** (``run_job``): QEMU boots the kernel and initramfs with the disk as a throwaway
   snapshot (``snapshot=on``: nothing the guest writes survives), the project shared
   read-only over 9p at ``/mnt/gtb`` and a per-run job folder (9p, writable) at
@@ -58,7 +61,7 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("GTB_VM_CACHE", REPO / ".cache" / "vm"))
+CACHE = Path(os.environ.get("GTB_VM_CACHE", "/var/cache/geo-testbed/vm"))
 SUITE = "bookworm"
 MIRROR = os.environ.get("GTB_VM_MIRROR", "http://deb.debian.org/debian")
 GUEST_PROJECT = "/opt/geo-testbed"  # the copy the image was provisioned from (its venv is here)
@@ -84,6 +87,10 @@ _GUEST_MODULES = ["virtio_net", "virtio_rng", "tun"]  # no udev: nothing loads t
 _COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".cache", "results", "__pycache__", ".vagrant",
                                       "*.egg-info", "build", ".pytest_cache", "*.pyc")
 _DEFAULT_TIMEOUT_S = 1800.0
+# The whole build (debootstrap, apt and pip in the chroot, the guest's playbook) gives up after
+# this long: ~8 min here, so a stuck mirror or a hung guest fails CI in minutes, in one line.
+BUILD_TIMEOUT_S = float(os.environ.get("GTB_VM_BUILD_TIMEOUT_S", 1200))
+_build_deadline: float | None = None  # monotonic; set while build_image runs
 
 # PID 1 of the guest, baked into the image: it mounts the run's job folder and hands over to
 # the init.sh the host wrote there (RUN_INIT), so that what a boot does never needs a rebuild.
@@ -250,6 +257,8 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
         if img is not None:
             return img  # built by another process while we waited
         key = image_key()
+        global _build_deadline
+        _build_deadline = time.monotonic() + BUILD_TIMEOUT_S
         work = CACHE / f"build-{os.getpid()}"
         _remove_tree(work)
         work.mkdir()
@@ -289,9 +298,14 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
             accel = choose_accel(Image(work), say)
             say(f"provisioning the image with playbooks/site.yml inside the VM ({accel}; minutes)")
             result = run_job(_provision_script(), image=Image(work), network=True, writable=True,
-                             share_src=False, timeout_s=float(os.environ.get("GTB_VM_BUILD_TIMEOUT_S", 3600)),
+                             share_src=False, timeout_s=_build_time_left("provisioning inside the VM"),
                              accel=accel, on_line=lambda line: say(f"  guest: {line}"))
             (work / "provision.log").write_text(result.console)
+            if result.timed_out:
+                (CACHE / "build-failed.log").write_text(result.console)
+                raise VMError(f"provisioning inside the VM ({accel}) did not finish within the build's "
+                              f"{BUILD_TIMEOUT_S:.0f} s (GTB_VM_BUILD_TIMEOUT_S); console in "
+                              f"{CACHE / 'build-failed.log'}: {_last_error(result.console)}")
             if result.rc != 0:
                 failed_log = CACHE / "build-failed.log"
                 failed_log.write_text(result.console)
@@ -314,9 +328,12 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
         except BaseException:
             _remove_tree(work)
             raise
-        for old in CACHE.glob("image-*"):
-            if old != final:
-                _remove_tree(old)
+        finally:
+            _build_deadline = None
+        # keep the newest other image too: another checkout (or branch) may be using it
+        others = sorted((p for p in CACHE.glob("image-*") if p != final), key=lambda p: p.stat().st_mtime)
+        for old in others[:-1]:
+            _remove_tree(old)
         (CACHE / "build-failed.log").unlink(missing_ok=True)
         if not keep_debs:
             _remove_tree(debs)
@@ -701,14 +718,33 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
+def _build_time_left(what: str) -> float | None:
+    """Seconds left of the build's deadline (None outside a build); VMError when none are."""
+    if _build_deadline is None:
+        return None
+    left = _build_deadline - time.monotonic()
+    if left <= 0:
+        raise VMError(f"the image build ran out of its {BUILD_TIMEOUT_S:.0f} s (GTB_VM_BUILD_TIMEOUT_S) before {what}")
+    return left
+
+
 def _check(cmd: list[str], what: str, log: Path | None = None) -> None:
-    if log is not None:
-        with open(log, "w") as fh:
-            r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
-        out = _read_text(log)
-    else:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        out = (r.stdout or "") + (r.stderr or "")
+    """Run a build step; VMError (one line) when it fails or outlives the build's deadline."""
+    timeout = _build_time_left(what)
+    out_fh = open(log, "w") if log is not None else subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=out_fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # debootstrap and chroot leave children otherwise
+        proc.communicate()
+        raise VMError(f"{what} did not finish within the build's {BUILD_TIMEOUT_S:.0f} s "
+                      f"(GTB_VM_BUILD_TIMEOUT_S)") from None
+    finally:
+        if log is not None:
+            out_fh.close()
+    out = _read_text(log) if log is not None else (stdout or "")
+    r = proc
     if r.returncode != 0:
         raise VMError(f"{what} failed (exit {r.returncode}): {_last_error(out)}")
 

@@ -1,6 +1,6 @@
 """``testbed vm ...``: the netem VM by hand (``vm.py`` does the work).
 
-    testbed vm build [--force]        build and provision the image (cached in .cache/vm)
+    testbed vm build [--force]        build and provision the image (cached in /var/cache/geo-testbed/vm)
     testbed vm test [PYTEST ARGS]     run tests inside the VM (default: every netem variant)
     testbed vm run -- COMMAND...      run a command inside the VM, the project at /mnt/gtb
     testbed vm shell                  an interactive root shell in a throwaway VM

@@ -5,7 +5,7 @@ with ``delay_backend="netem"`` (the ``delay_backend`` fixture of ``conftest.py``
 parametrization; ``_is_netem_variant``); on a kernel with netem they run here as they are.
 On a kernel without netem (this machine; ``runs_in_vm``), ``conftest.py``'s network fixture
 leaves their capability check to the guest and their call goes to ``pytest_pyfunc_call`` below: the first of them boots the netem VM (``testbed/vm.py``: a
-stock Debian kernel, built and provisioned once and cached in ``.cache/vm``) and runs
+stock Debian kernel, built and provisioned once and cached in ``/var/cache/geo-testbed/vm``) and runs
 *all* the session's netem variants in it in one pytest run on the live project (shared
 read-only); each host test then passes, fails or skips as its twin did in the guest, with
 the guest's report.  The VM is gone before the first result is reported.
@@ -27,7 +27,8 @@ import time
 import pytest
 
 _KEY = pytest.StashKey[dict]()  # the session's VM run, on config.stash
-_TIMEOUT_S = float(os.environ.get("GTB_NETEM_VM_TIMEOUT_S", 1800))
+# The guest's whole pytest run (~4 min under TCG here) gives up after this: CI stays bounded.
+_TIMEOUT_S = float(os.environ.get("GTB_NETEM_VM_TIMEOUT_S", 900))
 
 
 def _is_netem_variant(item: pytest.Item) -> bool:
@@ -76,6 +77,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
         pytest.skip(why)
     reports = run["results"].get(pyfuncitem.nodeid)
     where = f"in the netem VM ({run['accel']}, kernel {run['kernel']})"
+    if not reports and run.get("timed_out"):
+        pytest.fail(f"{where}: the guest's pytest run did not finish within {_TIMEOUT_S:.0f} s "
+                    f"(GTB_NETEM_VM_TIMEOUT_S); its console ends with:\n{run['tail']}", pytrace=False)
     if not reports:
         pytest.fail(f"{where}: no result for this test; the guest's console ends with:\n{run['tail']}",
                     pytrace=False)
