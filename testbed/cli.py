@@ -438,6 +438,11 @@ def topology_aws(
         sys.stdout.write(text)
 
 
+from .vmcli import vm_app  # noqa: E402  (testbed vm ...: the netem VM)
+
+app.add_typer(vm_app, name="vm")
+
+
 def _is_root() -> bool:
     return os.geteuid() == 0
 

@@ -1,0 +1,170 @@
+"""The netem test variants, run inside the netem VM where this kernel has no netem.
+
+How it fits: the tests that exercise the netem backend are ordinary tests, parametrized
+with ``delay_backend="netem"`` (the ``delay_backend`` fixture of ``conftest.py``, or a direct
+parametrization; ``_is_netem_variant``); on a kernel with netem they run here as they are.
+On a kernel without netem (this machine; ``runs_in_vm``), ``conftest.py``'s network fixture
+leaves their capability check to the guest and their call goes to ``pytest_pyfunc_call`` below: the first of them boots the netem VM (``testbed/vm.py``: a
+stock Debian kernel, built and provisioned once and cached in ``/var/cache/geo-testbed/vm``) and runs
+*all* the session's netem variants in it in one pytest run on the live project (shared
+read-only); each host test then passes, fails or skips as its twin did in the guest, with
+the guest's report.  The VM is gone before the first result is reported.
+
+``GTB_NETEM_VM``: ``auto`` (default: use the VM where the host has no netem; skip with
+the reason where it cannot run), ``required`` (fail instead of skipping: ``setup.sh test``
+sets it) or ``off`` (never; the netem variants skip on a kernel without netem).  The guest
+runs with ``off`` and ``GTB_VM_REPORT`` naming the file its results go to
+(``pytest_runtest_logreport``), and ``GTB_VM_ACCEL`` (``kvm``/``tcg``), which
+``conftest.emulation()`` passes on to the tests' tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+_KEY = pytest.StashKey[dict]()  # the session's VM run, on config.stash
+# The guest's whole pytest run (~4 min under TCG here) gives up after this: CI stays bounded.
+_TIMEOUT_S = float(os.environ.get("GTB_NETEM_VM_TIMEOUT_S", 900))
+
+
+def _is_netem_variant(item: pytest.Item) -> bool:
+    spec = getattr(item, "callspec", None)
+    return spec is not None and spec.params.get("delay_backend") == "netem"
+
+
+def _mode() -> str:
+    mode = os.environ.get("GTB_NETEM_VM", "auto")
+    return mode if mode in ("auto", "required", "off") else "auto"
+
+
+def _host_has_netem() -> bool:
+    from conftest import capabilities
+
+    return os.geteuid() == 0 and bool(capabilities().qdiscs.get("netem"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "netem: a netem variant (runs in the netem VM on a kernel without netem)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_netem_variant(item):
+            item.add_marker(pytest.mark.netem)
+
+
+def runs_in_vm(item: pytest.Item) -> bool:
+    """Whether this test's body runs in the netem VM rather than here."""
+    if not _is_netem_variant(item) or _mode() == "off" or os.environ.get("GTB_VM_REPORT"):
+        return False
+    return os.geteuid() == 0 and not _host_has_netem()  # else it runs (or skips for want of root) here
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    """A netem variant on a kernel without netem: its result is its twin's in the VM."""
+    if not runs_in_vm(pyfuncitem):
+        return None
+    run = _run_in_vm(pyfuncitem.session)
+    if run.get("unavailable"):
+        why = f"this kernel has no netem qdisc and the netem VM cannot run: {run['unavailable']}"
+        if _mode() == "required":
+            pytest.fail(f"{why} (GTB_NETEM_VM=required)", pytrace=False)
+        pytest.skip(why)
+    reports = run["results"].get(pyfuncitem.nodeid)
+    where = f"in the netem VM ({run['accel']}, kernel {run['kernel']})"
+    if not reports and run.get("timed_out"):
+        pytest.fail(f"{where}: the guest's pytest run did not finish within {_TIMEOUT_S:.0f} s "
+                    f"(GTB_NETEM_VM_TIMEOUT_S); its console ends with:\n{run['tail']}", pytrace=False)
+    if not reports:
+        pytest.fail(f"{where}: no result for this test; the guest's console ends with:\n{run['tail']}",
+                    pytrace=False)
+    for phase in ("setup", "call", "teardown"):
+        rep = reports.get(phase)
+        if rep is None:
+            continue
+        if rep["outcome"] == "failed":
+            pytest.fail(f"{where}, {phase}:\n{rep['longrepr']}", pytrace=False)
+        if rep["outcome"] == "skipped":
+            pytest.skip(f"{where}: {rep['reason']}")
+    return True
+
+
+def _run_in_vm(session: pytest.Session) -> dict:
+    """Boot the VM once per session and run every selected netem variant in it."""
+    stash = session.config.stash
+    if _KEY in stash:
+        return stash[_KEY]
+    from testbed import vm
+
+    run: dict = {"results": {}, "accel": "?", "kernel": "?", "tail": ""}
+    stash[_KEY] = run
+    why = vm.missing()
+    if why:
+        run["unavailable"] = why
+        return run
+    nodeids = [item.nodeid for item in session.items if _is_netem_variant(item)]
+    say = _progress(session)
+    t0 = time.monotonic()
+    try:
+        image = vm.ensure_image(progress=say)
+    except vm.VMError as exc:
+        run["unavailable"] = f"building its image failed: {exc}"
+        return run
+    run["build_s"] = time.monotonic() - t0
+    run["kernel"] = image.meta.get("kernel", "?")
+    say(f"running {len(nodeids)} netem test(s) in the netem VM")
+    verbose = os.environ.get("GTB_NETEM_VM_VERBOSE")
+    try:
+        result = vm.run_job(vm.pytest_job(nodeids), image=image, timeout_s=_TIMEOUT_S,
+                            on_line=(lambda line: say(f"  vm: {line}")) if verbose else None)
+    except Exception as exc:  # noqa: BLE001 - every netem test then fails with this
+        run["tail"] = f"the VM did not run: {type(exc).__name__}: {exc}"
+        return run
+    run.update(accel=result.accel, tail=result.tail(40), boot_s=result.boot_s, wall_s=result.wall_s,
+               rc=result.rc, timed_out=result.timed_out, count=len(nodeids))
+    for line in result.files.get("results.jsonl", b"").decode(errors="replace").splitlines():
+        rep = json.loads(line)
+        run["results"].setdefault(rep["nodeid"], {})[rep["when"]] = rep
+    return run
+
+
+def _progress(session: pytest.Session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(msg: str) -> None:
+        if reporter is not None:
+            reporter.write_line(f"[netem VM] {msg}")
+
+    return say
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """In the guest: one JSON line per test phase, for the host to read back."""
+    path = os.environ.get("GTB_VM_REPORT")
+    if not path:
+        return
+    reason = ""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+    line = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+            "duration": round(report.duration, 3), "reason": reason,
+            "longrepr": report.longreprtext if report.failed else ""}
+    with open(path, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    run = config.stash.get(_KEY, None)
+    if not run or run.get("unavailable") or "count" not in run:
+        return
+    terminalreporter.write_sep("-", "netem VM")
+    boot = f"{run['boot_s']:.1f} s" if run.get("boot_s") else "?"
+    terminalreporter.write_line(
+        f"{run['count']} netem test(s) ran in a VM (kernel {run['kernel']}, {run['accel']}): boot {boot}, "
+        f"VM {run['wall_s']:.0f} s in all, image build/check {run.get('build_s', 0):.0f} s"
+        + (", TIMED OUT" if run.get("timed_out") else ""))
