@@ -32,9 +32,9 @@ apt_install ca-certificates python3 python3-venv python3-apt
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import testbed, ansible_runner, highspy, scapy" 2>/dev/null; then
+if ! .venv/bin/python -c "import testbed, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-  .venv/bin/python -c "import testbed, ansible_runner, highspy, scapy"
+  .venv/bin/python -c "import testbed, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis"
 fi
 
 # 2. everything else: the playbook

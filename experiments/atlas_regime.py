@@ -1,6 +1,6 @@
 """Atlas in the paper's regime, on the emulator with emulated devices (prints figures).
 
-    .venv/bin/python experiments/atlas_regime.py [--out results/atlas-regime] [--quick]
+    .venv/bin/python experiments/atlas_regime.py [--out results/atlas-regime] [--quick] [--schedule gpipe]
 
 The scale model.  At paper scale (experiments/sim-10k.yaml: 175B, 78 pipelines, 50 MB
 activations, 400 Gbit/s DC pairs, 6 MiB windows over 49-67 ms round trips) the ratios that
@@ -54,6 +54,7 @@ D, M = 4, 4
 SEQ, HIDDEN = 2048, 512  # one microbatch of one sequence: 2048 x 512 x 4 B = 4 MiB
 WINDOW = 32768
 CONNECTIONS = 16
+SCHEDULE = "1f1b"  # of (a), (b), (c): --schedule
 
 
 def _t() -> float:
@@ -73,7 +74,7 @@ def _write(tmp: Path, name: str, queue: int, **over) -> Path:
         "name": name, "topology": str(topo), "device": "emulated",
         "model": {"layers": 2, "hidden": HIDDEN, "heads": 8, "seq_len": SEQ},
         "training": {"iterations": 5, "microbatches": M, "microbatch_size": 1, "seed": 2, "warmup_iterations": 2},
-        "parallel": {"stages": 2, "replicas": D, "schedule": "1f1b", "connections": CONNECTIONS,
+        "parallel": {"stages": 2, "replicas": D, "schedule": SCHEDULE, "connections": CONNECTIONS,
                      "tcp_window_bytes": WINDOW},
         "sim": {"stage_times": [{"forward_s": round(1.67 * t / 3, 4), "backward_s": round(2 * 1.67 * t / 3, 4)}] * 2},
         "atlas": {"sharing": "fair", "class_queue": "share"},
@@ -138,7 +139,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("results/atlas-regime"))
     ap.add_argument("--quick", action="store_true", help="router buffers only, no schedule search, no ablation")
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"],
+                    help="the schedule of (a), (b) and (c) (GPipe sends a stage's microbatches back to back: "
+                         "more transfers overlap on the link, where turns help most)")
     args = ap.parse_args()
+    global SCHEDULE
+    SCHEDULE = args.schedule
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cal = args.out / "window.json"
