@@ -112,6 +112,8 @@ class BubbleTeaSpec(_Strict):
     max_prompt_tokens: int = Field(256, ge=1)
     max_output_tokens: int = Field(16, ge=1)
     slo_ttft_s: float = Field(2.0, gt=0, description="a request not prefilled within this is rejected")
+    slo_tbt_s: float | None = Field(None, gt=0, description="goodput also asks a request's mean time between "
+                                                            "tokens to be within this (None: TTFT only)")
     margin_s: float = Field(0.006, ge=0, description="kept free before a predicted bubble's end (>= one "
                                                         "5 ms CFS period: the quota a prefill used is gone)")
     margin_frac: float = Field(0.03, ge=0, lt=1, description="... or this fraction of the bubble, the larger")
@@ -121,6 +123,9 @@ class BubbleTeaSpec(_Strict):
     decode_dc: str | None = Field(None, description="one decode worker, in this DC, for all prefills "
                                                     "(default: one per DC, so KV caches stay off the WAN)")
     model: BubbleModelSpec = BubbleModelSpec()
+    serving_profile: str | None = Field(
+        None, description="device: emulated: prefill and decode times of the model above "
+                          "(agents/bubbletea/profile.py's JSON); default the one shipped for this machine's CPU")
 
 
 class EmulationSpec(_Strict):

@@ -65,6 +65,7 @@ class WorkerView(Protocol):
     record: "WorkerRecord"
     cgroup: Path | None
     cpu: int | None
+    device_file: Path | None  # device: emulated: its stream, which a co-tenant's ops may queue on
     iterations_done: int
 
 

@@ -102,29 +102,56 @@ def test_prefill_profile_fits_a_line():
     assert p.tokens_within(0.010) == pytest.approx(128, rel=0.15)
 
 
-def test_controller_accounts_for_every_request():
+def _controller(decode: dict[str, str], rate_per_s: float = 200.0, duration_s: float = 0.4):
+    """A controller of prefill servers ``decode`` (worker -> its decode worker) that records
+    what it would send and what it would tell the run's log; every worker past its warm-up,
+    in a wait that lasts 10 s."""
+    import time
+
     from agents.bubbletea.config import ControllerConfig, Workload
 
     cfg = ControllerConfig(
-        telemetry="", listen="", results="", servers={"s0r0": "/nonexistent"}, decode={"s0r0": ["x", 1]},
-        warmup_iterations=1, interleave=False, slo_ttft_s=0.5, margin_s=0.001, margin_frac=0.1, chunk_tokens=32,
-        max_prompt_tokens=64, workload=Workload("poisson", duration_s=0.4, rate_scale=1.0, token_scale=1.0,
-                                                rate_per_s=200.0, max_output_tokens=16, seed=2))
+        telemetry="", listen="", results="", servers={w: "/nonexistent" for w in decode},
+        decoders={d: ["x", 1] for d in set(decode.values())}, decode=decode, warmup_iterations=1, interleave=False,
+        slo_ttft_s=0.5, slo_tbt_s=None, margin_s=0.001, margin_frac=0.1, chunk_tokens=32, max_prompt_tokens=64,
+        workload=Workload("poisson", duration_s=duration_s, rate_scale=1.0, token_scale=1.0, rate_per_s=rate_per_s,
+                          max_output_tokens=16, seed=2))
     ctl = Controller(cfg)
-    ctl.sock = None
-    ctl._send = lambda name, msg: sent.append(msg)
-    sent = []
-    ctl.on_report({"type": "ready", "worker": "s0r0", "profile": [[16, 0.001], [64, 0.002]]})
+    ctl.sent, ctl.told = [], []
+    ctl._send = lambda name, msg: ctl.sent.append((name, msg))
+    ctl.tell_run = ctl.told.append
+    now = time.monotonic()
+    for w in decode:
+        ctl.on_report({"type": "ready", "worker": w, "profile": [[16, 0.001], [64, 0.002]]})
+        # one warm-up iteration with a long bubble, then the worker is in its next iteration
+        ctl.on_telemetry(dict(_iteration(0, now - 1.0, [(0.0, 0.05), (0.95, 1.0)]), worker=w))
+        ctl.bubbles[w].history.extend([[10.0], [10.0]])  # its first wait lasts 10 s every iteration
+        ctl.bubbles[w].on_wait({"it": 1, "n": 0, "t": time.monotonic()})
+    assert ctl.ready and ctl.t0 is not None
+    return ctl
+
+
+def _prefill_all(ctl, name: str, msg: dict, at: float) -> list[int]:
+    """The server ``name`` prefilled every job of ``msg`` and shipped each cache."""
+    rids = [j["rid"] for j in msg["jobs"]]
+    for i, job in enumerate(msg["jobs"]):
+        ctl.on_report({"type": "progress", "worker": name, "rid": job["rid"], "done": job["tokens"],
+                       "total": job["tokens"], "intervals": [[0.0, 0.001, job["tokens"]]], "last": i == len(rids) - 1})
+        ctl.on_report({"type": "prefilled", "worker": name, "rid": job["rid"], "kv_bytes": 10, "kv_send_s": 0.001,
+                       "at": at})
+    return rids
+
+
+def test_controller_accounts_for_every_request():
     import time as _t
-    now = _t.monotonic()
-    # one warm-up iteration with a long bubble, then the worker is in its next iteration
-    ctl.on_telemetry(dict(_iteration(0, now - 1.0, [(0.0, 0.05), (0.95, 1.0)]), worker="s0r0"))
-    assert ctl.t0 is not None
-    ctl.bubbles["s0r0"].history.extend([[10.0], [10.0]])  # its first wait lasts 10 s every iteration
-    ctl.bubbles["s0r0"].on_wait({"it": 1, "n": 0, "t": _t.monotonic()})
+
+    from agents.bubbletea.extension import serving_figures
+
+    ctl = _controller({"s0r0": "decode-a"})
     ctl.tick(_t.monotonic() + 0.2)
-    assert sent and sent[0]["type"] == "prefill" and len(sent[0]["jobs"]) > 1  # several for one bubble
-    jobs = sent[0]["jobs"]
+    name, first = ctl.sent[0]
+    assert first["type"] == "prefill" and len(first["jobs"]) > 1  # several for one bubble
+    jobs = first["jobs"]
     rid = jobs[0]["rid"]
     for i, job in enumerate(jobs):  # the server finished the first, then its deadline came
         done = job["tokens"] if i == 0 else 0
@@ -132,16 +159,67 @@ def test_controller_accounts_for_every_request():
                        "intervals": [[0.0, 0.001, done]] if done else [], "last": i == len(jobs) - 1})
     assert ctl.servers["s0r0"]["busy"] is None and not ctl.servers["s0r0"]["sticky"] - {rid}
     assert all(job["rid"] in ctl.queue for job in jobs[1:])  # back in the queue, for any server
+    assert ctl.counts["admitted"] == len(jobs)  # counted once each, when first sent to a server
     ctl.on_report({"type": "prefilled", "worker": "s0r0", "rid": rid, "kv_bytes": 10, "kv_send_s": 0.001,
                    "at": ctl.t0 + 0.3})
-    ctl.on_report({"type": "decoded", "worker": "decode", "rid": rid, "tokens": 4, "received": 0.0,
-                   "done": ctl.t0 + 0.35})
-    ctl.tick(_t.monotonic() + 1.0)  # the rest waited past the SLO
+    ctl.on_report({"type": "decoded", "decoder": "decode-a", "rid": rid, "tokens": 4, "received": 0.0,
+                   "done": ctl.t0 + 0.35, "token_times": [ctl.t0 + 0.31, ctl.t0 + 0.33, ctl.t0 + 0.35]})
+    ctl.tick(_t.monotonic() + 0.45)
+    second = [m for _n, m in ctl.sent[1:] if m["type"] == "prefill"]  # the next bubble took some: in service
+    ctl.tick(_t.monotonic() + 1.0)  # the queued rest waited past the SLO
     result = ctl.finish()
     statuses = [r["status"] for r in result["requests"]]
     assert statuses.count("completed") == 1
-    assert set(statuses) <= {"completed", "rejected"}
-    assert all(r.get("reason") for r in result["requests"] if r["status"] == "rejected")
+    assert set(statuses) <= {"completed", "rejected", "dropped"}
+    assert all(r.get("reason") for r in result["requests"] if r["status"] != "completed")
+    assert ("dropped" in statuses) == bool(second)  # what the run's end found in service is dropped, not lost
+    f = serving_figures(result, slo_ttft_s=0.5)
+    assert f["accounting_exact"] and f["requests_in_flight_after_run"] == 0
+    assert f["requests_arrived"] == len(result["requests"]) == \
+        f["requests_completed"] + f["requests_rejected"] + f["requests_dropped"]
+    assert f["requests_admitted"] < f["requests_arrived"]  # most were rejected before a server saw them
+    assert f["ttft_p50_s"] == pytest.approx(0.3 - next(r["arrival_s"] for r in result["requests"]
+                                                         if r["status"] == "completed"), abs=1e-4)
+    assert f["tbt_p50_s"] == pytest.approx(0.02, abs=1e-4) and f["tbt_p99_s"] == pytest.approx(0.02, abs=1e-4)
+    assert f["goodput_within_slo"] == pytest.approx(1 / f["requests_arrived"], abs=1e-4)  # over all arrivals
+
+
+def test_a_dead_decode_worker_takes_its_requests_with_it_and_nothing_else():
+    """Its requests in service end rejected with the reason the run gave; the other DC's are
+    not touched; a late report from it changes nothing; no more prefills go to its servers;
+    a batch that raised elsewhere rejects its requests with the error; the run's log hears of
+    each failure once."""
+    import time as _t
+
+    ctl = _controller({"s0r0": "decode-a", "s1r0": "decode-b"}, rate_per_s=400.0, duration_s=0.2)
+    ctl.tick(_t.monotonic() + 0.1)
+    by_server = {n: m for n, m in ctl.sent if m["type"] == "prefill"}
+    assert set(by_server) == {"s0r0", "s1r0"}
+    a = _prefill_all(ctl, "s0r0", by_server["s0r0"], ctl.t0 + 0.12)
+    b = _prefill_all(ctl, "s1r0", by_server["s1r0"], ctl.t0 + 0.12)
+    reason = "decode worker decode-a died (killed by signal 9)"
+    ctl.on_telemetry({"type": "died", "component": "decode-a", "reason": reason})
+    assert all(ctl.state[r]["status"] == "rejected" and ctl.state[r]["reason"] == reason for r in a)
+    assert all(ctl.state[r]["status"] == "decoding" for r in b)
+    ctl.on_report({"type": "decoded", "decoder": "decode-a", "rid": a[0], "tokens": 4, "received": 0.0,
+                   "done": ctl.t0 + 0.2, "token_times": []})
+    assert ctl.state[a[0]]["status"] == "rejected"  # too late: it was declared dead
+    ctl.on_report({"type": "decode_error", "decoder": "decode-b", "rids": b[:1], "error": "RuntimeError: boom"})
+    assert ctl.state[b[0]]["reason"] == "decode failed on decode-b: RuntimeError: boom"
+    for rid in b[1:]:
+        ctl.on_report({"type": "decoded", "decoder": "decode-b", "rid": rid, "tokens": 4, "received": 0.0,
+                       "done": ctl.t0 + 0.2, "token_times": []})
+    ctl.sent.clear()
+    for w in ("s0r0", "s1r0"):
+        ctl.bubbles[w].on_wait({"it": 2, "n": 0, "t": _t.monotonic()})
+    ctl.tick(_t.monotonic() + 0.15)
+    assert {n for n, m in ctl.sent if m["type"] == "prefill"} == {"s1r0"}  # none to the server without a decoder
+    assert any("decode worker decode-a died" in line for line in ctl.told)
+    assert any("decode failed on decode-b" in line for line in ctl.told)
+    result = ctl.finish()
+    assert result["counts"]["completed"] == len(b) - 1
+    assert result["rejection_reasons"][reason] == len(a)
+    assert result["counts"]["arrivals"] == sum(result["counts"][k] for k in ("completed", "rejected", "dropped"))
 
 
 def test_the_wait_board_shows_a_wait_to_another_process(tmp_path):
@@ -159,3 +237,147 @@ def test_the_wait_board_shows_a_wait_to_another_process(tmp_path):
                            f"print(WaitBoard({str(path)!r}).read())"], capture_output=True, text=True,
                           cwd=str(Path(__file__).resolve().parent.parent), check=True).stdout
     assert int(seen) == wait_id(12, 3) != wait_id(12, 2) != 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_emulated_serving_occupies_the_devices_and_ships_caches_of_the_real_size(tmp_path):
+    """A prefill server and a decode worker on emulated devices (loopback, no network built):
+    each chunk takes its profiled time on the worker's device, queued in order with another
+    client's op (training's, here this test's); the cache that reaches the decode worker has
+    the real cache's size; decode steps take their profiled time; neither process loads torch."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from agents.bubbletea.config import DecodeConfig, InferenceModel, ServerConfig
+    from agents.bubbletea.extension import DEFAULT_PROFILE
+    from agents.bubbletea.timing import ServingTimes
+    from agents.trainer.device import EmulatedDevice, create_device
+
+    speedup = 0.02  # a device 1/50 of the profiled core: a 32-token chunk takes ~30 ms, long enough to catch
+    times = ServingTimes.load(DEFAULT_PROFILE, speedup)
+    model = InferenceModel(**times.model)
+    worker_dev, decode_dev = tmp_path / "s0r0.device", tmp_path / "decode.device"
+    create_device(worker_dev)
+    create_device(decode_dev)
+    ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ctl.bind(str(tmp_path / "ctl.sock"))
+    ctl.settimeout(20)
+    port = _free_port()
+    common = {"serving_profile": str(DEFAULT_PROFILE), "speedup": speedup}
+    dcfg = DecodeConfig(model, str(tmp_path / "ctl.sock"), "127.0.0.1", port, name="decode-a",
+                        device_file=str(decode_dev), **common)
+    scfg = ServerConfig("s0r0", str(tmp_path / "srv.sock"), str(tmp_path / "ctl.sock"), model,
+                        device_file=str(worker_dev), **common)
+    procs = []
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        for module, cfg in (("decode", dcfg), ("server", scfg)):
+            path = tmp_path / f"{module}.json"
+            path.write_text(json.dumps(cfg.to_dict()))
+            procs.append(subprocess.Popen([sys.executable, "-m", f"agents.bubbletea.{module}", str(path)], cwd=repo))
+        backlog: list[dict] = []
+
+        def until(pred):
+            """The first message, seen or to come, that ``pred`` accepts (taken off the backlog)."""
+            for m in backlog:
+                if pred(m):
+                    backlog.remove(m)
+                    return m
+            while True:
+                m = json.loads(ctl.recv(65536))
+                if pred(m):
+                    return m
+                backlog.append(m)
+
+        ready = until(lambda m: m["type"] == "ready")
+        assert ready["profile"] == [[n, pytest.approx(times.chunk_s(n, 0))] for n in scfg.calibrate]
+        until(lambda m: m["type"] == "decode_ready")
+        dev = EmulatedDevice(worker_dev)
+        jobs = [{"rid": 1, "tokens": 100, "output_tokens": 5}, {"rid": 2, "tokens": 40, "output_tokens": 1}]
+        ctl.sendto(json.dumps({"type": "prefill", "deadline": time.monotonic() + 30, "chunk": 32,
+                               "decode": ["127.0.0.1", port], "jobs": jobs}).encode(), str(tmp_path / "srv.sock"))
+        deadline = time.monotonic() + 20
+        while dev.busy_seconds() == 0 and time.monotonic() < deadline:
+            time.sleep(2e-4)  # until the server has queued its first chunk
+        op_start, op_end = dev.run(0.005)  # mid-way through it: a training op is issued
+        progress = [until(lambda m: m["type"] == "progress" and m["rid"] == rid) for rid in (1, 2)]
+        chunks = progress[0]["intervals"] + progress[1]["intervals"]
+        assert [c[2] for c in chunks] == [32, 32, 32, 4, 32, 8]
+        # the op queued behind the chunk running when it was issued (the first, unless this
+        # test was descheduled that long), and the next chunk behind the op: no overlap
+        behind = [i for i, c in enumerate(chunks) if c[1] == pytest.approx(op_start, abs=1e-6)]
+        assert behind, (op_start, chunks)
+        assert all(c[1] <= op_start + 1e-6 or c[0] >= op_end - 1e-6 for c in chunks)
+        if behind[0] + 1 < len(chunks):
+            assert chunks[behind[0] + 1][0] >= op_end - 1e-6
+        starts = [0, 32, 64, 96, 0, 32]
+        for (s, e, n), start in zip(chunks, starts):
+            assert e - s == pytest.approx(times.chunk_s(n, start), rel=1e-6)
+        assert progress[0]["done"] == progress[0]["total"] == 100 and progress[1]["last"]
+        failed = [m for m in backlog if m["type"] in ("error", "decode_error")]
+        assert not failed, failed
+        done = {rid: {kind: until(lambda m, rid=rid, kind=kind: m["type"] == kind and m.get("rid") == rid)
+                      for kind in ("prefilled", "decoded")} for rid in (1, 2)}
+        for rid, tokens, out in ((1, 100, 5), (2, 40, 1)):
+            assert done[rid]["prefilled"]["kv_bytes"] == times.kv_bytes(tokens)
+            d = done[rid]["decoded"]
+            assert d["tokens"] == out and len(d["token_times"]) == out - 1
+        gaps = [b - a for a, b in zip(done[1]["decoded"]["token_times"], done[1]["decoded"]["token_times"][1:])]
+        assert gaps and all(g >= 0.9 * times.decode_step_s(1, 100) for g in gaps)
+        for p in procs:  # no torch in either process
+            assert "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text()
+        assert EmulatedDevice(decode_dev).busy_seconds() > 0
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        ctl.close()
+
+
+def test_the_emulated_experiment_replays_the_shipped_profile_and_refuses_another_model(tmp_path):
+    """experiments/bubbletea-emulated.yaml quotes the training times of the serving profile it
+    replays (one device for both); the profile gives its measured points back (on a device
+    ``speedup`` times as fast) and interpolates between them; a profile of another model is a
+    one-line error."""
+    import json
+
+    from agents.bubbletea.extension import DEFAULT_PROFILE, serving_profile
+    from agents.bubbletea.timing import ServingTimes
+    from testbed.experiment import load_experiment
+    from testbed.spec import SpecError
+
+    repo = Path(__file__).resolve().parent.parent
+    exp = load_experiment(repo / "experiments" / "bubbletea-emulated.yaml")
+    data = json.loads(DEFAULT_PROFILE.read_text())
+    assert [t.model_dump() for t in exp.sim.stage_times] == [
+        {"forward_s": t["forward_s"], "backward_s": t["backward_s"], "optimizer_s": t["optimizer_s"]}
+        for t in data["training"]]
+    assert data["training_model"] == exp.model.model_dump() | {"microbatch_size": exp.training.microbatch_size,
+                                                               "stages": exp.parallel.stages}
+    assert serving_profile(exp) == DEFAULT_PROFILE and data["measured"] and data["device"]["name"]
+    times = ServingTimes(data, speedup=0.25)
+    n, start, t = data["prefill"]["points"][5]
+    assert times.chunk_s(n, start) == pytest.approx(t / 0.25)
+    lo = next(p for p in data["prefill"]["points"] if p[:2] == [32, 0])[2]
+    hi = next(p for p in data["prefill"]["points"] if p[:2] == [48, 0])[2]
+    assert times.chunk_s(40, 0) == pytest.approx((lo + hi) / 2 / 0.25)
+    assert times.kv_bytes(100) - times.kv_bytes(99) == 2 * exp.bubbletea.model.layers * exp.bubbletea.model.hidden * 4
+    assert times.prefill_s(100, 32) == pytest.approx(sum(times.chunk_s(k, s) for k, s in
+                                                         ((32, 0), (32, 32), (32, 64), (4, 96))))
+    other = dict(data, model=dict(data["model"], hidden=128))
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps(other))
+    exp.bubbletea.serving_profile = str(bad)
+    with pytest.raises(SpecError, match="was measured for model") as err:
+        serving_profile(exp)
+    assert "\n" not in str(err.value)

@@ -5,6 +5,11 @@ How it fits: ``BubbleTeaExtension.start`` builds a ``ServerConfig`` per training
 ``bubbletea`` section (``testbed.experiment.BubbleTeaSpec``, where the user-facing defaults
 live), and starts the processes with them as JSON.  The defaults here are the processes'
 own (how many KV senders, what to calibrate): one place each.
+
+On emulated devices (``device: emulated``) a server and a decode worker get ``device_file``
+(the emulated device they occupy: the worker's own for a server) and ``serving_profile``
+(``profile.py``'s JSON, read by ``timing.py``) with ``speedup`` (the experiment's
+``emulation.speedup``): they then run no model and import no torch.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class ServerConfig:
     wait_board: str | None = None  # the worker's board: the wait under way
     calibrate: list[int] = field(default_factory=lambda: [16, 64, 128, 256])  # prompt lengths profiled at start
     kv_senders: int = 4  # KV caches shipped at once (a cache takes a few WAN round trips)
+    device_file: str | None = None  # emulated: the worker's device, which prefill chunks occupy
+    serving_profile: str | None = None  # emulated: profile.py's JSON (prefill and decode times, KV bytes)
+    speedup: float = 1.0  # emulated: the device is this many times as fast as the profiled one
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,7 +69,11 @@ class DecodeConfig:
     controller: str
     ip: str
     port: int
+    name: str = "decode"  # as the controller and the run's log call it (decode-<dc>)
     max_batch: int = 16
+    device_file: str | None = None  # emulated: its own device, which decode steps occupy
+    serving_profile: str | None = None
+    speedup: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,10 +100,12 @@ class ControllerConfig:
     listen: str  # its datagram socket
     results: str  # where it writes every request's fate
     servers: dict[str, str]  # worker -> its prefill server's socket
-    decode: dict[str, list]  # worker -> [ip, port] of the decode worker its caches go to
+    decoders: dict[str, list]  # decode worker name -> [ip, port]
+    decode: dict[str, str]  # worker -> the decode worker its caches go to
     warmup_iterations: int
     interleave: bool
     slo_ttft_s: float
+    slo_tbt_s: float | None  # goodput also asks each request's mean time between tokens to be within this
     margin_s: float
     margin_frac: float
     chunk_tokens: int

@@ -1,18 +1,28 @@
-"""The BubbleTea controller: admit prefill requests, place them in predicted bubbles.
+"""The BubbleTea controller: admit prefill requests, place them in predicted bubbles, account for each.
 
 How it fits: ``testbed run`` starts it (root namespace) with the experiment's
-``bubbletea`` section.  It connects to the run's telemetry socket as
-``bubbletea-controller`` (the orchestrator forwards every worker's timeline), and talks to
-the prefill servers (one per training worker) and the decode workers over Unix datagrams.
-Once every worker is past the warm-up iterations it replays the workload in real time:
-each arriving request waits in one queue; whenever a server is idle and its worker is in a
-predicted bubble (``predictor.py``), the request already part-prefilled there, then the
-freshest ones, as many as the bubble holds, are sent in one message with a deadline at the
-bubble's end less a margin; the server runs them in order, chunk by chunk, and stops
-between chunks at the deadline.  A request that has waited longer than the TTFT SLO, or
-that cannot fit, is rejected with the reason; when the run ends the rest are rejected ("run
-ended").  Every request ends completed or rejected: none is lost.  Results go to
-``results`` (JSON).
+``bubbletea`` section.  It connects to the run's telemetry hub as ``bubbletea-controller``
+(the orchestrator forwards every worker's timeline, and the extension tells it when one of
+BubbleTea's processes has died), and talks to the prefill servers (one per training worker)
+and the decode workers over Unix datagrams.  Once every worker is past the warm-up
+iterations it replays the workload in real time: each arriving request waits in one queue;
+whenever a server is idle and its worker is in a predicted bubble (``predictor.py``), the
+request already part-prefilled there, then the freshest ones, as many as the bubble holds,
+are sent in one message with a deadline at the bubble's end less a margin; the server runs
+them in order, chunk by chunk, and stops between chunks at the deadline.  The same code
+serves real devices and emulated ones (the servers differ, not the decisions).
+
+Accounting, each counted where it happens (``counts``): an *arrival* when the workload
+delivers the request; *admitted* when it is first sent to a prefill server; *completed*
+when its decode worker reports its last token; *rejected*, with the reason, when the TTFT
+SLO cannot be met (it waited too long, or it cannot be prefilled in time), when its prefill
+server or decode worker died, when its KV transfer failed or its decode raised; *dropped*
+when the run ended with it still queued or in service (after a drain of ``drain_s``: the
+servers ship what they have prefilled at once, the decode workers finish).  So arrivals =
+completed + rejected + dropped, and after the run nothing is in flight.  Per request the
+results hold its TTFT (prefill done - arrival) and the time each later token came out
+(the time between tokens, TBT).  A failure is told to the run's log once per component
+(``{"type": "log"}`` on the hub).  Results go to ``results`` (JSON).
 
     python -m agents.bubbletea.controller CONFIG.json
 """
@@ -34,6 +44,9 @@ from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles
 from agents.bubbletea.workload import azure_trace, poisson
 from agents.trainer.waitboard import wait_id
 
+FINAL = ("completed", "rejected", "dropped")
+COUNTS = ("arrivals", "admitted", "completed", "rejected", "dropped")
+
 
 def _log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} bubbletea controller: {msg}", flush=True)
@@ -52,18 +65,30 @@ class Controller:
         self.state = {r.rid: {"rid": r.rid, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                               "arrival_s": r.arrival_s, "status": "future"} for r in self.requests}
         self.queue: list[int] = []
-        self.servers = {name: {"path": path, "busy": None, "profile": None, "sticky": set()}
+        self.servers = {name: {"path": path, "busy": None, "profile": None, "sticky": set(), "dead": None}
                         for name, path in cfg.servers.items()}
+        self.decoders = {name: {"addr": addr, "dead": None} for name, addr in cfg.decoders.items()}
         self.bubbles = {name: WorkerBubbles() for name in cfg.servers}
         self.prefill_intervals: dict[str, list] = {name: [] for name in cfg.servers}
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.reasons: dict[str, int] = {}  # rejected, by reason (the text before its first colon)
+        self.drop_reasons: dict[str, int] = {}
+        self.failures: list[dict] = []  # what failed, when, and how many requests it took
         self.t0: float | None = None
+        self.t_end: float | None = None  # when serving stopped (training ended)
         self.next_arrival = 0
         self._swept = 0.0
+        self._told: set[str] = set()
         self.iterations_done: dict[str, int] = {}
         self.ready = False
+        self.sock = None
+        self.tell_run = lambda msg: None  # a line for the run's log (set by ``run``)
 
     # -- inputs -------------------------------------------------------------------------
     def on_telemetry(self, msg: dict) -> None:
+        if msg.get("type") == "died":
+            self.on_death(msg["component"], msg["reason"])
+            return
         name = msg.get("worker")
         if name not in self.bubbles:
             return
@@ -85,11 +110,15 @@ class Controller:
         kind, name = msg.get("type"), msg.get("worker")
         if kind == "ready":
             self.servers[name]["profile"] = PrefillProfile([tuple(p) for p in msg["profile"]])
-            if all(s["profile"] is not None for s in self.servers.values()):
-                self.ready = True  # training may start: the run waits for this
-                _log("every prefill server has profiled its model: ready")
+            self._check_ready()
             return
-        if kind == "decode_ready" or kind == "decode_error":
+        if kind == "decode_ready":
+            return
+        if kind == "decode_error":
+            dec = msg.get("decoder", "?")
+            reason = f"decode failed on {dec}: {msg.get('error')}"
+            hit = sum(self._reject(rid, reason) for rid in msg.get("rids", []))
+            self._failure(dec, reason, hit)
             return
         rid = msg.get("rid")
         r = self.state.get(rid)
@@ -111,37 +140,94 @@ class Controller:
                 r["status"] = "queued"  # continues in a later bubble (on the same server if begun)
                 bisect.insort(self.queue, rid, key=lambda x: self.state[x]["arrival_s"])  # its place by arrival
         elif kind == "prefilled":
-            r["status"] = "decoding"
-            r["ttft_s"] = msg["at"] - (self.t0 + r["arrival_s"])
-            r["kv_bytes"], r["kv_transfer_s"] = msg["kv_bytes"], msg["kv_send_s"]
             self.servers[name]["sticky"].discard(rid)
+            if r["status"] in FINAL:
+                return
+            r["ttft_s"] = msg["at"] - (self.t0 + r["arrival_s"])
+            r["first_token_at"] = msg["at"]
+            r["kv_bytes"], r["kv_transfer_s"] = msg["kv_bytes"], msg["kv_send_s"]
+            dec = self.cfg.decode[name]
+            r["decoder"] = dec
+            if self.decoders[dec]["dead"]:  # acknowledged just before it died
+                self._reject(rid, self.decoders[dec]["dead"])
+                return
+            r["status"] = "decoding"
         elif kind == "decoded":
+            if r["status"] != "decoding":
+                return  # rejected meanwhile (its decode worker was declared dead)
             r["status"] = "completed"
+            self.counts["completed"] += 1
             r["generated_tokens"] = msg["tokens"]
             r["completed_s"] = msg["done"] - self.t0
-        elif kind == "error":  # from a KV transfer: the server itself is not held up by it
-            self._reject(rid, msg["error"])
+            times = [r["first_token_at"]] + list(msg.get("token_times", []))
+            r["tbt_s"] = [round(b - a, 6) for a, b in zip(times, times[1:])]
+        elif kind == "error":  # a KV transfer: the server itself is not held up by it
+            dec = self.cfg.decode[name]
+            reason = self.decoders[dec]["dead"] or f"KV transfer to {dec} failed: {msg['error']}"
+            if self._reject(rid, reason):
+                self._failure(f"{name} -> {dec}", reason, 1)
+
+    def on_death(self, component: str, reason: str) -> None:
+        """One of BubbleTea's processes died (the extension saw it): its requests are rejected
+        with the reason, and nothing more is sent its way."""
+        hit = 0
+        if component in self.decoders:
+            self.decoders[component]["dead"] = reason
+            mine = {w for w, d in self.cfg.decode.items() if d == component}
+            for rid, r in self.state.items():
+                on_server = r.get("server") in mine and (r["status"] == "prefilling" or
+                                                          rid in self.servers[r["server"]]["sticky"])
+                if (r["status"] == "decoding" and r.get("decoder") == component) or on_server:
+                    hit += self._reject(rid, reason)
+        elif component in self.servers:
+            srv = self.servers[component]
+            srv["dead"], srv["busy"] = reason, None
+            for rid, r in self.state.items():
+                if r.get("server") == component and (r["status"] == "prefilling" or rid in srv["sticky"]):
+                    hit += self._reject(rid, reason)
+            self._check_ready()  # one that died loading its model holds nobody up
+        self._failure(component, reason, hit)
+
+    def _check_ready(self) -> None:
+        if not self.ready and all(s["profile"] is not None or s["dead"] for s in self.servers.values()):
+            self.ready = True  # training may start: the run waits for this
+            _log("every prefill server has profiled its model: ready")
 
     # -- decisions ----------------------------------------------------------------------
-    def _reject(self, rid: int, reason: str) -> None:
+    def _failure(self, component: str, reason: str, requests: int) -> None:
+        self.failures.append({"component": component, "reason": reason, "requests": requests,
+                              "at_s": round(time.monotonic() - self.t0, 3) if self.t0 else None})
+        key = reason.split(":")[0]
+        if key not in self._told:  # once per component and kind: the run's log names it
+            self._told.add(key)
+            self.tell_run(f"bubbletea: {reason} ({requests} request(s) rejected)")
+            _log(f"{reason}: {requests} request(s) rejected")
+
+    def _reject(self, rid: int, reason: str) -> int:
+        """Reject a request not yet decided; 1 if it was rejected now, 0 if already decided."""
         r = self.state[rid]
-        if r["status"] in ("completed", "rejected"):
-            return
+        if r["status"] in FINAL or r["status"] == "future":
+            return 0
         r["status"], r["reason"] = "rejected", reason
+        self.counts["rejected"] += 1
+        key = reason.split(":")[0]
+        self.reasons[key] = self.reasons.get(key, 0) + 1
         if rid in self.queue:
             self.queue.remove(rid)
         for name, srv in self.servers.items():
             if rid in srv["sticky"]:
                 srv["sticky"].discard(rid)
                 self._send(name, {"type": "drop", "rid": rid})
+        return 1
 
     def tick(self, now: float) -> None:
-        if self.t0 is None:
+        if self.t0 is None or self.t_end is not None:
             return
         elapsed = now - self.t0
         while self.next_arrival < len(self.requests) and self.requests[self.next_arrival].arrival_s <= elapsed:
             rid = self.requests[self.next_arrival].rid
             self.state[rid]["status"] = "queued"
+            self.counts["arrivals"] += 1
             self.queue.append(rid)
             self.next_arrival += 1
         slo = self.cfg.slo_ttft_s
@@ -152,8 +238,10 @@ class Controller:
         if not self.queue:
             return
         for name, srv in self.servers.items():
-            if srv["busy"] is not None or srv["profile"] is None:
+            if srv["busy"] is not None or srv["profile"] is None or srv["dead"]:
                 continue
+            if self.decoders[self.cfg.decode[name]]["dead"]:
+                continue  # no decode worker takes this server's caches any more
             it = self.iterations_done.get(name, 0)  # the iteration this worker is in
             if self.cfg.interleave and (it - self.cfg.warmup_iterations) % 2 == 0:
                 continue  # an unserved iteration: the same run measures training without prefills
@@ -186,32 +274,61 @@ class Controller:
             for rid in jobs:
                 r = self.state[rid]
                 self.queue.remove(rid)
+                if "server" not in r:
+                    self.counts["admitted"] += 1
+                    r["admitted_s"] = round(elapsed, 6)
                 r["status"] = "prefilling"
-                r.setdefault("worker", name)
+                r["server"] = name
                 srv["sticky"].add(rid)
             srv["busy"], srv["sent"] = jobs, now
             wait = wait_id(*self.bubbles[name].current[:2])  # the server stops when this wait ends
             self._send(name, {"type": "prefill", "deadline": window[1], "chunk": chunk, "wait": wait,
-                              "decode": self.cfg.decode[name],
+                              "decode": self.decoders[self.cfg.decode[name]]["addr"],
                               "jobs": [{"rid": rid, "tokens": self.state[rid]["prompt_tokens"],
                                         "output_tokens": self.state[rid]["output_tokens"]} for rid in jobs]})
+
+    def stop_serving(self) -> None:
+        """Training has ended: nothing more is dispatched; the servers ship what they have."""
+        if self.t_end is None:
+            self.t_end = time.monotonic()
+        for name in self.servers:
+            self._send(name, {"type": "drain"})
+
+    def in_service(self) -> bool:
+        return any(r["status"] in ("prefilling", "decoding") for r in self.state.values())
 
     def _send(self, name: str, msg: dict) -> None:
         try:
             self.sock.sendto(json.dumps(msg).encode(), self.servers[name]["path"])
-        except OSError:
+        except (OSError, AttributeError):
             pass
 
     def finish(self) -> dict:
+        """Every request decided: what is still queued or in service is dropped (with the state
+        the run's end found it in).  The results, with the counts as they were counted."""
         for rid, r in self.state.items():
             if r["status"] == "future":
                 r["status"], r["reason"] = "not arrived", "arrives after the run ended"
-            elif r["status"] not in ("completed", "rejected"):
-                self._reject(rid, f"run ended while {r['status']}")
+            elif r["status"] not in FINAL:
+                reason = f"run ended while {r['status']}"
+                r["status"], r["reason"] = "dropped", reason
+                self.counts["dropped"] += 1
+                self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
         arrived = [r for r in self.state.values() if r["status"] != "not arrived"]
+        serving = (self.t_end or time.monotonic()) - self.t0 if self.t0 is not None else 0.0
         return {"requests": arrived, "prefill_intervals": self.prefill_intervals, "t0": self.t0,
+                "serving_s": round(serving, 6), "counts": dict(self.counts), "rejection_reasons": dict(self.reasons),
+                "drop_reasons": dict(self.drop_reasons), "failures": self.failures,
                 "profiles": {n: [s["profile"].a, s["profile"].b] if s["profile"] else None
                              for n, s in self.servers.items()}}
+
+
+def _drain_reports(ctl: Controller, sock: socket.socket) -> None:
+    while True:
+        try:
+            ctl.on_report(json.loads(sock.recv(65536)))
+        except BlockingIOError:
+            return
 
 
 def run(cfg: ControllerConfig) -> None:
@@ -225,11 +342,19 @@ def run(cfg: ControllerConfig) -> None:
     tel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tel.connect(cfg.telemetry)
     tel.sendall(b'{"type":"hello","worker":"bubbletea-controller"}\n')
+
+    def tell_run(line: str) -> None:
+        try:
+            tel.sendall(json.dumps({"type": "log", "msg": line}).encode() + b"\n")
+        except OSError:
+            pass
+
+    ctl.tell_run = tell_run
     stopping = [False]
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
     buf = b""
     told_ready = False
-    _log(f"up: {len(ctl.requests)} requests, {len(ctl.servers)} prefill servers")
+    _log(f"up: {len(ctl.requests)} requests, {len(ctl.servers)} prefill servers, {len(ctl.decoders)} decode workers")
     while not stopping[0]:
         ready, _, _ = select.select([tel, sock], [], [], 0.004)
         if tel in ready:
@@ -248,33 +373,22 @@ def run(cfg: ControllerConfig) -> None:
             if done:
                 break
         if sock in ready:
-            while True:
-                try:
-                    ctl.on_report(json.loads(sock.recv(65536)))
-                except BlockingIOError:
-                    break
+            _drain_reports(ctl, sock)
         if ctl.ready and not told_ready:
             tel.sendall(b'{"type":"ready"}\n')
             told_ready = True
         ctl.tick(time.monotonic())
-    # let prefills and decodes under way finish (briefly), then account for everything
+    # training is over: the servers ship what is prefilled, the decode workers finish (briefly)
+    ctl.stop_serving()
     deadline = time.monotonic() + cfg.drain_s
-    while time.monotonic() < deadline and any(
-            r["status"] in ("prefilling", "decoding") for r in ctl.state.values()):
+    while time.monotonic() < deadline and ctl.in_service():
         ready, _, _ = select.select([sock], [], [], 0.05)
         if ready:
-            while True:
-                try:
-                    ctl.on_report(json.loads(sock.recv(65536)))
-                except BlockingIOError:
-                    break
+            _drain_reports(ctl, sock)
     result = ctl.finish()
     with open(cfg.results, "w") as fh:
         json.dump(result, fh)
-    counts = {}
-    for r in result["requests"]:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    _log(f"done: {counts}")
+    _log(f"done: {result['counts']}")
     for name in ctl.servers:
         ctl._send(name, {"type": "stop"})
 

@@ -1,18 +1,28 @@
-"""BubbleTea's side of a training run: start its processes, and fold its results in.
+"""BubbleTea's side of a training run: start its processes, watch them, and fold its results in.
 
 How it fits: ``testbed.extension`` finds this class when the experiment says
-``bubbletea: {enabled: true}``.  It asks the run to pin each worker to one core (its
-prefill server must share it) and to announce each wait for a peer on the worker's wait
-board.  ``start`` then starts, through the run's launcher: one prefill server per training
-worker in the worker's host namespace and in an idle-priority child cgroup of the worker's
-CPU container (``cpu.idle = 1``), one decode worker per DC on a host training leaves free
-(KV caches stay inside their DC; ``decode_dc`` puts a single one in that DC instead), and
-the controller, which connects to the run's hub as ``bubbletea-controller``.  Training
-starts once the controller says every prefill server has profiled its model.  After
-training, ``summarise`` reads the controller's results and adds BubbleTea's figures to the
-run's summary: utilization with and without prefill (from the timelines), the training
-slowdown between the iterations served and those not served (interleaved), request
-accounting and TTFT; ``write_outputs`` draws the TTFT CDF.
+``bubbletea: {enabled: true}``.  It asks the run to announce each wait for a peer on the
+worker's wait board (and, on CPUs, to pin each worker to one core: its prefill server must
+share it).  ``start`` then starts, through the run's launcher: one prefill server per
+training worker in the worker's host namespace, one decode worker per DC on a host
+training leaves free (KV caches stay inside their DC; ``decode_dc`` puts a single one in
+that DC instead), and the controller, which connects to the run's hub as
+``bubbletea-controller``.  On CPUs a server runs in an idle-priority child cgroup of the
+worker's CPU container (``cpu.idle = 1``) and a decode worker in a container of its own at
+1/8 of a device's weight; on emulated devices (``device: emulated``) a server occupies the
+worker's own emulated device and a decode worker one of its own, for the times of the
+serving profile (``profile.py``'s JSON, checked here against the experiment's model before
+anything is built).  Training starts once the controller says every prefill server has
+profiled its model.  While training runs, ``check`` watches every server and decode
+worker: one that dies is named in the run's log and the controller rejects its requests with that
+reason; training goes on.  After training the controller is stopped first (it drains and
+accounts for every request), then the rest; ``summarise`` adds BubbleTea's figures to the
+run's summary: utilization with and without prefill (from the timelines), the request
+accounting as the controller counted it (arrivals, admitted, completed, rejected with
+reasons, dropped), TTFT and TBT percentiles over completed requests, goodput under the SLO
+over all arrivals, and the interleaved slowdown (served against unserved iterations of the
+same run; the headline slowdown is back to back: ``backtoback.py``); ``write_outputs``
+draws the TTFT CDF.
 """
 
 from __future__ import annotations
@@ -22,12 +32,34 @@ import statistics
 from pathlib import Path
 
 from agents.bubbletea.config import ControllerConfig, DecodeConfig, InferenceModel, ServerConfig, Workload
+from agents.trainer.device import create_device
 from agents.trainer.waitboard import create_board
 from testbed.extension import ExtensionError, RunContext, RunExtension
 from testbed.procs import CpuContainers
 from testbed.records import BUSY_KINDS, RunRecord
+from testbed.spec import SpecError
 
 _DECODE_PORT = 29700
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "serving-profile-cpu.json"
+
+
+def serving_profile(exp) -> Path:
+    """The serving profile an emulated run of ``exp`` replays; SpecError (one line) when it is
+    missing or was measured for another model than ``bubbletea.model``."""
+    spec = exp.bubbletea
+    path = Path(spec.serving_profile) if spec.serving_profile else DEFAULT_PROFILE
+    if not path.is_absolute() and not path.exists():
+        path = Path(exp.origin).parent / path
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"{exp.origin}: bubbletea.serving_profile: cannot read {path} ({type(exc).__name__}); "
+                        "measure one with python -m agents.bubbletea.profile") from None
+    want = spec.model.model_dump()
+    if {k: data.get("model", {}).get(k) for k in want} != want:
+        raise SpecError(f"{exp.origin}: bubbletea.serving_profile: {path} was measured for model {data.get('model')}, "
+                        f"the experiment serves {want}; measure it with python -m agents.bubbletea.profile")
+    return path
 
 
 class BubbleTeaExtension(RunExtension):
@@ -38,8 +70,13 @@ class BubbleTeaExtension(RunExtension):
     def __init__(self, exp):
         self.exp = exp
         self.spec = exp.bubbletea
+        self.emulated = exp.device == "emulated"
+        self.pins_workers = not self.emulated  # a CPU quota's co-tenant must share its core
+        self.profile = serving_profile(exp) if self.emulated else None
         self._ctx: RunContext | None = None
         self._names: list[str] = []
+        self._components: dict[str, str] = {}  # process name -> the controller's name for it (s0r0, decode-ohio)
+        self._gone: set[str] = set()
         self._ready = False  # every prefill server has loaded and profiled its model
         self.dead = False  # the controller has died (and the run's log says so)
         self._connected = False
@@ -81,48 +118,70 @@ class BubbleTeaExtension(RunExtension):
         model = InferenceModel(**spec.model.model_dump())
         ctl_sock = str(state / "bubbletea-controller.sock")
         reg.file(ctl_sock)
+        emulated = {"serving_profile": str(self.profile), "speedup": self.exp.emulation.speedup} \
+            if self.emulated else {}
         decoders = {}
         for dc, host in self._decode_hosts(ctx).items():
-            # its own CPU container, like any device here, at 1/8 of a device's weight: a decode
-            # worker has devices of its own in a real deployment; here it shares the cores, and
-            # when they contend it yields without starving (SCHED_IDLE starved it)
-            cgroup = ctx.containers.make(f"decode-{dc}", self.exp.topo.dc(dc).host.cpus)
-            if cgroup is not None:
-                CpuContainers.lower_weight(cgroup, 1 / 8)
-            cfg = DecodeConfig(model, ctl_sock, host.ip, _DECODE_PORT)
-            self._start(ctx, f"decode-{dc}", "agents.bubbletea.decode", cfg.to_dict(), host=host, cgroup=cgroup)
-            decoders[dc] = [host.ip, _DECODE_PORT]
+            name = f"decode-{dc}"
+            cgroup, extra = None, dict(emulated)
+            if self.emulated:  # a device of its own
+                device = ctx.launcher.dir / f"{name}.device"
+                create_device(device)
+                reg.file(device)
+                extra["device_file"] = str(device)
+            else:
+                # its own CPU container, like any device here, at 1/8 of a device's weight: a decode
+                # worker has devices of its own in a real deployment; here it shares the cores, and
+                # when they contend it yields without starving (SCHED_IDLE starved it)
+                cgroup = ctx.containers.make(name, self.exp.topo.dc(dc).host.cpus)
+                if cgroup is not None:
+                    CpuContainers.lower_weight(cgroup, 1 / 8)
+            cfg = DecodeConfig(model, ctl_sock, host.ip, _DECODE_PORT, name=name, **extra)
+            self._start(ctx, name, "agents.bubbletea.decode", cfg.to_dict(), name, host=host, cgroup=cgroup)
+            decoders[name] = [host.ip, _DECODE_PORT]
         servers = {}
         for name, w in ctx.workers.items():
             listen = str(state / f"bubbletea-{name}.sock")
             reg.file(listen)
-            cfg = ServerConfig(name, listen, ctl_sock, model, wait_board=str(ctx.launcher.dir / f"{name}.board"))
-            # an idle-priority co-tenant of the worker's own quota, on the worker's core, and
-            # SCHED_IDLE (inherited by its threads): any waking task preempts it at once, also
-            # the workers of other containers on that core (cpu.idle acts only inside its parent)
-            child = ctx.containers.idle_child(w.cgroup, "prefill") if w.cgroup is not None else None
-            self._start(ctx, f"server-{name}", "agents.bubbletea.server", cfg.to_dict(), host=w.host, cgroup=child,
-                        cpu=w.cpu, sched_idle=True)
+            cfg = ServerConfig(name, listen, ctl_sock, model, wait_board=str(ctx.launcher.dir / f"{name}.board"),
+                               **emulated)
+            if self.emulated:  # the worker's own device: its chunks queue on the stream training ops use
+                cfg.device_file = str(w.device_file)
+                self._start(ctx, f"server-{name}", "agents.bubbletea.server", cfg.to_dict(), name, host=w.host)
+            else:
+                # an idle-priority co-tenant of the worker's own quota, on the worker's core, and
+                # SCHED_IDLE (inherited by its threads): any waking task preempts it at once, also
+                # the workers of other containers on that core (cpu.idle acts only inside its parent)
+                child = ctx.containers.idle_child(w.cgroup, "prefill") if w.cgroup is not None else None
+                self._start(ctx, f"server-{name}", "agents.bubbletea.server", cfg.to_dict(), name, host=w.host,
+                            cgroup=child, cpu=w.cpu, sched_idle=True)
             servers[name] = listen
         exp = self.exp
         self._results = state / "bubbletea-results.json"
         reg.file(self._results)
+        dc_decoder = {n.removeprefix("decode-"): n for n in decoders}
         ccfg = ControllerConfig(
             telemetry=str(ctx.telemetry_path), listen=ctl_sock, results=str(self._results), servers=servers,
-            decode={name: decoders.get(w.slot.dc) or next(iter(decoders.values())) for name, w in ctx.workers.items()},
+            decoders=decoders,
+            decode={name: dc_decoder.get(w.slot.dc) or next(iter(decoders)) for name, w in ctx.workers.items()},
             warmup_iterations=exp.training.warmup_iterations, interleave=spec.interleave,
-            slo_ttft_s=spec.slo_ttft_s, margin_s=spec.margin_s, margin_frac=spec.margin_frac,
-            chunk_tokens=spec.chunk_tokens, max_prompt_tokens=min(spec.max_prompt_tokens, spec.model.max_context),
+            slo_ttft_s=spec.slo_ttft_s, slo_tbt_s=spec.slo_tbt_s, margin_s=spec.margin_s,
+            margin_frac=spec.margin_frac, chunk_tokens=spec.chunk_tokens,
+            max_prompt_tokens=min(spec.max_prompt_tokens, spec.model.max_context),
             workload=Workload(spec.source, spec.duration_s, spec.rate_scale, spec.token_scale, spec.rate_per_s,
                               spec.max_output_tokens))
-        self._start(ctx, "controller", "agents.bubbletea.controller", ccfg.to_dict())
+        self._start(ctx, "controller", "agents.bubbletea.controller", ccfg.to_dict(), None)
         self._connected = True
-        ctx.log(f"bubbletea: {len(servers)} prefill servers (idle-priority, in the workers' containers), "
-                f"decode worker(s) in {', '.join(decoders)}, controller started ({spec.source} workload)")
+        where = (f"on the workers' emulated devices ({self.profile.name}, speedup {exp.emulation.speedup:g})"
+                 if self.emulated else "idle-priority, in the workers' containers")
+        ctx.log(f"bubbletea: {len(servers)} prefill servers ({where}), decode worker(s) "
+                f"{', '.join(decoders)}, controller started ({spec.source} workload)")
 
-    def _start(self, ctx: RunContext, name: str, module: str, cfg: dict, **where) -> None:
+    def _start(self, ctx: RunContext, name: str, module: str, cfg: dict, component: str | None, **where) -> None:
         ctx.launcher.start(f"bubbletea-{name}", module, cfg, **where)
         self._names.append(f"bubbletea-{name}")
+        if component is not None:
+            self._components[f"bubbletea-{name}"] = component
 
     # -- during the run -------------------------------------------------------------------
     def on_worker_message(self, worker: str, msg: dict) -> None:
@@ -131,6 +190,8 @@ class BubbleTeaExtension(RunExtension):
                 self._connected = False  # its death is logged by check()
 
     def on_peer_message(self, peer: str, msg: dict) -> None:
+        if msg.get("type") == "log":  # a failure the controller saw (a decode that raised, a KV transfer)
+            self._ctx.log(str(msg.get("msg")))
         self._ready = self._ready or msg.get("type") == "ready"
 
     def on_peer_gone(self, peer: str) -> None:
@@ -145,12 +206,29 @@ class BubbleTeaExtension(RunExtension):
         return "BubbleTea's prefill servers"
 
     def check(self) -> None:
-        ctl = self._ctx.launcher.processes.get("bubbletea-controller")
+        launcher = self._ctx.launcher
+        ctl = launcher.processes.get("bubbletea-controller")
         if ctl is not None and not ctl.alive() and not self.dead:
             self.dead = True
             self._ctx.log(f"bubbletea controller died (exit {ctl.popen.returncode}) at iteration "
                           f"{self._ctx.iterations_done()}: no more prefills are dispatched; training continues "
                           "unaffected")
+        for pname, component in self._components.items():
+            proc = launcher.processes.get(pname)
+            if proc is None or proc.alive() or pname in self._gone:
+                continue
+            self._gone.add(pname)
+            code = proc.popen.returncode
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            what = f"decode worker {component}" if component.startswith("decode-") else f"prefill server {component}"
+            tail = proc.last_log_line()
+            reason = f"{what} died ({how})"
+            self._ctx.log(f"bubbletea: {reason} at iteration {self._ctx.iterations_done()}"
+                          f"{' (' + tail[-160:] + ')' if tail and code > 0 else ''}: its requests are rejected "
+                          "with that reason; training continues unaffected")
+            if self._connected:
+                self._ctx.send_to_peer("bubbletea-controller", {"type": "died", "component": component,
+                                                                "reason": reason})
 
     # -- after the run ------------------------------------------------------------------
     def training_done(self) -> None:
@@ -161,9 +239,11 @@ class BubbleTeaExtension(RunExtension):
         if self._ctx is None:
             return
         launcher = self._ctx.launcher
-        # SIGTERM: the controller lets prefills and decodes under way finish (drain_s), then
-        # accounts for every request and writes its results
-        launcher.stop(self._names, timeout=ControllerConfig.drain_s + 2.0)
+        # SIGTERM to the controller first: it lets the servers ship what they have prefilled and
+        # the decode workers finish (drain_s), then accounts for every request and writes its
+        # results; only then the servers and decode workers
+        launcher.stop(["bubbletea-controller"], timeout=ControllerConfig.drain_s + 2.0)
+        launcher.stop(self._names, timeout=2.0)
         launcher.copy_logs(out_dir / "bubbletea-logs", self._names, rename=lambda n: n.removeprefix("bubbletea-"))
         if self._results is not None and self._results.exists():
             (out_dir / "bubbletea.json").write_text(self._results.read_text())
@@ -177,9 +257,70 @@ class BubbleTeaExtension(RunExtension):
         ttft_cdf(reqs, out_dir / "ttft_cdf.png", f"{self.exp.name}: prefill TTFT", self.spec.slo_ttft_s)
 
 
+def _pct(values: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank) of ``values``; None when there are none."""
+    if not values:
+        return None
+    v = sorted(values)
+    return round(v[min(len(v) - 1, int(q * len(v)))], 4)
+
+
+def serving_figures(data: dict, slo_ttft_s: float, slo_tbt_s: float | None = None) -> dict:
+    """The serving side of a run, from the controller's results: the accounting as it was
+    counted, checked against every request's final state; TTFT and TBT percentiles over the
+    completed requests; goodput under the SLO over all arrivals (a rejected or dropped
+    request is a miss), as a fraction and per second of serving."""
+    reqs = data["requests"]
+    counts = data.get("counts") or {}
+    status: dict[str, int] = {}
+    for r in reqs:
+        status[r["status"]] = status.get(r["status"], 0) + 1
+    done = [r for r in reqs if r["status"] == "completed"]
+    arrivals = counts.get("arrivals", len(reqs))
+    ttft = [r["ttft_s"] for r in done]
+    tbt = [g for r in done for g in r.get("tbt_s", [])]
+    tpot = [statistics.fmean(r["tbt_s"]) for r in done if r.get("tbt_s")]
+
+    def good(r: dict) -> bool:
+        if r["ttft_s"] > slo_ttft_s:
+            return False
+        return slo_tbt_s is None or not r.get("tbt_s") or statistics.fmean(r["tbt_s"]) <= slo_tbt_s
+
+    n_good = sum(1 for r in done if good(r))
+    serving = data.get("serving_s") or 0.0
+    in_flight = sum(v for k, v in status.items() if k not in ("completed", "rejected", "dropped"))
+    decided = counts.get("completed", 0) + counts.get("rejected", 0) + counts.get("dropped", 0)
+    exact = (arrivals == decided == len(reqs) and in_flight == 0 and
+             all(counts.get(k, 0) == status.get(k, 0) for k in ("completed", "rejected", "dropped")))
+    return {
+        "requests_arrived": arrivals,
+        "requests_admitted": counts.get("admitted"),
+        "requests_completed": counts.get("completed", status.get("completed", 0)),
+        "requests_rejected": counts.get("rejected", status.get("rejected", 0)),
+        "requests_dropped": counts.get("dropped", status.get("dropped", 0)),
+        "rejection_reasons": data.get("rejection_reasons", {}),
+        "drop_reasons": data.get("drop_reasons", {}),
+        "requests_in_flight_after_run": in_flight,
+        "accounting_exact": exact,
+        "failures": [{k: f[k] for k in ("component", "reason", "requests")} for f in data.get("failures", [])][:20],
+        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9), "ttft_p99_s": _pct(ttft, 0.99),
+        "tbt_p50_s": _pct(tbt, 0.5), "tbt_p90_s": _pct(tbt, 0.9), "tbt_p99_s": _pct(tbt, 0.99),
+        "tpot_mean_s": round(statistics.fmean(tpot), 5) if tpot else None,
+        "goodput_within_slo": round(n_good / arrivals, 4) if arrivals else None,
+        "goodput_rps": round(n_good / serving, 3) if serving > 0 else None,
+        "offered_rps": round(arrivals / serving, 3) if serving > 0 else None,
+        "serving_s": round(serving, 3),
+        "kv_transfer_mean_s": round(statistics.fmean([r["kv_transfer_s"] for r in done]), 4) if done else None,
+        "kv_bytes_mean": round(statistics.fmean([r["kv_bytes"] for r in done])) if done else None,
+    }
+
+
 def summarise(run: RunRecord, result: dict, out_dir: Path) -> dict:
     """BubbleTea's figures for the summary, from the run's timelines and the controller's results.
-    Each worker's prefills go on its record as the device's co-tenant (the plots draw them)."""
+    Each worker's prefills go on its record as the device's co-tenant (the plots draw them).
+    Utilization counts, per worker and served iteration, the union of training compute and
+    prefill chunks over the worker's window (on an emulated device: the device's own
+    schedule)."""
     path = out_dir / "bubbletea.json"
     data = json.loads(path.read_text()) if path.exists() else {"requests": [], "prefill_intervals": {}}
     steady = result["summary"]["steady_state_iterations"]
@@ -190,7 +331,7 @@ def summarise(run: RunRecord, result: dict, out_dir: Path) -> dict:
     served = [k for k in steady if not spec.interleave or (k - first) % 2 == 1]
     unserved = [k for k in steady if k not in served] if spec.interleave else []
     ends = dict(enumerate(run.iteration_ends()))
-    util_with, util_without = [], []
+    util_with, util_without, prefill_share = [], [], []
     for name, w in run.workers.items():
         prefills = [(s, e) for s, e, _ in data["prefill_intervals"].get(name, [])]
         w.cotenant = prefills
@@ -202,40 +343,26 @@ def summarise(run: RunRecord, result: dict, out_dir: Path) -> dict:
             window = end - start
             if window <= 0:
                 continue
-            train = sum(e - s for s, e in busy) / window
+            train = _union(busy) / window
             union = _union(busy + mine) / window
-            (util_with if k in served else util_without).append(union if k in served else train)
+            if k in served:
+                util_with.append(union)
+                prefill_share.append(union - train)
+            else:
+                util_without.append(train)
     times = {k: ends[k] - (ends[k - 1] if k > 0 else run.go_time) for k in steady}
     t_on = statistics.fmean([times[k] for k in served]) if served else None
     t_off = statistics.fmean([times[k] for k in unserved]) if unserved else None
-    reqs = data["requests"]
-    done = [r for r in reqs if r["status"] == "completed"]
-    rejected = [r for r in reqs if r["status"] == "rejected"]
-    ttft = sorted(r["ttft_s"] for r in reqs if "ttft_s" in r)
-    reasons: dict[str, int] = {}
-    for r in rejected:
-        key = r.get("reason", "?").split(":")[0]
-        reasons[key] = reasons.get(key, 0) + 1
-
-    def pct(q):
-        return round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 4) if ttft else None
-
-    slo = spec.slo_ttft_s
     busy_without = result["summary"]["mean_busy_fraction"]
     return {
         "utilization_with_prefill": round(statistics.fmean(util_with), 4) if util_with else None,
         "utilization_without_prefill": round(statistics.fmean(util_without), 4) if util_without else busy_without,
-        "training_slowdown": round(t_on / t_off - 1, 4) if t_on and t_off else None,
+        "prefill_share_of_device_time": round(statistics.fmean(prefill_share), 4) if prefill_share else None,
+        "served_iterations": served,
+        "training_slowdown_interleaved": round(t_on / t_off - 1, 4) if t_on and t_off else None,
         "iteration_time_served_s": round(t_on, 4) if t_on else None,
         "iteration_time_unserved_s": round(t_off, 4) if t_off else None,
-        "requests_admitted": len(reqs),
-        "requests_completed": len(done),
-        "requests_rejected": len(rejected),
-        "rejection_reasons": reasons,
-        "ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9), "ttft_p99_s": pct(0.99),
-        "goodput_within_slo": round(sum(1 for t in ttft if t <= slo) / len(reqs), 4) if reqs else None,
-        "kv_transfer_mean_s": round(statistics.fmean([r["kv_transfer_s"] for r in reqs if "kv_transfer_s" in r]), 4)
-        if any("kv_transfer_s" in r for r in reqs) else None,
+        **serving_figures(data, spec.slo_ttft_s, spec.slo_tbt_s),
         "bubble_time_filled": round(_filled(run, data, served), 4),
     }
 
@@ -273,13 +400,13 @@ def ttft_cdf(reqs: list[dict], path: Path, title: str, slo: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ttft = sorted(r["ttft_s"] for r in reqs if "ttft_s" in r)
+    ttft = sorted(r["ttft_s"] for r in reqs if r["status"] == "completed")
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    if ttft:
+    if ttft:  # over all arrivals: the curve tops out at the fraction completed
         ax.step(ttft, [(i + 1) / len(reqs) for i in range(len(ttft))], where="post", color="#C44E52")
     ax.axvline(slo, color="#999999", linestyle="--", label=f"TTFT SLO {slo:g} s")
     ax.set_xlabel("time to first token (s)")
-    ax.set_ylabel("fraction of admitted requests")
+    ax.set_ylabel("fraction of arrivals (completed)")
     ax.set_ylim(0, 1)
     ax.set_title(title)
     ax.legend()

@@ -13,6 +13,7 @@ decode server batches: one forward per step for the whole batch.
 from __future__ import annotations
 
 import io
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -93,10 +94,13 @@ def decode(model: GPT, keys: list, values: list, first_logits: torch.Tensor, ste
 
 
 @torch.no_grad()
-def decode_batch(model: GPT, caches: list[dict], steps: list[int]) -> list[list[int]]:
+def decode_batch(model: GPT, caches: list[dict], steps: list[int], step_times: list[float] | None = None
+                 ) -> list[list[int]]:
     """``decode`` for several received caches (``unpack``'s dicts) at once: the same tokens,
     one forward per step for the whole batch (caches right-padded to the longest, room for
-    the new tokens allocated once, padding masked out of attention)."""
+    the new tokens allocated once, padding masked out of attention).  ``step_times``, when
+    given, gets the monotonic time at which each step's tokens exist (the time between
+    tokens a request sees)."""
     lens = [c["keys"][0].shape[2] for c in caches]
     batch, longest, limit = len(caches), max(lens), model.cfg.seq_len
     room = longest + max(steps)
@@ -135,12 +139,18 @@ def decode_batch(model: GPT, caches: list[dict], steps: list[int]) -> list[list[
                 o.append(nxt[j])
         pos = pos + 1
         col += 1
+        if step_times is not None:
+            step_times.append(time.monotonic())
     return out
 
 
 def pack(state: PrefillState) -> bytes:
+    """The cache on the wire: its own bytes only (a prompt prefilled in one chunk keeps its keys
+    and values as views into the layer's fused q/k/v output, which ``torch.save`` would ship
+    whole: 1.5x the cache)."""
     buf = io.BytesIO()
-    torch.save({"keys": state.keys, "values": state.values, "logits": state.logits}, buf)
+    torch.save({"keys": [k.contiguous().clone() for k in state.keys],
+                "values": [v.contiguous().clone() for v in state.values], "logits": state.logits}, buf)
     return buf.getvalue()
 
 

@@ -1,26 +1,39 @@
-"""The prefill server beside one training worker: prefill in its bubbles, at idle priority.
+"""The prefill server beside one training worker: prefill in its bubbles, on the worker's device.
 
 How it fits: ``testbed run`` starts one server per training worker, on the worker's host
-(its network namespace) and inside the worker's CPU container, in a child cgroup with
-``cpu.idle = 1``: it competes only with its own training stage (as a second stream on a
-shared GPU would), and the kernel runs it only when the worker leaves the quota unused.
-The BubbleTea controller sends it prefill jobs with a deadline (the predicted bubble's end
-less a margin).  It runs the prompt chunk by chunk and stops at the first chunk boundary
-where the next chunk, at its measured speed, would pass the deadline, or where the
+(its network namespace).  The BubbleTea controller sends it prefill jobs with a deadline
+(the predicted bubble's end less a margin).  It runs the prompt chunk by chunk and stops at
+the first chunk boundary where the next chunk would pass the deadline, or where the
 worker's wait board (``agents/trainer/waitboard.py``) shows that the wait it was sent for is
 over; the request's cache stays here and the next job for it continues.  When the prompt
 is done it ships the KV cache over TCP through the emulated network to its DC's decode
-worker (in the background, but only inside a bubble), and reports.
+worker (in the background, but only inside a bubble), and reports it prefilled once the
+decode worker has acknowledged the whole cache.
+
+What a chunk runs on is the backend's business, and the loop above is the same for both:
+
+* ``_TorchPrefill`` (CPU containers, GPUs): the real model of ``inference.py``, in an
+  idle-priority child cgroup of the worker's CPU container (``cpu.idle = 1``): it competes
+  only with its own training stage, as a second stream on a shared GPU would.  The next
+  chunk is judged by the slow end of the recent chunks' times (under a CPU quota a chunk's
+  wall time varies several-fold).
+* ``_EmulatedPrefill`` (``device: emulated``): each chunk occupies the worker's emulated
+  device (``agents/trainer/device.py``: the stream the worker's own ops queue on) for its
+  profiled time (``timing.py``), so a chunk still running when training issues its next op
+  delays that op exactly as on a GPU; the KV cache it ships has the real cache's size.
+  It imports no torch.
 
     python -m agents.bubbletea.server CONFIG.json
 
 Messages (Unix datagrams, JSON) in: ``{"type": "prefill", "jobs": [{"rid", "tokens",
 "output_tokens"}, ..], "deadline", "chunk", "decode": [ip, port]}`` (the jobs run in order,
 with no round trip between them, until the deadline), ``{"type": "drop", "rid"}``,
-``{"type": "stop"}``.  Out, to the controller: ``{"type": "ready", "profile": [[tokens,
-seconds], ..]}``, per job ``{"type": "progress", "rid", "done", "total", "intervals":
-[[start, end, tokens], ..], "last"}`` (``last``: the server is free again),
-``{"type": "prefilled", "rid", "kv_bytes", "kv_send_s", "first_token"}``, ``{"type": "error", ..}``.
+``{"type": "drain"}`` (training is over: ship what is prefilled at once), ``{"type":
+"stop"}``.  Out, to the controller: ``{"type": "ready", "profile": [[tokens, seconds], ..]}``,
+per job ``{"type": "progress", "rid", "done", "total", "intervals": [[start, end, tokens],
+..], "last"}`` (``last``: the server is free again), ``{"type": "prefilled", "rid",
+"kv_bytes", "kv_send_s", "first_token", "at"}``, ``{"type": "error", "rid", "error"}`` (the
+KV transfer failed).
 """
 
 from __future__ import annotations
@@ -37,28 +50,129 @@ from collections import deque
 
 from agents.bubbletea.config import ServerConfig
 
-
 _KV_GUARD_S = 0.002  # no KV transfer starts this close to a bubble's end
+KV_HEADER = struct.Struct("!QQQQ")  # request id, output tokens, prompt tokens, cache bytes
 
 
-def _send_kv(decode: list, rid: int, output_tokens: int, blob: bytes) -> float:
+def send_kv(decode: list, rid: int, output_tokens: int, prompt_tokens: int, blob) -> float:
+    """Ship one cache; returns the seconds it took.  Raises ConnectionError unless the decode
+    worker acknowledged the whole cache."""
     t0 = time.monotonic()
     with socket.create_connection((decode[0], int(decode[1])), timeout=30) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(struct.pack("!QQQ", rid, output_tokens, len(blob)) + blob)
-        s.recv(1)  # the decode worker acknowledges the whole cache
+        s.sendall(KV_HEADER.pack(rid, output_tokens, prompt_tokens, len(blob)))
+        s.sendall(blob)
+        if s.recv(1) != b"k":
+            raise ConnectionError("the decode worker closed the connection without acknowledging the cache")
     return time.monotonic() - t0
 
 
-def run(cfg: ServerConfig) -> None:
-    import torch
+class _Prompt:
+    """A prompt part-way through prefill (the emulated backend's state: no tensors)."""
 
-    from agents.bubbletea.inference import PrefillState, load_model, pack, prefill_chunk, prompt_tokens
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+
+class _TorchPrefill:
+    """The real model, on the worker's CPU quota (or GPU)."""
+
+    def __init__(self, cfg: ServerConfig):
+        import torch
+
+        from agents.bubbletea import inference
+
+        torch.set_num_threads(1)
+        self.inf = inference
+        m = cfg.model
+        self.model = inference.load_model(m.layers, m.hidden, m.heads, m.max_context, m.seed)
+        self.max_context = m.max_context
+        self.calibrate_lengths = cfg.calibrate
+        self.recent: deque = deque(maxlen=32)  # seconds per token of recent chunks
+
+    def calibrate(self) -> list[list[float]]:
+        profile = []
+        for n in self.calibrate_lengths:
+            n = min(n, self.max_context)
+            state = self.inf.PrefillState(self.inf.prompt_tokens(10**6 + n, n))
+            t0 = time.monotonic()
+            self.inf.prefill_chunk(self.model, state, n)
+            profile.append([n, time.monotonic() - t0])
+        self.recent.append(max(1e-5, profile[-1][1] / profile[-1][0]))
+        return profile
+
+    def new(self, rid: int, tokens: int):
+        return self.inf.PrefillState(self.inf.prompt_tokens(rid, tokens))
+
+    @staticmethod
+    def progress(state) -> tuple[int, int]:
+        return state.done, int(state.tokens.shape[1])
+
+    def chunk_s(self, state, n: int) -> float:
+        """The next chunk's time, judged by the slow end of the recent ones (a chunk's wall time
+        varies several-fold when the quota runs out mid-chunk)."""
+        return n * sorted(self.recent)[int(0.9 * (len(self.recent) - 1))]
+
+    def run_chunk(self, state, n: int) -> tuple[float, float, int]:
+        t0 = time.monotonic()
+        ran = self.inf.prefill_chunk(self.model, state, n)
+        t1 = time.monotonic()
+        self.recent.append((t1 - t0) / max(1, ran))
+        return t0, t1, ran
+
+    @staticmethod
+    def first_token(state) -> int:
+        return int(state.logits.argmax(-1))
+
+    def cache(self, state) -> bytes:
+        return self.inf.pack(state)
+
+
+class _EmulatedPrefill:
+    """The worker's emulated device, for the profiled time of each chunk; no model."""
+
+    def __init__(self, cfg: ServerConfig):
+        from agents.bubbletea.timing import ServingTimes
+        from agents.trainer.device import EmulatedDevice
+
+        self.times = ServingTimes.load(cfg.serving_profile, cfg.speedup)
+        self.device = EmulatedDevice(cfg.device_file)
+        self.max_context = cfg.model.max_context
+        self.calibrate_lengths = cfg.calibrate
+        self._zeros = memoryview(bytes(self.times.kv_bytes(self.max_context)))
+
+    def calibrate(self) -> list[list[float]]:
+        return [[n, self.times.chunk_s(min(n, self.max_context), 0)] for n in self.calibrate_lengths]
+
+    @staticmethod
+    def new(rid: int, tokens: int) -> _Prompt:
+        return _Prompt(tokens)
+
+    @staticmethod
+    def progress(state: _Prompt) -> tuple[int, int]:
+        return state.done, state.total
+
+    def chunk_s(self, state: _Prompt, n: int) -> float:
+        return self.times.chunk_s(n, state.done)
+
+    def run_chunk(self, state: _Prompt, n: int) -> tuple[float, float, int]:
+        n = min(n, state.total - state.done)
+        start, end = self.device.run(self.times.chunk_s(n, state.done))  # queued behind what the device runs
+        state.done += n
+        return start, end, n
+
+    @staticmethod
+    def first_token(state: _Prompt) -> None:
+        return None
+
+    def cache(self, state: _Prompt) -> memoryview:
+        return self._zeros[:self.times.kv_bytes(state.total)]
+
+
+def run(cfg: ServerConfig) -> None:
     from agents.trainer.waitboard import WaitBoard
 
-    torch.set_num_threads(1)
-    m = cfg.model
-    model = load_model(m.layers, m.hidden, m.heads, m.max_context, m.seed)
+    backend = _EmulatedPrefill(cfg) if cfg.device_file else _TorchPrefill(cfg)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     if os.path.exists(cfg.listen):
         os.unlink(cfg.listen)
@@ -71,56 +185,55 @@ def run(cfg: ServerConfig) -> None:
         except OSError:
             pass  # the controller is gone: nothing more will come
 
-    # calibrate: prefill time against prompt length, on this worker's device
-    profile = []
-    for n in cfg.calibrate:
-        n = min(n, m.max_context)
-        state = PrefillState(prompt_tokens(10**6 + n, n))
-        t0 = time.monotonic()
-        prefill_chunk(model, state, n)
-        profile.append([n, time.monotonic() - t0])
-    tell({"type": "ready", "profile": profile})
-    states: dict[int, PrefillState] = {}
+    ready = {"type": "ready", "profile": backend.calibrate()}  # prefill time against prompt length, on this device
+    for _ in range(600):  # the controller may still be binding its socket
+        try:
+            sock.sendto(json.dumps(dict(ready, worker=cfg.worker)).encode(), controller)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            time.sleep(0.1)
+    states: dict = {}
     outbox: queue.Queue = queue.Queue()
 
     # KV caches leave in the background (the next prefill need not wait), but only inside a
     # bubble: packing and sending draw on the worker's quota, and a send started as the
     # bubble ends would leave the training op that follows a spent CFS period
     gate = threading.Condition()
-    bubble = {"deadline": 0.0}
-
+    bubble = {"deadline": 0.0, "drain": False}
     board = WaitBoard(cfg.wait_board) if cfg.wait_board else None
 
     def in_bubble() -> bool:
-        return time.monotonic() < bubble["deadline"] - _KV_GUARD_S and (board is None or board.read() != 0)
+        return bubble["drain"] or (time.monotonic() < bubble["deadline"] - _KV_GUARD_S
+                                   and (board is None or board.read() != 0))
 
     def ship() -> None:
         while True:
             rid, decode, output_tokens, first, state, finished = outbox.get()
             with gate:
                 gate.wait_for(in_bubble)
-            blob = pack(state)
             try:
-                sent = _send_kv(decode, rid, output_tokens, blob)
-            except OSError as exc:
-                tell({"type": "error", "rid": rid, "error": f"KV transfer failed: {exc}"})
+                blob = backend.cache(state)
+                sent = send_kv(decode, rid, output_tokens, backend.progress(state)[1], blob)
+            except (OSError, ConnectionError) as exc:
+                tell({"type": "error", "rid": rid, "error": f"{type(exc).__name__}: {exc}"})
                 continue
             tell({"type": "prefilled", "rid": rid, "kv_bytes": len(blob), "kv_send_s": sent, "first_token": first,
                   "at": finished})
 
-    for _ in range(cfg.kv_senders):  # a cache takes a few WAN round trips: several at once
+    for _ in range(cfg.kv_senders):  # a cache takes a few round trips: several at once
         threading.Thread(target=ship, daemon=True).start()
-    # a chunk's wall time varies several-fold (the quota runs out mid-chunk and the kernel
-    # throttles at tick granularity): judge the next chunk by the slow end of the recent ones
-    recent = deque([max(1e-5, profile[-1][1] / profile[-1][0])], maxlen=32)
     while True:
-        data = sock.recv(65536)
-        msg = json.loads(data)
+        msg = json.loads(sock.recv(65536))
         kind = msg.get("type")
         if kind == "stop":
             return
         if kind == "drop":
             states.pop(msg["rid"], None)
+            continue
+        if kind == "drain":
+            with gate:
+                bubble["drain"] = True
+                gate.notify_all()
             continue
         if kind != "prefill":
             continue
@@ -135,30 +248,26 @@ def run(cfg: ServerConfig) -> None:
             state = states.get(rid)
             intervals = []
             if state is None and not stopped:
-                state = states[rid] = PrefillState(prompt_tokens(rid, job["tokens"]))
-            while state is not None and not stopped and state.done < state.tokens.shape[1]:
-                n = min(chunk, state.tokens.shape[1] - state.done)
-                per_token = sorted(recent)[int(0.9 * (len(recent) - 1))]
-                if time.monotonic() + n * per_token > msg["deadline"]:
+                state = states[rid] = backend.new(rid, job["tokens"])
+            while state is not None and not stopped:
+                done, total = backend.progress(state)
+                if done >= total:
+                    break
+                n = min(chunk, total - done)
+                if time.monotonic() + backend.chunk_s(state, n) > msg["deadline"]:
                     stopped = True  # the next chunk would overrun the bubble: stop at this boundary
                     break
                 if board is not None and "wait" in msg and board.read() != msg["wait"]:
                     stopped = True  # the wait is over earlier than predicted: training runs now
                     break
-                t0 = time.monotonic()
-                ran = prefill_chunk(model, state, n)
-                t1 = time.monotonic()
-                intervals.append([t0, t1, ran])
-                recent.append((t1 - t0) / ran)
-            done = state.done if state is not None else 0
-            total = int(state.tokens.shape[1]) if state is not None else job["tokens"]
+                intervals.append(list(backend.run_chunk(state, n)))
+            done, total = backend.progress(state) if state is not None else (0, job["tokens"])
             tell({"type": "progress", "rid": rid, "done": done, "total": total, "intervals": intervals,
                   "last": i == len(jobs) - 1})
-            if state is not None and state.done == total:
+            if state is not None and done == total:
                 finished = intervals[-1][1] if intervals else time.monotonic()  # the first token exists now
                 states.pop(rid)
-                outbox.put((rid, msg["decode"], job["output_tokens"], int(state.logits.argmax(-1)), state,
-                            finished))
+                outbox.put((rid, msg["decode"], job["output_tokens"], backend.first_token(state), state, finished))
 
 
 def main() -> int:

@@ -1,0 +1,114 @@
+"""BubbleTea's headline figures: the same job with BubbleTea off and on, back to back.
+
+How it fits: a run with BubbleTea on cannot measure its own cost (its unserved iterations
+still carry the decoding and KV shipping of the served ones), so the training slowdown is
+measured against runs of the same experiment (topology, seed, device) with
+``bubbletea.enabled: false``, alternated with runs that serve every steady iteration
+(``interleave: false``): off, on, off, on, ...  Each run is a ``testbed.runner.TrainingRun``
+in ``OUT/off-<i>/`` or ``OUT/on-<i>/`` with its own metrics.json.  The result
+(``OUT/backtoback.json``) holds per run the mean steady-state iteration time, and overall:
+
+* ``slowdown``: mean iteration time of the on runs over that of the off runs, less 1 (and
+  per pair, to show the spread);
+* ``utilization``: training busy + prefill busy over device time in the on runs (the
+  union per worker and iteration; ``extension.summarise``), and training alone in the off runs;
+* the serving figures of the on runs (``extension.serving_figures``): arrivals, admitted,
+  completed, rejected with reasons, dropped, TTFT and TBT percentiles over completed
+  requests, goodput under the SLO over all arrivals.
+
+    python -m agents.bubbletea.backtoback experiments/bubbletea-emulated.yaml --pairs 2 --out results/bt-b2b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+SERVING = ("requests_arrived", "requests_admitted", "requests_completed", "requests_rejected", "requests_dropped",
+           "requests_in_flight_after_run", "accounting_exact", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+           "tbt_p50_s", "tbt_p90_s", "tbt_p99_s", "tpot_mean_s", "goodput_within_slo", "goodput_rps",
+           "offered_rps", "bubble_time_filled", "prefill_share_of_device_time", "kv_bytes_mean",
+           "kv_transfer_mean_s")
+
+
+def arm(exp, on: bool):
+    """``exp`` with BubbleTea off, or on and serving every steady iteration."""
+    e = exp.model_copy(deep=True)
+    e._origin, e._topo, e._topo_file, e._slots = exp._origin, exp._topo, exp._topo_file, exp._slots
+    e.bubbletea.enabled = on
+    e.bubbletea.interleave = False
+    return e
+
+
+def back_to_back(exp, out: Path, pairs: int = 1, delay_backend: str = "auto",
+                 log: Callable[[str], None] | None = None) -> dict:
+    from testbed.runner import TrainingRun
+
+    say = log or (lambda m: None)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for i in range(pairs):
+        for on in (False, True):
+            name = f"{'on' if on else 'off'}-{i}"
+            say(f"{exp.name}: BubbleTea {'on' if on else 'off'} (pair {i + 1} of {pairs})")
+            result = TrainingRun(arm(exp, on), out / name, delay_backend=delay_backend).run()
+            s = result["summary"]
+            times = [it["time_s"] for it in result["iterations"] if it["iteration"] in s["steady_state_iterations"]]
+            row = {"run": name, "bubbletea": on, "mean_iteration_time_s": s["mean_iteration_time_s"],
+                   "iteration_times_s": times, "training_busy": s["mean_busy_fraction"],
+                   "utilization": s.get("utilization_with_prefill") if on else s["mean_busy_fraction"],
+                   "op_timing": (result.get("device") or {}).get("op_timing")}
+            if on:
+                row.update({k: s.get(k) for k in SERVING})
+                row["rejection_reasons"], row["drop_reasons"] = s.get("rejection_reasons"), s.get("drop_reasons")
+            runs.append(row)
+            say(f"  mean iteration {row['mean_iteration_time_s']:.4f} s, utilization {row['utilization']}")
+    return summarise(exp, runs, out)
+
+
+def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
+    off = [r for r in runs if not r["bubbletea"]]
+    on = [r for r in runs if r["bubbletea"]]
+    t_off = statistics.fmean(r["mean_iteration_time_s"] for r in off)
+    t_on = statistics.fmean(r["mean_iteration_time_s"] for r in on)
+    result = {
+        "experiment": exp.name, "device": exp.device, "pairs": len(on),
+        "mean_iteration_off_s": round(t_off, 5), "mean_iteration_on_s": round(t_on, 5),
+        "slowdown": round(t_on / t_off - 1, 5),
+        "slowdown_per_pair": [round(b["mean_iteration_time_s"] / a["mean_iteration_time_s"] - 1, 5)
+                              for a, b in zip(off, on)],
+        "utilization_off": round(statistics.fmean(r["utilization"] for r in off), 4),
+        "utilization_on": round(statistics.fmean(r["utilization"] for r in on), 4),
+        "runs": runs,
+    }
+    if out is not None:
+        (out / "backtoback.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main() -> int:
+    from testbed.experiment import load_experiment
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("experiment")
+    ap.add_argument("--pairs", type=int, default=1, help="off/on pairs, alternated")
+    ap.add_argument("--out", default="results/bubbletea-backtoback")
+    ap.add_argument("--delay-backend", default="auto")
+    args = ap.parse_args()
+    exp = load_experiment(args.experiment)
+    r = back_to_back(exp, Path(args.out), args.pairs, args.delay_backend, log=lambda m: print(m, flush=True))
+    print(f"off {r['mean_iteration_off_s']:.4f} s, on {r['mean_iteration_on_s']:.4f} s: slowdown "
+          f"{100 * r['slowdown']:+.2f}% (per pair {', '.join(f'{100 * x:+.2f}%' for x in r['slowdown_per_pair'])}); "
+          f"utilization {r['utilization_off']:.3f} -> {r['utilization_on']:.3f}")
+    last = [x for x in r["runs"] if x["bubbletea"]][-1]
+    print("serving (last on run): " + ", ".join(f"{k} {last.get(k)}" for k in SERVING))
+    print(f"results: {args.out}/backtoback.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
