@@ -121,6 +121,8 @@ def _controller(decode: dict[str, str], rate_per_s: float = 200.0, duration_s: f
     ctl._send = lambda name, msg: ctl.sent.append((name, msg))
     ctl.tell_run = ctl.told.append
     now = time.monotonic()
+    for d in sorted(set(decode.values())):
+        ctl.on_report({"type": "decode_ready", "decoder": d})
     for w in decode:
         ctl.on_report({"type": "ready", "worker": w, "profile": [[16, 0.001], [64, 0.002]]})
         # one warm-up iteration with a long bubble, then the worker is in its next iteration
@@ -182,6 +184,30 @@ def test_controller_accounts_for_every_request():
                                                          if r["status"] == "completed"), abs=1e-4)
     assert f["tbt_p50_s"] == pytest.approx(0.02, abs=1e-4) and f["tbt_p99_s"] == pytest.approx(0.02, abs=1e-4)
     assert f["goodput_within_slo"] == pytest.approx(1 / f["requests_arrived"], abs=1e-4)  # over all arrivals
+
+
+def test_training_waits_for_the_decode_workers_to_listen():
+    """Ready (training may start) once every prefill server has profiled its model and every
+    decode worker listens, or died: a cache shipped to a decode worker still loading its
+    model met a refused connection ("KV transfer failed") on a loaded machine."""
+    from agents.bubbletea.config import ControllerConfig, Workload
+
+    cfg = ControllerConfig(
+        telemetry="", listen="", results="", servers={"s0r0": "/x", "s1r0": "/y"},
+        decoders={"decode-a": ["x", 1], "decode-b": ["y", 1]}, decode={"s0r0": "decode-a", "s1r0": "decode-b"},
+        warmup_iterations=1, interleave=False, slo_ttft_s=0.5, slo_tbt_s=None, margin_s=0.001, margin_frac=0.1,
+        chunk_tokens=32, max_prompt_tokens=64,
+        workload=Workload("poisson", duration_s=0.1, rate_scale=1.0, token_scale=1.0, rate_per_s=10.0,
+                          max_output_tokens=4, seed=2))
+    ctl = Controller(cfg)
+    ctl.tell_run = lambda line: None
+    for w in ("s0r0", "s1r0"):
+        ctl.on_report({"type": "ready", "worker": w, "profile": [[16, 0.001], [64, 0.002]]})
+    assert not ctl.ready
+    ctl.on_report({"type": "decode_ready", "decoder": "decode-a"})
+    assert not ctl.ready
+    ctl.on_telemetry({"type": "died", "component": "decode-b", "reason": "decode worker decode-b died (exit code 1)"})
+    assert ctl.ready
 
 
 def test_a_dead_decode_worker_takes_its_requests_with_it_and_nothing_else():

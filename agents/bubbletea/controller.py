@@ -67,7 +67,7 @@ class Controller:
         self.queue: list[int] = []
         self.servers = {name: {"path": path, "busy": None, "profile": None, "sticky": set(), "dead": None}
                         for name, path in cfg.servers.items()}
-        self.decoders = {name: {"addr": addr, "dead": None} for name, addr in cfg.decoders.items()}
+        self.decoders = {name: {"addr": addr, "dead": None, "ready": False} for name, addr in cfg.decoders.items()}
         self.bubbles = {name: WorkerBubbles() for name in cfg.servers}
         self.prefill_intervals: dict[str, list] = {name: [] for name in cfg.servers}
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -112,7 +112,10 @@ class Controller:
             self.servers[name]["profile"] = PrefillProfile([tuple(p) for p in msg["profile"]])
             self._check_ready()
             return
-        if kind == "decode_ready":
+        if kind == "decode_ready":  # listening: caches may go to it from now on
+            if msg.get("decoder") in self.decoders:
+                self.decoders[msg["decoder"]]["ready"] = True
+                self._check_ready()
             return
         if kind == "decode_error":
             dec = msg.get("decoder", "?")
@@ -185,13 +188,20 @@ class Controller:
             for rid, r in self.state.items():
                 if r.get("server") == component and (r["status"] == "prefilling" or rid in srv["sticky"]):
                     hit += self._reject(rid, reason)
-            self._check_ready()  # one that died loading its model holds nobody up
+        self._check_ready()  # one that died loading its model holds nobody up
         self._failure(component, reason, hit)
 
     def _check_ready(self) -> None:
-        if not self.ready and all(s["profile"] is not None or s["dead"] for s in self.servers.values()):
-            self.ready = True  # training may start: the run waits for this
-            _log("every prefill server has profiled its model: ready")
+        """Training may start (the run waits for this) once every prefill server has profiled its
+        model and every decode worker listens, or died.  A decode worker loads its model before
+        it listens; under load (on CPUs it runs at 1/8 of a device's weight) that took longer than
+        the servers' start, and the first caches shipped met a refused connection."""
+        if self.ready:
+            return
+        if all(s["profile"] is not None or s["dead"] for s in self.servers.values()) and \
+                all(d["ready"] or d["dead"] for d in self.decoders.values()):
+            self.ready = True
+            _log("every prefill server has profiled its model and every decode worker listens: ready")
 
     # -- decisions ----------------------------------------------------------------------
     def _failure(self, component: str, reason: str, requests: int) -> None:

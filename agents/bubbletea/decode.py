@@ -6,7 +6,9 @@ through the emulated network and send ``server.KV_HEADER`` (request id, output t
 prompt tokens, cache bytes) then the cache; the worker acknowledges the whole cache with
 one byte, generates greedily (the caches that have arrived decode together as one batch,
 up to ``max_batch``), and reports each completed request to the controller (Unix datagram)
-with the time each of its tokens came out (the time between tokens).
+with the time each of its tokens came out (the time between tokens).  Once it listens it
+tells the controller (``decode_ready``); training starts only then, so no cache meets a
+worker still loading its model.
 
 The decoding is a backend's business: ``_TorchDecode`` runs the real model
 (``inference.decode_batch``); ``_EmulatedDecode`` (``device: emulated``) occupies the
@@ -148,7 +150,13 @@ def run(cfg: DecodeConfig) -> None:
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind((cfg.ip, cfg.port))
     server.listen(64)
-    tell({"type": "decode_ready"})
+    ready = json.dumps({"type": "decode_ready", "decoder": cfg.name}).encode()
+    for _ in range(600):  # the controller starts after the decode workers: it may not be bound yet
+        try:
+            report.sendto(ready, cfg.controller)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            time.sleep(0.1)
     while True:
         conn, _ = server.accept()
         threading.Thread(target=serve, args=(conn,), daemon=True).start()

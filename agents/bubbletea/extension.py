@@ -13,8 +13,8 @@ worker's CPU container (``cpu.idle = 1``) and a decode worker in a container of 
 worker's own emulated device and a decode worker one of its own, for the times of the
 serving profile (``profile.py``'s JSON, checked here against the experiment's model before
 anything is built).  Training starts once the controller says every prefill server has
-profiled its model.  While training runs, ``check`` watches every server and decode
-worker: one that dies is named in the run's log and the controller rejects its requests with that
+profiled its model and every decode worker listens.  While training runs, ``check``
+watches every server and decode worker: one that dies is named in the run's log and the controller rejects its requests with that
 reason; training goes on.  After training the controller is stopped first (it drains and
 accounts for every request), then the rest; ``summarise`` adds BubbleTea's figures to the
 run's summary: utilization with and without prefill (from the timelines), the request
@@ -199,11 +199,12 @@ class BubbleTeaExtension(RunExtension):
 
     def ready(self) -> bool:
         """Training starts once the inference model is loaded and profiled beside every stage
-        (as it would be on the GPUs before a job starts), or once BubbleTea is gone."""
+        (as it would be on the GPUs before a job starts) and the decode workers listen, or
+        once BubbleTea is gone."""
         return self._ready or self.dead
 
     def waiting_for(self) -> str:
-        return "BubbleTea's prefill servers"
+        return "BubbleTea's prefill servers and decode workers"
 
     def check(self) -> None:
         launcher = self._ctx.launcher
