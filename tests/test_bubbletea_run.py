@@ -51,7 +51,7 @@ def test_prefills_fill_bubbles_and_every_request_is_accounted_for(tmp_path):
     assert s["requests_completed"] > 0 and s["requests_rejected"] > s["requests_completed"]
     assert set(s["rejection_reasons"]) <= FINAL_REASONS, s["rejection_reasons"]
     assert s["ttft_p99_s"] <= exp.bubbletea.slo_ttft_s and s["tbt_p50_s"] > 0
-    assert s["goodput_within_slo"] <= s["requests_completed"] / s["requests_arrived"]
+    assert s["goodput_within_slo"] <= s["requests_completed"] / s["requests_arrived"] + 1e-4  # rounded to 4 places
     assert s["utilization_with_prefill"] > s["utilization_without_prefill"] + 0.05
     assert s["bubble_time_filled"] > 0.1
     # the overload costs training little: within the run-to-run noise of this machine
