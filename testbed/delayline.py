@@ -498,7 +498,6 @@ class DelayLine:
         except OSError:
             pass
 
-
     def _note_lateness(self, late_s: float) -> None:
         self._lateness.append(late_s)
         if len(self._lateness) >= _LATE_WINDOW:
