@@ -270,6 +270,13 @@ def _clean() -> str:
     return text or f"exit {res.returncode}"
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C acts as it does on a terminal's foreground job.  A harness started
+    in the background of a non-interactive shell inherits SIGINT ignored, and so would every
+    run it starts (measured: 6 of 60 Ctrl-C injections were ignored that way)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
@@ -346,7 +353,8 @@ def _run_orchestrator(exp, inj: Injection, work: Path, out: Outcome) -> dict:
     t0, fired = time.monotonic(), None
     with open(stderr, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", str(path), "--out", str(results / "out")],
-                                stdout=subprocess.DEVNULL, stderr=err, env=_env(), start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=err, env=_env(), start_new_session=True,
+                                preexec_fn=_default_sigint)
     try:
         deadline = t0 + 300
         while inj.at_iteration and time.monotonic() < deadline and proc.poll() is None:
