@@ -493,6 +493,18 @@ def qemu_command(image: Image, job_dir: Path, accel: str, network: bool = False,
     return cmd
 
 
+def _bootable(image: Image | None, accel: str | None) -> tuple[Image, str]:
+    """The image to boot (the given one or the newest built) and its accelerator; a one-line
+    ``VMError`` where qemu is missing or no image is built."""
+    why = missing()
+    if why:
+        raise VMError(why)
+    image = image or find_image()
+    if image is None:
+        raise VMError("no netem VM image yet: run 'testbed vm build'")
+    return image, accel or choose_accel(image)
+
+
 def run_job(script: str, image: Image | None = None, network: bool = False, writable: bool = False,
             share_src: bool = True, timeout_s: float = _DEFAULT_TIMEOUT_S, accel: str | None = None,
             on_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None) -> JobResult:
@@ -501,13 +513,7 @@ def run_job(script: str, image: Image | None = None, network: bool = False, writ
     The project is at ``/mnt/gtb`` (read-only) unless ``share_src`` is false; the script
     may leave files in ``/mnt/gtbjob``, which come back in ``JobResult.files``.
     """
-    why = missing()
-    if why:
-        raise VMError(why)
-    image = image or find_image()
-    if image is None:
-        raise VMError("no netem VM image yet: run 'testbed vm build'")
-    accel = accel or choose_accel(image)
+    image, accel = _bootable(image, accel)
     job_dir = _new_job_dir()
     try:
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in (env or {}).items())
@@ -545,13 +551,7 @@ def run_job(script: str, image: Image | None = None, network: bool = False, writ
 
 def shell(image: Image | None = None, accel: str | None = None, network: bool = False) -> int:
     """An interactive root shell in a throwaway VM on this terminal (exit it to stop the VM)."""
-    why = missing()
-    if why:
-        raise VMError(why)
-    image = image or find_image()
-    if image is None:
-        raise VMError("no netem VM image yet: run 'testbed vm build'")
-    accel = accel or choose_accel(image)
+    image, accel = _bootable(image, accel)
     job_dir = _new_job_dir()
     try:
         (job_dir / "init.sh").write_text(RUN_INIT)
