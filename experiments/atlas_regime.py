@@ -54,7 +54,6 @@ D, M = 4, 4
 SEQ, HIDDEN = 2048, 512  # one microbatch of one sequence: 2048 x 512 x 4 B = 4 MiB
 WINDOW = 32768
 CONNECTIONS = 16
-SCHEDULE = "1f1b"  # of (a), (b), (c): --schedule
 
 
 def _t() -> float:
@@ -74,7 +73,7 @@ def _write(tmp: Path, name: str, queue: int, **over) -> Path:
         "name": name, "topology": str(topo), "device": "emulated",
         "model": {"layers": 2, "hidden": HIDDEN, "heads": 8, "seq_len": SEQ},
         "training": {"iterations": 5, "microbatches": M, "microbatch_size": 1, "seed": 2, "warmup_iterations": 2},
-        "parallel": {"stages": 2, "replicas": D, "schedule": SCHEDULE, "connections": CONNECTIONS,
+        "parallel": {"stages": 2, "replicas": D, "schedule": "1f1b", "connections": CONNECTIONS,
                      "tcp_window_bytes": WINDOW},
         "sim": {"stage_times": [{"forward_s": round(1.67 * t / 3, 4), "backward_s": round(2 * 1.67 * t / 3, 4)}] * 2},
         "atlas": {"sharing": "fair", "class_queue": "share"},
@@ -143,8 +142,7 @@ def main() -> int:
                     help="the schedule of (a), (b) and (c) (GPipe sends a stage's microbatches back to back: "
                          "more transfers overlap on the link, where turns help most)")
     args = ap.parse_args()
-    global SCHEDULE
-    SCHEDULE = args.schedule
+    schedule = {"parallel__schedule": args.schedule}  # of (a), (b), (c) and the ablation
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     cal = args.out / "window.json"
@@ -156,16 +154,16 @@ def main() -> int:
           f"pipeline's fair share is {RATE / D * PAYLOAD_FRACTION:.1f})", flush=True)
     rows = []
     for queue in ((1,) if args.quick else (1, 16)):
-        rows.append(run(args.out, f"a-q{queue}", queue, window_eff, parallel__connections=1))
-        rows.append(run(args.out, f"b-q{queue}", queue, window_eff))
-        rows.append(run(args.out, f"c-q{queue}", queue, window_eff, atlas__sharing="temporal"))
+        rows.append(run(args.out, f"a-q{queue}", queue, window_eff, parallel__connections=1, **schedule))
+        rows.append(run(args.out, f"b-q{queue}", queue, window_eff, **schedule))
+        rows.append(run(args.out, f"c-q{queue}", queue, window_eff, atlas__sharing="temporal", **schedule))
     if not args.quick:
         for schedule, extra in (("gpipe", 0), ("1f1b", 2)):
             rows.append(run(args.out, f"s-{schedule}-w{extra}-q1", 1, window_eff, atlas__sharing="temporal",
                             parallel__schedule=schedule, parallel__extra_warmup=extra))
         for plan in ("fixed", "telemetry"):  # the slow pipeline is r3: last in the fixed order
             rows.append(run(args.out, f"slow-{plan}-q1", 1, window_eff, atlas__sharing="temporal", atlas__plan=plan,
-                            emulation__slowdown={3: 1.5}))
+                            emulation__slowdown={3: 1.5}, **schedule))
     with open(args.out / "atlas_regime.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
