@@ -158,7 +158,7 @@ def test_a_fault_at_a_random_point_ends_as_documented_and_leaves_nothing(fault, 
     assert out.leftovers == {} and leftovers() == NOTHING_LEFT, said
     assert not (out.lost or out.duplicated or out.wrong_loss), said
     if fault == "kill-orchestrator" and inj.at_iteration:  # it died mid-training: clean had work, and did it
-        assert out.left_at_exit.get("processes") and out.left_at_exit.get("netns"), said
+        assert out.left_at_exit.get("processes") and out.left_at_exit.get("links"), said  # no named netns: hosts hold theirs
         assert out.clean_removed.startswith("removed") and not out.clean_removed.startswith("removed 0 "), said
         assert out.iterations >= inj.at_iteration, said
     if fault != "kill-orchestrator":  # the run's own exit removed everything
