@@ -16,7 +16,8 @@ containers, start, stop), talks to them through the ``hub``, and drives every ``
 ``sim``) leaves behind, and ``metrics`` turns them into metrics.json, a Chrome trace and
 plots; ``compare`` runs an experiment's variants back to back.  *Around it*: ``provision``
 runs the Ansible playbook, ``chaos`` injects faults into short real runs and judges how
-they ended, ``cli`` is the ``testbed`` command, and ``vm`` (by hand: ``vmcli``, ``testbed
+they ended, ``cli`` is the ``testbed`` command (``cliutil``: the one-line errors and the
+Ctrl-C/SIGTERM unwinding every command shares), and ``vm`` (by hand: ``vmcli``, ``testbed
 vm``) boots a throwaway VM with Debian's stock kernel, where the netem backend runs on a
 machine whose kernel has none.
 """

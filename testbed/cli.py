@@ -23,6 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+from .cliutil import fail as _fail
+from .cliutil import fail_interrupted
+from .cliutil import on_sigterm as _on_sigterm
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
 topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
@@ -37,13 +40,6 @@ console = Console(stderr=True)
 out = Console()
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    from rich.markup import escape
-
-    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
 def _user_errors():
     from .kernel import BackendUnavailable
     from .network import NetworkError
@@ -51,21 +47,6 @@ def _user_errors():
     from .spec import SpecError
 
     return (SpecError, BackendUnavailable, NetworkError, Busy)
-
-
-_MAIN_PID = os.getpid()
-
-
-def _on_sigterm(signum, frame):
-    """Unwind like Ctrl-C so clean-up runs, but only in this process.
-
-    pyroute2 forks helper processes (to open sockets inside namespaces) and ends them
-    with SIGTERM; a fork inherits this handler, and must not unwind our stack and tear
-    the network down from inside the helper.
-    """
-    if os.getpid() != _MAIN_PID:
-        os._exit(128 + signum)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @app.command()
@@ -128,8 +109,7 @@ def fidelity(
     except _user_errors() as exc:
         _fail(str(exc))
     except KeyboardInterrupt as exc:
-        by = exc.args[0] if exc.args else "SIGINT"
-        _fail(f"interrupted ({by}); everything the testbed made was removed", 130)
+        fail_interrupted(exc)
     if as_json:
         out.print_json(json.dumps([r.to_dict() for r in reports]))
         return
@@ -185,8 +165,7 @@ def run(
     except _user_errors() + (RunError,) as exc:
         _fail(str(exc), 1 if isinstance(exc, RunError) else 2)
     except KeyboardInterrupt as exc:
-        by = exc.args[0] if exc.args else "SIGINT"
-        _fail(f"interrupted ({by}); everything the testbed made was removed", 130)
+        fail_interrupted(exc)
     s = result["summary"]
     table = Table(title=f"{exp.name} on {exp.topo.name}")
     table.add_column("figure")

@@ -17,16 +17,11 @@ import time
 import typer
 from rich.console import Console
 
+from .cliutil import fail as _fail
+
 vm_app = typer.Typer(no_args_is_help=True, help="A throwaway VM with a stock Debian kernel that has netem.")
 console = Console(stderr=True)
 out = Console()
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    from rich.markup import escape
-
-    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def _say(t0: float):

@@ -9,7 +9,6 @@ line and exit 2; Ctrl-C and SIGTERM unwind through the network's clean-up.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 from typing import Optional
@@ -18,17 +17,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from testbed.cliutil import fail as _fail
+from testbed.cliutil import fail_interrupted
+from testbed.cliutil import on_sigterm as _on_sigterm
+
 app = typer.Typer(no_args_is_help=True, help="Titan and Titan-Next: conferencing traffic offloaded to Internet paths.")
 console = Console(stderr=True)
 out = Console()
-_MAIN_PID = os.getpid()
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    from rich.markup import escape
-
-    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def _user_errors() -> tuple:
@@ -128,8 +123,7 @@ def emulate(
     except _user_errors() as exc:
         _fail(str(exc))
     except KeyboardInterrupt as exc:
-        by = exc.args[0] if exc.args else "SIGINT"
-        _fail(f"interrupted ({by}); everything the testbed made was removed", 130)
+        fail_interrupted(exc)
     if as_json:
         slim = {k: v for k, v in result.items() if k != "policies"}
         slim["policies"] = {n: {k: v for k, v in p.items() if not k.endswith("slot_load_kbps")
@@ -177,8 +171,3 @@ def backbone(
     if len(bb.edges) > 40:
         out.print(f"... and {len(bb.edges) - 40} more (--json for all)")
 
-
-def _on_sigterm(signum, frame):
-    if os.getpid() != _MAIN_PID:
-        os._exit(128 + signum)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
