@@ -94,6 +94,11 @@ def test_waits_are_predicted_conservatively_from_recent_iterations():
     s0, e0 = w.window(now=10.0, margin_s=0.006, margin_frac=0.1)
     assert s0 == 10.0 and e0 == pytest.approx(10.0 + 0.2 - 0.02)
     assert w.window(now=10.5, margin_s=0.006, margin_frac=0.1) is None  # its predicted end has passed
+    # a wait that outlasts its shortest length is given the next one it reached before
+    w.on_wait({"it": 3, "n": 1, "t": 20.0})
+    assert w.ends(now=20.0, margin_s=0.006, margin_frac=0.0) == [pytest.approx(20.074), pytest.approx(20.094),
+                                                                 pytest.approx(20.094)]
+    assert w.ends(now=20.08, margin_s=0.006, margin_frac=0.0) == [pytest.approx(20.094)] * 2
 
 
 def test_prefill_profile_fits_a_line():
@@ -330,7 +335,7 @@ def test_emulated_serving_occupies_the_devices_and_ships_caches_of_the_real_size
         until(lambda m: m["type"] == "decode_ready")
         dev = EmulatedDevice(worker_dev)
         jobs = [{"rid": 1, "tokens": 100, "output_tokens": 5}, {"rid": 2, "tokens": 40, "output_tokens": 1}]
-        ctl.sendto(json.dumps({"type": "prefill", "deadline": time.monotonic() + 30, "chunk": 32,
+        ctl.sendto(json.dumps({"type": "prefill", "deadlines": [time.monotonic() + 30], "chunk": 32,
                                "decode": ["127.0.0.1", port], "jobs": jobs}).encode(), str(tmp_path / "srv.sock"))
         deadline = time.monotonic() + 20
         while dev.busy_seconds() == 0 and time.monotonic() < deadline:

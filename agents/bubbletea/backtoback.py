@@ -98,8 +98,11 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=1, help="off/on pairs, alternated")
     ap.add_argument("--out", default="results/bubbletea-backtoback")
     ap.add_argument("--delay-backend", default="auto")
+    ap.add_argument("--rate-scale", type=float, help="arrivals x this instead of the experiment's rate_scale")
     args = ap.parse_args()
     exp = load_experiment(args.experiment)
+    if args.rate_scale is not None:
+        exp.bubbletea.rate_scale = args.rate_scale
     r = back_to_back(exp, Path(args.out), args.pairs, args.delay_backend, log=lambda m: print(m, flush=True))
     print(f"off {r['mean_iteration_off_s']:.4f} s, on {r['mean_iteration_on_s']:.4f} s: slowdown "
           f"{100 * r['slowdown']:+.2f}% (per pair {', '.join(f'{100 * x:+.2f}%' for x in r['slowdown_per_pair'])}); "

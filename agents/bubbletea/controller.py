@@ -8,8 +8,10 @@ and the decode workers over Unix datagrams.  Once every worker is past the warm-
 iterations it replays the workload in real time: each arriving request waits in one queue;
 whenever a server is idle and its worker is in a predicted bubble (``predictor.py``), the
 request already part-prefilled there, then the freshest ones, as many as the bubble holds,
-are sent in one message with a deadline at the bubble's end less a margin; the server runs
-them in order, chunk by chunk, and stops between chunks at the deadline.  The same code
+are sent in one message with deadlines at the bubble's predicted ends less a margin (the
+shortest the wait lasted recently, then the longer ones); the server runs them in order,
+chunk by chunk, and stops between chunks at the first deadline, or at a later one while
+the worker's wait board shows the wait still on.  The same code
 serves real devices and emulated ones (the servers differ, not the decisions).
 
 Accounting, each counted where it happens (``counts``): an *arrival* when the workload
@@ -255,13 +257,13 @@ class Controller:
             it = self.iterations_done.get(name, 0)  # the iteration this worker is in
             if self.cfg.interleave and (it - self.cfg.warmup_iterations) % 2 == 0:
                 continue  # an unserved iteration: the same run measures training without prefills
-            window = self.bubbles[name].window(now, self.cfg.margin_s, self.cfg.margin_frac)
-            if window is None:
+            ends = self.bubbles[name].ends(now, self.cfg.margin_s, self.cfg.margin_frac)
+            if not ends:
                 continue
-            room = window[1] - now
+            room = ends[-1] - now  # jobs for the longest the wait has lasted; the server stops at ends[0]
+            if srv["profile"].seconds(self.cfg.chunk_tokens) > ends[0] - now:
+                continue  # not even one chunk fits before the predicted end
             chunk = self.cfg.chunk_tokens
-            if srv["profile"].seconds(chunk) > room:
-                continue  # not even one chunk fits before the bubble ends
             mine = [rid for rid in srv["sticky"] if rid in self.queue]
             # under overload serve the freshest request (the stale ones reach the SLO and are
             # rejected): the requests served keep a short TTFT.  Lazily, and as many as the
@@ -292,7 +294,7 @@ class Controller:
                 srv["sticky"].add(rid)
             srv["busy"], srv["sent"] = jobs, now
             wait = wait_id(*self.bubbles[name].current[:2])  # the server stops when this wait ends
-            self._send(name, {"type": "prefill", "deadline": window[1], "chunk": chunk, "wait": wait,
+            self._send(name, {"type": "prefill", "deadlines": [round(e, 6) for e in ends], "chunk": chunk, "wait": wait,
                               "decode": self.decoders[self.cfg.decode[name]]["addr"],
                               "jobs": [{"rid": rid, "tokens": self.state[rid]["prompt_tokens"],
                                         "output_tokens": self.state[rid]["output_tokens"]} for rid in jobs]})

@@ -4,7 +4,9 @@ How it fits: bubbles repeat every iteration (the schedule is fixed, transfer and
 times barely move), so the next iteration's bubbles of a worker are predicted from its last
 few: the bubbles of the latest iteration (offset from the iteration's start, length), each
 shortened to the shortest matching bubble of the iterations before (same position within a
-tolerance): a conservative prediction.  ``PrefillProfile`` fits prefill seconds against
+tolerance): a conservative prediction.  A wait that outlasts that prediction is then
+predicted to last as long as the next shortest of those it lasted before (``window``'s later
+ends): conservative again, given how long it has lasted.  ``PrefillProfile`` fits prefill seconds against
 prompt tokens (least squares, a + b * tokens) on this worker's device.
 """
 
@@ -29,8 +31,8 @@ class WorkerBubbles:
     begins (live); its length is predicted as the shortest that wait lasted in the last
     ``keep`` iterations (conservative: a prefill sized to it ends before training resumes)."""
 
-    keep: int = 3
-    history: deque = field(default_factory=lambda: deque(maxlen=3))  # per iteration: [wait lengths]
+    keep: int = 4
+    history: deque = field(default_factory=lambda: deque(maxlen=4))  # per iteration: [wait lengths]
     pending: list = field(default_factory=list)  # this iteration's intervals so far
     last_end: float | None = None  # when the latest complete iteration ended
     current: tuple | None = None  # (iteration, n, start) of the wait under way
@@ -49,19 +51,30 @@ class WorkerBubbles:
 
     def predict(self, n: int) -> float:
         """The n-th wait's predicted length (0 when it has not been seen in every recent iteration)."""
+        lengths = self.lengths(n)
+        return lengths[0] if lengths else 0.0
+
+    def lengths(self, n: int) -> list[float]:
+        """The n-th wait's lengths in the recent iterations, shortest first (none unless seen in each)."""
         if len(self.history) < min(2, self.history.maxlen):
-            return 0.0
+            return []
         lengths = [h[n] for h in self.history if len(h) > n]
-        return min(lengths) if len(lengths) == len(self.history) else 0.0
+        return sorted(lengths) if len(lengths) == len(self.history) else []
 
     def window(self, now: float, margin_s: float, margin_frac: float) -> tuple[float, float] | None:
         """(start, usable end) of the wait under way, if its predicted end is still ahead."""
+        ends = self.ends(now, margin_s, margin_frac)
+        return (self.current[2], ends[0]) if ends else None
+
+    def ends(self, now: float, margin_s: float, margin_frac: float) -> list[float]:
+        """The usable ends still ahead for the wait under way, earliest first: each a length it
+        lasted in a recent iteration, less the margin.  A prefill stops at the first; it may go
+        on to the next only while the wait is seen to last (the server reads the wait board)."""
         if self.current is None:
-            return None
+            return []
         _it, n, start = self.current
-        length = self.predict(n)
-        end = start + length - max(margin_s, margin_frac * length)
-        return (start, end) if end > now else None
+        ends = [start + length - max(margin_s, margin_frac * length) for length in self.lengths(n)]
+        return [e for e in ends if e > now]
 
 
 class PrefillProfile:

@@ -2,10 +2,12 @@
 
 How it fits: ``testbed run`` starts one server per training worker, on the worker's host
 (its network namespace).  The BubbleTea controller sends it prefill jobs with a deadline
-(the predicted bubble's end less a margin).  It runs the prompt chunk by chunk and stops at
-the first chunk boundary where the next chunk would pass the deadline, or where the
-worker's wait board (``agents/trainer/waitboard.py``) shows that the wait it was sent for is
-over; the request's cache stays here and the next job for it continues.  When the prompt
+(the predicted bubble's end less a margin, then later ends the wait reached before).  It runs
+the prompt chunk by chunk (a bubble's last chunk cut to what fits, down to a quarter chunk)
+and stops at the first chunk boundary where the worker's wait board
+(``agents/trainer/waitboard.py``) shows that the wait it was sent for is over, or where the
+next chunk would pass the deadline and the wait is not seen to outlast it (then the next
+deadline holds); the request's cache stays here and the next job for it continues.  When the prompt
 is done it ships the KV cache over TCP through the emulated network to its DC's decode
 worker (in the background, but only inside a bubble), and reports it prefilled once the
 decode worker has acknowledged the whole cache.
@@ -26,7 +28,7 @@ What a chunk runs on is the backend's business, and the loop above is the same f
     python -m agents.bubbletea.server CONFIG.json
 
 Messages (Unix datagrams, JSON) in: ``{"type": "prefill", "jobs": [{"rid", "tokens",
-"output_tokens"}, ..], "deadline", "chunk", "decode": [ip, port]}`` (the jobs run in order,
+"output_tokens"}, ..], "deadlines", "chunk", "wait", "decode": [ip, port]}`` (the jobs run in order,
 with no round trip between them, until the deadline), ``{"type": "drop", "rid"}``,
 ``{"type": "drain"}`` (training is over: ship what is prefilled at once), ``{"type":
 "stop"}``.  Out, to the controller: ``{"type": "ready", "profile": [[tokens, seconds], ..]}``,
@@ -169,6 +171,17 @@ class _EmulatedPrefill:
         return self._zeros[:self.times.kv_bytes(state.total)]
 
 
+def _fitting(backend, state, n: int, room_s: float) -> int:
+    """The chunk to run with ``room_s`` left: ``n`` tokens, or the last chunk of a bubble cut to
+    what fits (halving, down to a quarter of ``n``); 0 when none does."""
+    least = max(1, n // 4)
+    while n >= least:
+        if backend.chunk_s(state, n) <= room_s:
+            return n
+        n //= 2
+    return 0
+
+
 def run(cfg: ServerConfig) -> None:
     from agents.trainer.waitboard import WaitBoard
 
@@ -237,10 +250,13 @@ def run(cfg: ServerConfig) -> None:
             continue
         if kind != "prefill":
             continue
+        deadlines = list(msg["deadlines"])
+        deadline = deadlines.pop(0)
         with gate:
-            bubble["deadline"] = msg["deadline"]
+            bubble["deadline"] = deadline
             gate.notify_all()
         chunk = int(msg.get("chunk", 64))
+        wait = msg.get("wait")
         stopped = False
         jobs = msg["jobs"]
         for i, job in enumerate(jobs):  # in order, until the deadline; the last report says so
@@ -253,12 +269,18 @@ def run(cfg: ServerConfig) -> None:
                 done, total = backend.progress(state)
                 if done >= total:
                     break
-                n = min(chunk, total - done)
-                if time.monotonic() + backend.chunk_s(state, n) > msg["deadline"]:
-                    stopped = True  # the next chunk would overrun the bubble: stop at this boundary
-                    break
-                if board is not None and "wait" in msg and board.read() != msg["wait"]:
+                if board is not None and wait is not None and board.read() != wait:
                     stopped = True  # the wait is over earlier than predicted: training runs now
+                    break
+                n = _fitting(backend, state, min(chunk, total - done), deadline - time.monotonic())
+                while not n and deadlines and (board is None or wait is None or board.read() == wait):
+                    deadline = deadlines.pop(0)  # it outlasted the shortest: the next it lasted before
+                    with gate:
+                        bubble["deadline"] = deadline
+                        gate.notify_all()
+                    n = _fitting(backend, state, min(chunk, total - done), deadline - time.monotonic())
+                if not n:
+                    stopped = True  # the next chunk would overrun the bubble: stop at this boundary
                     break
                 intervals.append(list(backend.run_chunk(state, n)))
             done, total = backend.progress(state) if state is not None else (0, job["tokens"])
