@@ -119,11 +119,25 @@ def summarise(run: RunRecord) -> dict:
             "final_loss": iterations[-1]["loss"],
             **({"loss_note": "no loss: the devices are emulated (device time from a profile, no model is "
                              "computed)"} if run.device.get("kind") == "emulated" else {}),
+            **_tcp_summary(run.tcp),
             "warnings": list(run.warnings),
         },
         "wan_check": list(run.wan_check),
+        "tcp_per_host": dict(run.tcp) or None,
         "log": run.log_lines,
     }
+
+
+def _tcp_summary(tcp: dict) -> dict:
+    """The whole run's TCP loss recovery: retransmission timeouts (each stalls its connection
+    for at least 200 ms on Linux), tail-loss probes, retransmitted segments over those sent."""
+    if not tcp:
+        return {}
+    total = {k: sum(c.get(k, 0) for c in tcp.values()) for k in ("out_segments", "retransmitted_segments",
+                                                                  "timeouts", "loss_probes")}
+    return {"tcp_timeouts": total["timeouts"], "tcp_loss_probes": total["loss_probes"],
+            "tcp_retransmitted_fraction": round(total["retransmitted_segments"] / total["out_segments"], 6)
+            if total["out_segments"] else None}
 
 
 def _params(exp) -> int:

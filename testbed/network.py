@@ -415,6 +415,18 @@ class Network:
         self._popened.append(proc)
         return proc
 
+    def tcp_counters(self) -> dict[str, dict[str, int]]:
+        """Each host's TCP counters (its namespace's own ``/proc/net/snmp`` and ``netstat``):
+        segments sent and retransmitted, retransmission timeouts, tail-loss probes and fast
+        retransmits.  What a run's transfers cost in loss recovery, which no simulator models."""
+        out = {}
+        for h in self.hosts():
+            res = subprocess.run(["nsenter", "-t", str(h.node.pid), "-n", "cat", "/proc/net/snmp",
+                                  "/proc/net/netstat"], capture_output=True, text=True, timeout=10)
+            if res.returncode == 0:
+                out[h.name] = _tcp_counters(res.stdout)
+        return out
+
     # -- lifecycle ------------------------------------------------------------------
     def __enter__(self) -> "Network":
         return self.start()
@@ -688,6 +700,26 @@ class _signals_deferred:
             signal.signal(sig, handler)
         for sig in self._pending[:1]:
             signal.raise_signal(sig)
+
+
+_TCP_COUNTERS = {("Tcp", "OutSegs"): "out_segments", ("Tcp", "RetransSegs"): "retransmitted_segments",
+                 ("TcpExt", "TCPTimeouts"): "timeouts", ("TcpExt", "TCPLossProbes"): "loss_probes",
+                 ("TcpExt", "TCPFastRetrans"): "fast_retransmits"}
+
+
+def _tcp_counters(text: str) -> dict[str, int]:
+    """The counters ``_TCP_COUNTERS`` names, from /proc/net/snmp + netstat text (header line, value line)."""
+    lines = [ln.split() for ln in text.splitlines() if ln.strip()]
+    out = {}
+    for head, vals in zip(lines, lines[1:]):
+        if not head or head[0] != vals[0] or head[1:] == vals[1:]:
+            continue
+        proto = head[0].rstrip(":")
+        for key, value in zip(head[1:], vals[1:]):
+            name = _TCP_COUNTERS.get((proto, key))
+            if name:
+                out[name] = int(value)
+    return out
 
 
 def _readline_until(proc: subprocess.Popen, deadline: float) -> str:

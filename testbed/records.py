@@ -91,6 +91,7 @@ class RunRecord:
     warnings: list[str] = field(default_factory=list)
     wan_check: list[dict] = field(default_factory=list)
     device: dict = field(default_factory=dict)  # what the devices were and where their times came from
+    tcp: dict = field(default_factory=dict)  # per host: TCP counters over the training (Network.tcp_counters)
     out_dir: Path | None = None
 
     def iteration_ends(self) -> list[float]:

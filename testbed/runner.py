@@ -149,6 +149,7 @@ class TrainingRun:
         self.go_time = 0.0
         self.log_lines: list[str] = []
         self.warnings: list[str] = []
+        self.tcp: dict = {}  # per host: TCP counters over the run (retransmissions, timeouts)
         self.wan_check: list[dict] = []
         self.device_profile = None  # device: emulated: where op times come from
         self._devices: list[str] = []
@@ -224,6 +225,7 @@ class TrainingRun:
             self.launcher = Launcher(net.registry, net)
             self.containers = CpuContainers(net.registry, exp.name)
             try:
+                self._tcp_start = net.tcp_counters()
                 try:
                     self._launch(net)
                     for ext in self.extensions:
@@ -231,6 +233,9 @@ class TrainingRun:
                 except (ExtensionError, ProcessError) as exc:
                     raise RunError(str(exc)) from None
                 self._collect()
+                after = net.tcp_counters()
+                self.tcp = {h: {k: v - self._tcp_start.get(h, {}).get(k, 0) for k, v in c.items()}
+                            for h, c in after.items()}
             finally:
                 for ext in self.extensions:
                     try:
@@ -293,7 +298,7 @@ class TrainingRun:
                                    "p99_us_worst_worker": max(worst, default=None)}
         return RunRecord(self.exp, {n: w.record for n, w in self.workers.items()}, self.go_time,
                          self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
-                         device=device, out_dir=self.out_dir)
+                         device=device, tcp=self.tcp, out_dir=self.out_dir)
 
     def _check_wan(self, net: Network) -> None:
         """Every run measures its own WAN before training: configured against measured per

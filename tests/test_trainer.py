@@ -60,6 +60,10 @@ def test_loss_parity_with_a_single_process_run(tmp_path, stages, replicas, sched
             assert 0.98 <= w["covered_fraction"] <= 1.02, (it["iteration"], name, w)
     for name in ("metrics.json", "timeline.json", "loss.png", "gantt.png"):
         assert (tmp_path / exp.name / name).stat().st_size > 0
+    # what the transfers cost in TCP loss recovery, per host, counted inside each host's namespace
+    tcp = result["tcp_per_host"]
+    assert all(tcp[w.host.name]["out_segments"] > 0 for w in run.workers.values()), tcp
+    assert result["summary"]["tcp_timeouts"] == sum(c["timeouts"] for c in tcp.values())
 
 
 def test_gpipe_bubble_fraction_matches_fill_and_drain_on_a_fast_link(tmp_path):
