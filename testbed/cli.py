@@ -253,9 +253,12 @@ def plan(
     max_dcs: Optional[int] = typer.Option(None, help="consider DC subsets up to this size"),
     out_file: Optional[Path] = typer.Option(None, "--out", help="write the best plan as an experiment file"),
     as_json: bool = typer.Option(False, "--json", help="print the ranking as JSON"),
+    profile: Optional[Path] = typer.Option(None, help="timeline.json of a run of this experiment on its real "
+                                                      "devices: take device time from it"),
 ) -> None:
     """Atlas's planner: DC selection and stage assignment (Algorithm 1) for every pipeline depth,
-    DP degree (global batch fixed) and DC subset, ranked by simulated iteration time."""
+    DP degree (global batch fixed) and DC subset, ranked by simulated iteration time, with
+    device time from where the run gets it (emulated devices' profile, or --profile)."""
     import json
 
     import yaml
@@ -268,8 +271,11 @@ def plan(
 
     try:
         exp = load_experiment(experiment)
+        if profile is not None and not profile.is_file():
+            raise PlanError(f"--profile: {profile} is not a file (a run's timeline.json)")
+        device = planner.DeviceTimes.of(exp, profile)
         with console.status("simulating candidate plans") as status:
-            ranked = search(exp, max_dcs=max_dcs, progress=lambda done, total: status.update(
+            ranked = search(exp, max_dcs=max_dcs, device=device, progress=lambda done, total: status.update(
                 f"simulating candidate plans: {done}/{total}"))
         if not ranked or ranked[0].iteration_time_s is None:
             raise PlanError("no candidate placement fits: " + "; ".join(sorted({c.why_not for c in ranked}))[:300])
@@ -290,6 +296,7 @@ def plan(
                           f"{c.iteration_time_s:.3f}", f"{c.tokens_per_s:.0f}", f"{c.bubble_fraction:.0%}",
                           f"{c.wan_utilization:.0%}", c.why_not or "best")
         console.print(table)
+        console.print(f"device time: {device.source}")
         infeasible = [c for c in ranked if c.iteration_time_s is None]
         if infeasible:
             console.print(f"{len(infeasible)} candidate(s) do not fit, e.g. {infeasible[0].label()}: "
@@ -302,6 +309,10 @@ def plan(
         data.setdefault("training", {})["microbatches"] = best.microbatches
         data["placement"] = best.placement
         data["name"] = f"{exp.name}-planned"
+        if exp.device == "emulated" and best.stages != exp.parallel.stages and best.stage_times:
+            # the emulated devices draw what the prediction assumed (a profile is of the old depth)
+            data.setdefault("sim", {})["stage_times"] = best.stage_times_spec(device.speedup)
+            data.get("emulation", {}).pop("profile", None)
         out_file.write_text(f"# written by: testbed plan {experiment} --out {out_file}\n"
                             f"# {best.label()}: predicted {best.iteration_time_s:.3f} s per iteration\n"
                             + yaml.safe_dump(data, sort_keys=False))

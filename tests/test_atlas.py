@@ -144,3 +144,52 @@ def test_temporal_sharing_beats_lockstep_fair_sharing_where_transfers_collide():
     # a link that is never contended (t << C): nothing to gain, and nothing lost
     fair, temporal, paced = _two_pipelines(c=0.1, t=0.001)
     assert temporal == pytest.approx(fair, rel=0.01)
+
+
+def test_the_planner_takes_device_time_from_where_the_run_gets_it(tmp_path):
+    """A profiled run's stage times drive the ranking: the candidate of the profiled depth is
+    simulated with exactly them (so its prediction is the profiled run's), another depth gets
+    the FLOPs split scaled to the same totals; without a profile the plan says it is not this
+    machine's device."""
+    from agents.atlas.planner import DeviceTimes
+    from testbed.metrics import write_outputs
+
+    spec = {
+        "name": "planned", "topology": str(REPO / "topologies" / "aws-us3.yaml"),
+        "model": {"layers": 6, "hidden": 128, "heads": 4, "seq_len": 64},
+        "training": {"iterations": 5, "microbatches": 4, "microbatch_size": 4},
+        "parallel": {"stages": 3, "replicas": 2, "schedule": "1f1b", "connections": 4},
+    }
+    times = [{"forward_s": 0.02, "backward_s": 0.04, "optimizer_s": 0.002},
+             {"forward_s": 0.015, "backward_s": 0.03, "optimizer_s": 0.002},
+             {"forward_s": 0.025, "backward_s": 0.05, "optimizer_s": 0.003}]
+    profiled = parse_experiment(spec | {"sim": {"stage_times": times}}, "plan")
+    run = simulate(profiled, iterations=5, record=True)
+    result = summarise(run)
+    write_outputs(run, result, tmp_path)
+    exp = parse_experiment(spec, "plan")
+
+    assert "not this machine" in DeviceTimes.of(exp).source
+    device = DeviceTimes.of(exp, tmp_path / "timeline.json")
+    assert device.machine and "profiled run" in device.source
+    same, _ = device.for_candidate(exp)
+    for got, want in zip(same, times):
+        assert got.forward == pytest.approx(want["forward_s"], rel=1e-6)
+        assert got.backward == pytest.approx(want["backward_s"], rel=1e-6)
+    deeper = exp.model_copy(update={"parallel": exp.parallel.model_copy(update={"stages": 6})})
+    scaled, _ = device.for_candidate(deeper)
+    assert len(scaled) == 6
+    assert sum(t.forward for t in scaled) == pytest.approx(sum(t["forward_s"] for t in times), rel=1e-6)
+    assert sum(t.backward for t in scaled) == pytest.approx(sum(t["backward_s"] for t in times), rel=1e-6)
+
+    best = search(exp, stages=[3], replicas=[2], device=device)[0]
+    assert best.iteration_time_s is not None and best.stage_times is not None
+    # what the plan file would hold runs (here: simulates) as predicted
+    planned = parse_experiment(spec | {"placement": best.placement, "sim": {"stage_times": best.stage_times_spec(),
+                                                                     "message_overhead_s": device.overhead}},
+                               "plan")
+    again = summarise(simulate(planned, iterations=2, record=True))["summary"]["mean_iteration_time_s"]
+    assert best.iteration_time_s == pytest.approx(again, rel=0.02)
+    flops = search(exp, stages=[3], replicas=[2])[0]
+    # 4 microbatches of 75 ms forward + backward on the slowest stage: the FLOPs model's 1 TFLOP/s has none of it
+    assert best.iteration_time_s - flops.iteration_time_s > 0.25, (best.iteration_time_s, flops.iteration_time_s)

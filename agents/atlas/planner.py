@@ -11,6 +11,18 @@ each candidate placed by Algorithm 1 and scored by simulating one iteration
 
 A device here is what a worker occupies: one emulated host, or one TP group in the
 simulator's paper-scale topologies (``hosts`` per DC counts them).
+
+Device time (``DeviceTimes``) comes from where the run will get it: an emulated experiment's
+own device profile (``testbed.emulation``: a timeline, ``sim.stage_times`` or the FLOPs
+model, with its ``speedup``), or ``--profile``, the ``timeline.json`` of an earlier run of
+the experiment on its real devices (CPU containers, a GPU), or the experiment's own
+``sim.stage_times``.  Those are per stage of the
+experiment's depth; a candidate of another depth gets the FLOPs model's per-stage split
+scaled, op kind by op kind, to match the measured total (a calibrated FLOPs model, so the
+ranking across depths is as good as that split).  Without either, the FLOPs model at
+``sim.device_tflops`` is all there is, and the plan says it does not describe this machine.
+An emulated candidate's stage times go into the plan ``--out`` writes (``sim.stage_times``),
+so the run draws what the prediction assumed.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ class Candidate:
     tokens_per_s: float | None = None
     bubble_fraction: float | None = None
     wan_utilization: float | None = None
+    stage_times: list | None = None  # what the prediction assumed (StageTimes per stage), when measured
     why_not: str = ""  # empty for a feasible candidate
     notes: list[str] = field(default_factory=list)
 
@@ -64,7 +77,66 @@ class Candidate:
         return f"P={self.stages} D={self.replicas} M={self.microbatches} over {'+'.join(self.dcs)}"
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "notes"} | {"label": self.label()}
+        return {k: v for k, v in self.__dict__.items() if k not in ("notes", "stage_times")} | {"label": self.label()}
+
+    def stage_times_spec(self, speedup: float = 1.0) -> list[dict] | None:
+        """The stage times as an experiment's ``sim.stage_times`` (before an emulated ``speedup``)."""
+        if self.stage_times is None:
+            return None
+        return [{"forward_s": round(t.forward * speedup, 7), "backward_s": round(t.backward * speedup, 7),
+                 "optimizer_s": round(t.optimizer * speedup, 7)} for t in self.stage_times]
+
+
+@dataclass
+class DeviceTimes:
+    """Per-candidate stage times (``None``: the simulator's FLOPs model) and where they come from."""
+
+    source: str
+    measured: list | None = None  # StageTimes per stage of the experiment's own depth
+    depth: int = 0
+    overhead: float | None = None  # per-message latency on the hosts, from the same measurement
+    scale: dict[str, float] = field(default_factory=dict)  # measured / FLOPs model, per op kind
+    speedup: float = 1.0  # an emulated device's: the plan file stores times before it
+    machine: bool = False  # do the times describe the devices the run will use?
+
+    @classmethod
+    def of(cls, exp: Experiment, profile=None) -> "DeviceTimes":
+        from testbed.sim.build import flops_stage_times, profiled_stage_times
+
+        if profile is not None:
+            measured, overhead = profiled_stage_times(profile, exp)
+            src = f"the profiled run {profile}"
+            speedup = exp.emulation.speedup if exp.device == "emulated" else 1.0  # its durations are after it
+        elif exp.device == "emulated":
+            from testbed.emulation import device_profile, stage_times
+
+            measured, overhead = stage_times(exp)
+            src, speedup = f"the emulated devices ({device_profile(exp).source})", exp.emulation.speedup
+        elif exp.sim.stage_times:
+            from testbed.sim.engine import StageTimes
+
+            measured = [StageTimes(t.forward_s, t.backward_s, t.optimizer_s) for t in exp.sim.stage_times]
+            src, overhead, speedup = "the experiment's sim.stage_times", exp.sim.message_overhead_s, 1.0
+        else:
+            return cls(f"the FLOPs model at {exp.sim.device_tflops:g} TFLOP/s x {exp.sim.efficiency:g} (not this "
+                       f"machine's {exp.device} devices: pass --profile with a run's timeline.json)")
+        model = flops_stage_times(exp)
+        scale = {}
+        for kind in ("forward", "backward", "optimizer"):
+            want, have = sum(getattr(t, kind) for t in measured), sum(getattr(t, kind) for t in model)
+            scale[kind] = want / have if have > 0 else 0.0
+        return cls(src, measured, exp.parallel.stages, overhead, scale, speedup, True)
+
+    def for_candidate(self, e: Experiment) -> tuple[list | None, float | None]:
+        if self.measured is None:
+            return None, None
+        if e.parallel.stages == self.depth:
+            return self.measured, self.overhead
+        from testbed.sim.build import flops_stage_times
+        from testbed.sim.engine import StageTimes
+
+        return [StageTimes(t.forward * self.scale["forward"], t.backward * self.scale["backward"],
+                           t.optimizer * self.scale["optimizer"]) for t in flops_stage_times(e)], self.overhead
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,13 +155,15 @@ def _experiment(exp: Experiment, c: Candidate) -> Experiment:
 
 def search(exp: Experiment, stages: list[int] | None = None, replicas: list[int] | None = None,
            max_dcs: int | None = None, iterations: int = 2,
-           progress: Callable[[int, int], None] | None = None) -> list[Candidate]:
-    """Every (P, D, DC subset) candidate, best first; infeasible ones last with the reason."""
+           progress: Callable[[int, int], None] | None = None,
+           device: DeviceTimes | None = None) -> list[Candidate]:
+    """Every (P, D, DC subset) candidate, best first; infeasible ones last with the reason.
+    ``device``: where device time comes from (default ``DeviceTimes.of(exp)``)."""
     from testbed import metrics
     from testbed.sim.build import simulate
 
+    device = device or DeviceTimes.of(exp)
     topo = exp.topo
-    tp = exp.sim.tensor_parallel
     batch = exp.parallel.replicas * exp.training.microbatches  # microbatches per iteration, all pipelines
     stages = stages or sorted({exp.parallel.stages} | {p for p in (1, 2, 3, 4, 6, 8, 12, 16)
                                                          if p <= exp.model.layers})
@@ -121,7 +195,9 @@ def search(exp: Experiment, stages: list[int] | None = None, replicas: list[int]
             c.why_not = str(exc).split(": ", 1)[-1]
             out.append(c)
             continue
-        result = simulate(e, iterations=iterations, record=True)
+        c.stage_times, overhead = device.for_candidate(e)
+        result = simulate(e, iterations=iterations, record=True, stage_times=c.stage_times,
+                          message_overhead_s=overhead)
         s = metrics.summarise(result)["summary"]
         from testbed.sim.build import wan_utilization
 
