@@ -10,19 +10,23 @@ each crosses exactly the WAN link under test.
 Per direction: the round trip (min of a ping series) against the configured round trip and,
 where the topology names a measured source (``source_rtt_ms``), against that; the one-way
 delay (``owd.py``: every namespace reads the same clock) against the direction's
-``delay_ms``; and a steady-state goodput.  Goodput leaves TCP's slow start and the loss
-recovery that ends it out (``iperf3 -O``, 30 round trips, at least 1 s) and measures for at
-least 20 round trips, so a 262 ms link is measured as long as it needs.  Tolerances
+``delay_ms``; and a steady-state goodput.  Goodput leaves the flow's start-up and the loss
+recovery that ends it out (30 round trips, at least 1 s, cut from the receiver's own
+half-second intervals) and measures for at least 20 round trips, so a 262 ms link is
+measured as long as it needs; the flow is BBR where the kernel has it
+(``measuring_congestion`` says why).  Tolerances
 (``within_tolerance``): RTT within max(0.5 ms, 2%), goodput 90-101% of the rate.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 from .network import HostInfo, Network, NetworkError
@@ -32,6 +36,7 @@ RTT_TOLERANCE_FRAC = 0.02
 GOODPUT_RANGE = (0.90, 1.01)
 _PING_RTT = re.compile(r"time=([0-9.]+) ms")
 _IPERF_PORT = 5201
+_INTERVAL_S = 0.5
 
 
 def rtt_tolerance_ms(configured_ms: float) -> float:
@@ -56,6 +61,7 @@ class LinkReport:
     goodput_seconds: float  # measured for this long, after omitting slow start
     retransmits: int
     loss_configured: float
+    congestion: str = "cubic"  # what the goodput flow used (``measuring_congestion``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,19 +91,32 @@ def ping_loss(src: HostInfo, dst_ip: str, count: int = 2000, interval_s: float =
 
 
 def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, streams: int = 1,
-           port: int = _IPERF_PORT, omit_s: float = 0.0, window_bytes: int | None = None) -> dict:
-    """One iperf3 TCP run src -> dst; returns goodput (receiver) and retransmits.
+           port: int = _IPERF_PORT, omit_s: float = 0.0, window_bytes: int | None = None,
+           congestion: str = "cubic") -> dict:
+    """One iperf3 TCP run src -> dst: ``omit_s`` left out, then at least ``seconds`` measured;
+    returns goodput (at the receiver), retransmits (while measured) and the seconds measured.
 
-    Goodput is what the receiver got in its own intervals after the omitted ones: the
-    client's end-of-test figure counts a long path's queue and in-flight data, which arrive
-    after the sender stopped, against the sender's duration (measured: 1.012 of the rate on
-    a 262 ms link, where the receiver's intervals give 0.956, the payload fraction)."""
-    server = net.popen(dst, ["iperf3", "-s", "-1", "-J", "-p", str(port)], stdout=subprocess.DEVNULL)
+    Goodput is what the receiver got in its own half-second intervals once ``omit_s`` had
+    passed: the client's end-of-test figure counts a long path's queue and in-flight data,
+    which arrive after the sender stopped, against the sender's duration (measured: 1.012 of
+    the rate on a 262 ms link, where the receiver's intervals give 0.956, the payload
+    fraction).  The omitted time is cut here, not by iperf3's ``-O``: iperf3 3.12's server
+    restarts its interval clock where omitting ends and, in about one run in three, reports
+    that interval once more as two seconds holding one second's bytes, or ends its omitted
+    period a second early (measured: 0.72 of the rate on a 67 ms link, 1.02 on a 148 ms link,
+    where the intervals themselves read 0.956)."""
+    server = net.popen(dst, ["iperf3", "-s", "-1", "-J", "-i", str(_INTERVAL_S), "-p", str(port)],
+                       stdout=subprocess.DEVNULL)
+    if omit_s:  # the cut falls on an interval's start
+        omit_s = math.ceil(omit_s / _INTERVAL_S - 1e-9) * _INTERVAL_S
+    # two intervals more: the server's clock starts a round trip or two after the client's
+    # (measured: 0.52 s on a 238 ms link), and its last interval is a partial one
+    total = omit_s + seconds + (2 * _INTERVAL_S if omit_s else 0.0)
     try:
         for attempt in range(20):
             out = src.node.cmd(
-                f"iperf3 -c {dst.ip} -p {port} -t {seconds} -P {streams} -O {omit_s} -J -C cubic --get-server-output"
-                + (f" -w {window_bytes}" if window_bytes else "")
+                f"iperf3 -c {dst.ip} -p {port} -t {total:.3f} -i {_INTERVAL_S} -P {streams} -J -C {congestion} "
+                f"--get-server-output" + (f" -w {window_bytes}" if window_bytes else "")
             )
             try:
                 data = json.loads(out[out.index("{"):])
@@ -109,20 +128,54 @@ def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, str
                 raise NetworkError(f"iperf3 {src.name} -> {dst.name}: {data['error']}")
             time.sleep(0.05)  # the server is not listening yet
         end = data["end"]
-        steady = [i["sum"] for i in data.get("server_output_json", {}).get("intervals", [])
-                  if not i["sum"].get("omitted")]
+        steady = _after(data.get("server_output_json", {}).get("intervals", []), omit_s)
         seconds_in = sum(i["seconds"] for i in steady)
         goodput = (sum(i["bytes"] for i in steady) * 8 / seconds_in if seconds_in > 0
                    else end["sum_received"]["bits_per_second"])
+        sent = _after(data.get("intervals", []), omit_s)
+        retransmits = (sum(i.get("retransmits", 0) for i in sent) if omit_s
+                       else end["sum_sent"].get("retransmits", 0))
         return {
             "goodput_mbps": goodput / 1e6,
             "sent_mbps": end["sum_sent"]["bits_per_second"] / 1e6,
-            "retransmits": end["sum_sent"].get("retransmits", 0),
+            "retransmits": retransmits,
+            "seconds": seconds_in if seconds_in > 0 else total,
         }
     finally:
         if server.poll() is None:
             server.terminate()
         server.wait(5)
+
+
+def measuring_congestion() -> str:
+    """The congestion control ``measure_link`` measures a link's goodput with: BBR where the
+    kernel has it, else cubic.
+
+    Cubic at a one-BDP queue overshoots it every few seconds (a loss, then a second of
+    data held behind the hole at the receiver, then that second's data at once): the
+    receiver's intervals then read 0.65 and 1.26 of the rate in turn, and a window of a few
+    seconds reads 0.95-1.01 depending on where it falls (measured on 148 and 262 ms links,
+    58 and 33 Mbit/s).  BBR paces at the bottleneck rate and does not fill the queue: after
+    its start-up (omitted) it read 0.950-0.954 of the rate in every half-second (the payload
+    fraction is 0.956).  The link is the same either way; BBR is the steadier instrument.
+    The training's own connections keep the hosts' cubic."""
+    try:
+        available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+    except OSError:
+        available = []
+    return "bbr" if "bbr" in available else "cubic"
+
+
+def _after(intervals: list[dict], omit_s: float) -> list[dict]:
+    """The ``sum`` of each interval that began once ``omit_s`` had passed (by the intervals'
+    own lengths, added up: no interval clock of iperf3's is trusted)."""
+    out, t = [], 0.0
+    for i in intervals:
+        cur = i["sum"]
+        if t >= omit_s - 1e-3:
+            out.append(cur)
+        t += cur["seconds"]
+    return out
 
 
 def one_way_delays(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
@@ -194,7 +247,8 @@ def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: 
     conf = configured_rtt_ms(net, src, dst)
     owds = one_way_delays(net, a, b, count=20, interval_s=0.01)
     omit, measure = steady_state_seconds(conf, seconds)
-    perf = iperf3(net, a, b, seconds=measure, omit_s=omit)
+    congestion = measuring_congestion()
+    perf = iperf3(net, a, b, seconds=measure, omit_s=omit, congestion=congestion)
     return LinkReport(
         src=src,
         dst=dst,
@@ -207,9 +261,10 @@ def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: 
         rate_mbps_configured=params.rate_mbps,
         goodput_mbps_measured=round(perf["goodput_mbps"], 2),
         goodput_ratio=round(perf["goodput_mbps"] / params.rate_mbps, 4),
-        goodput_seconds=round(measure, 2),
+        goodput_seconds=round(perf["seconds"], 2),
         retransmits=perf["retransmits"],
         loss_configured=params.loss,
+        congestion=congestion,
     )
 
 
