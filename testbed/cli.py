@@ -42,11 +42,12 @@ out = Console()
 
 def _user_errors():
     from .kernel import BackendUnavailable
+    from .cluster.inventory import ClusterError
     from .network import NetworkError
     from .registry import Busy
     from .spec import SpecError
 
-    return (SpecError, BackendUnavailable, NetworkError, Busy)
+    return (SpecError, BackendUnavailable, NetworkError, Busy, ClusterError)
 
 
 @app.command()
@@ -89,19 +90,32 @@ def fidelity(
     pings: int = typer.Option(20, help="pings per link"),
     delay_backend: str = typer.Option("auto", help="auto, netem or tun"),
     loss_backend: str = typer.Option("auto", help="auto, netem, iptables or delayline"),
+    inventory: Optional[Path] = typer.Option(None, help="an Ansible inventory: the DCs go to its machines"),
+    machines: Optional[str] = typer.Option(None, help="with --inventory: DC=MACHINE,... (default: packed in order)"),
 ) -> None:
     """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down."""
+    import contextlib
+
     from .fidelity import measure_all
     from .network import Network
     from .spec import load_topology, resolve_topology
 
     signal.signal(signal.SIGTERM, _on_sigterm)
+    cluster = None
     try:
         topo = load_topology(resolve_topology(topology))
         with console.status("building the network") as status:
-            net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend,
-                          progress=lambda m: status.update(m))
-            with net:
+            if inventory is not None:
+                from .cluster.remote import ClusterNetwork, open_cluster
+
+                cluster = open_cluster(topo, inventory, machines, progress=lambda m: status.update(m))
+                cluster.check_clocks(topo)
+                net = ClusterNetwork(cluster, topo)
+                net.delay_backend = delay_backend
+            else:
+                net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend,
+                              progress=lambda m: status.update(m))
+            with net, (contextlib.closing(cluster) if cluster else contextlib.nullcontext()):
                 console.print(f"built {topo.name} in {net.startup_s:.2f} s (delay: {net.backends.delay}, "
                               f"loss: {net.backends.loss})")
                 reports = measure_all(net, seconds=seconds, pings=pings,
@@ -135,6 +149,9 @@ def run(
     experiment: Path = typer.Argument(..., help="experiment file (experiments/*.yaml)"),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default results/NAME-TIME)"),
     delay_backend: str = typer.Option("auto", help="auto, netem or tun"),
+    inventory: Optional[Path] = typer.Option(None, help="an Ansible inventory: the DCs go to its machines "
+                                                        "(README: several machines)"),
+    machines: Optional[str] = typer.Option(None, help="with --inventory: DC=MACHINE,... (default: packed in order)"),
 ) -> None:
     """Build the topology, train across it, write metrics.json, timeline.json and plots."""
     import time
@@ -152,16 +169,35 @@ def run(
 
             device_profile(exp)
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if exp.compare:
+        if exp.compare and inventory is None:
             _run_comparison(exp, out, delay_backend)
             return
+        site = None
+        if inventory is not None:
+            from .cluster.inventory import ClusterError
+            from .extension import extensions_for
+
+            refused = ("compare:" if exp.compare else "device: emulated" if exp.device == "emulated" else
+                       ", ".join(e.name for e in extensions_for(exp)))
+            if refused:
+                raise ClusterError(f"--inventory: {refused} runs on one machine only, for now")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
+            if inventory is not None:
+                from .cluster.remote import ClusterSite, open_cluster
+
+                cluster = open_cluster(exp.topo, inventory, machines,
+                                       progress=lambda m: progress.console.print(m, highlight=False))
+                site = ClusterSite(cluster)
             task = progress.add_task(f"training {exp.name}", total=exp.training.iterations)
-            runner = TrainingRun(exp, out, delay_backend=delay_backend,
+            runner = TrainingRun(exp, out, delay_backend=delay_backend, site=site,
                                  progress=lambda done, total: progress.update(task, completed=done),
                                  log=lambda m: progress.console.print(m, highlight=False))
-            result = runner.run()
+            try:
+                result = runner.run()
+            finally:
+                if site is not None:
+                    site.cluster.close()
     except _user_errors() + (RunError,) as exc:
         _fail(str(exc), 1 if isinstance(exc, RunError) else 2)
     except KeyboardInterrupt as exc:
@@ -341,12 +377,35 @@ def provision(
 
 
 @app.command()
-def clean(force: bool = typer.Option(False, help="also when a run still holds the lock")) -> None:
+def clean(force: bool = typer.Option(False, help="also when a run still holds the lock"),
+          inventory: Optional[Path] = typer.Option(None, help="clean every machine of this inventory (Ansible)"),
+          fake_cluster: bool = typer.Option(False, "--fake-cluster", help="also end the fake cluster")) -> None:
     """Remove every namespace, interface, process and file the testbed made (also after a crash)."""
     from .registry import Busy, CleanError, clean as do_clean
 
     if not _is_root():
         _fail("testbed clean must run as root")
+    if inventory is not None:
+        from .cluster.inventory import ClusterError
+        from .cluster.plays import clean_machines
+
+        try:
+            result = clean_machines(inventory)
+        except ClusterError as exc:
+            _fail(str(exc))
+        for host, stats in sorted(result["hosts"].items()):
+            out.print(f"{host}: {'cleaned' if not stats.get('unreachable') else 'unreachable'}")
+        for f in result["failures"]:
+            console.print(f"[bold yellow]warning:[/] {f}", highlight=False)
+        if result["failures"]:
+            raise typer.Exit(1)
+        return
+    _end_agent()
+    if fake_cluster:
+        from .cluster import fake
+
+        ended = fake.destroy()
+        out.print(f"fake cluster: ended {len(ended)} process(es)")
     try:
         found = do_clean(force=force)
     except (Busy, CleanError) as exc:
@@ -435,6 +494,86 @@ app.add_typer(vm_app, name="vm")
 
 def _is_root() -> bool:
     return os.geteuid() == 0
+
+
+def _end_agent() -> None:
+    """A machine agent of this machine (its PID file, its command line checked) ends first:
+    it removes its own network on SIGTERM."""
+    import time
+
+    from .cluster.agent import PID_FILE
+
+    try:
+        pid = int(PID_FILE.read_text().split()[0])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return
+    if b"machine-agent" not in cmdline:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if os.path.exists(f"/proc/{pid}"):
+        os.kill(pid, signal.SIGKILL)
+
+
+@app.command("machine-agent")
+def machine_agent(
+    listen: str = typer.Option(..., help="the management (underlay) address to listen on"),
+    port: int = typer.Option(29700, help="TCP port"),
+    token_file: Path = typer.Option(..., help="a file holding the run's token"),
+    lease: float = typer.Option(15.0, help="end, and clean up, after this many seconds without the orchestrator"),
+    accept_timeout: float = typer.Option(120.0, help="end when no orchestrator connects within this"),
+) -> None:
+    """One machine's part of a run across machines (Ansible starts it: playbooks/cluster.yml)."""
+    from .cluster.agent import serve
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        token = token_file.read_text().strip()
+    except OSError as exc:
+        _fail(f"--token-file {token_file}: {exc.strerror}")
+    try:
+        code = serve(listen, port, token, lease_s=lease, accept_s=accept_timeout)
+    except OSError as exc:
+        _fail(f"machine agent on {listen}:{port}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        code = 130
+    raise typer.Exit(code)
+
+
+fake_app = typer.Typer(no_args_is_help=True, help="A fake cluster of machines on this one (for trying --inventory).")
+app.add_typer(fake_app, name="fake-cluster")
+
+
+@fake_app.command("up")
+def fake_up(machines: int = typer.Argument(3, help="how many machines"),
+            clock_offsets: str = typer.Option("", help="each machine's clock offset in seconds: 5,0,-3"),
+            inventory: Path = typer.Option(Path("fake-cluster.ini"), help="where to write its inventory")) -> None:
+    """Start MACHINES fake machines (netns + mount + PID + time namespaces, sshd each) on an underlay."""
+    from .cluster import fake
+
+    try:
+        offsets = [float(x) for x in clock_offsets.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--clock-offsets {clock_offsets!r}: seconds, comma-separated")
+    try:
+        cluster = fake.create(machines, offsets)
+    except fake.FakeClusterError as exc:
+        _fail(str(exc))
+    inventory.write_text(cluster.inventory_text())
+    out.print(f"{machines} fake machine(s) up; inventory {inventory}; the orchestrator runs in the head's "
+              f"network: nsenter --net=/proc/{cluster.head_pid}/ns/net .venv/bin/testbed run ... --inventory "
+              f"{inventory}")
+
+
+@fake_app.command("down")
+def fake_down() -> None:
+    """End the fake cluster and everything in it."""
+    from .cluster import fake
+
+    out.print(f"fake cluster: ended {len(fake.destroy())} process(es)")
 
 
 def main() -> None:

@@ -190,7 +190,8 @@ def one_way_probe(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, i
     the order shows whether the path reordered them."""
     rows = _probe(net, src, dst, ["recv", str(port), str(count)],
                   ["send", dst.ip, str(port), str(count), str(interval_s)], 2.0 + count * interval_s + 2.0)
-    return [(float(r[0]), int(r[1])) for r in rows]
+    skew = net.owd_correction_ms(src, dst) if hasattr(net, "owd_correction_ms") else 0.0  # across machines
+    return [(float(r[0]) - skew, int(r[1])) for r in rows]
 
 
 def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
@@ -218,7 +219,8 @@ def message_delays(net: Network, src: HostInfo, dst: HostInfo, size: int = 13107
     rows = _probe(net, src, dst, ["msg-recv", str(port), str(count), str(size)],
                   ["msg-send", dst.ip, str(port), str(count), str(size), str(interval_s)],
                   2.0 + count * (interval_s + 0.5))
-    return [float(r[0]) for r in rows]
+    skew = net.owd_correction_ms(src, dst) if hasattr(net, "owd_correction_ms") else 0.0
+    return [float(r[0]) - skew for r in rows]
 
 
 def configured_rtt_ms(net: Network, src: str, dst: str) -> float:

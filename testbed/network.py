@@ -67,6 +67,17 @@ def _import_mininet():
 
 
 @dataclass
+class Tunnel:
+    """The VXLAN that carries one WAN link between two machines, seen from one end."""
+
+    local_ip: str  # this machine's underlay address
+    remote_ip: str  # the other machine's
+    vni: int  # the same at both ends: one per WAN link
+    mtu: int = 1450  # the underlay's MTU less 50 (outer IPv4, UDP, VXLAN, inner Ethernet)
+    port: int = 4789
+
+
+@dataclass
 class HostInfo:
     dc: str
     index: int  # 0-based within its DC
@@ -275,8 +286,22 @@ class Network:
         caps: Capabilities | None = None,
         progress: Callable[[str], None] | None = None,
         scheduling: bool = False,
+        dcs: list[str] | None = None,
+        tunnels: dict[tuple[str, str], "Tunnel"] | None = None,
+        mtu: int | None = None,
     ):
+        """``dcs``: the DCs built here (default all: one machine); a WAN link with one end
+        elsewhere must have a ``tunnels[(local, remote)]``.  ``mtu``: every emulated
+        interface's MTU (across machines: the underlay's less the VXLAN header)."""
         self.topo = topo
+        names = [dc.name for dc in topo.dcs]
+        self.local = [d for d in names if dcs is None or d in dcs]
+        self.tunnels = dict(tunnels or {})
+        for link in topo.wan:
+            for a, b in ((link.a, link.b), (link.b, link.a)):
+                if a in self.local and b not in self.local and (a, b) not in self.tunnels:
+                    raise NetworkError(f"WAN link {a} - {b}: {b} is on another machine and no tunnel leads there")
+        self.mtu = mtu
         self.caps = caps or probe()
         require_runtime(self.caps)
         self.backends = choose_backends(self.caps, delay_backend, loss_backend)
@@ -295,8 +320,9 @@ class Network:
         self._delay_procs: dict[str, subprocess.Popen] = {}
         self._clients: list[_DelayLineClient] = []
         self._popened: list[subprocess.Popen] = []
-        self._index = {dc.name: i + 1 for i, dc in enumerate(topo.dcs)}
+        self._index = {dc.name: i + 1 for i, dc in enumerate(topo.dcs)}  # global: every machine agrees
         self._wan_addr: dict[tuple[str, str], str] = {}
+        self._tunnel_addr: dict[tuple[str, str], str] = {}  # (local, remote): the local end's address
         self.started = False
         self.startup_s = 0.0
         self._owner_pid: int | None = None
@@ -457,6 +483,8 @@ class Network:
         )
         self._net = net
         for dc in topo.dcs:
+            if dc.name not in self.local:
+                continue
             i = self._index[dc.name]
             sw_name = self._node_name(dc.name, "s")
             self.registry.link(sw_name)
@@ -472,6 +500,8 @@ class Network:
                 self._hosts[dc.name].append(HostInfo(dc.name, j - 1, name, f"10.{i}.0.{j}", node))
         self._progress("creating links")
         for dc in topo.dcs:
+            if dc.name not in self.local:
+                continue
             sw = net[self._node_name(dc.name, "s")]
             net.addLink(self._routers[dc.name], sw)
             for h in self._hosts[dc.name]:
@@ -479,8 +509,16 @@ class Network:
         for n, link in enumerate(topo.wan):
             base = ipaddress.ip_address("10.255.0.0") + 4 * n
             a_ip, b_ip = f"{base + 1}", f"{base + 2}"
-            self._wan_addr[(link.a, link.b)] = b_ip  # next-hop address seen from a
-            self._wan_addr[(link.b, link.a)] = a_ip
+            here = [d for d in (link.a, link.b) if d in self.local]
+            if link.a in here:
+                self._wan_addr[(link.a, link.b)] = b_ip  # next-hop address seen from a
+            if link.b in here:
+                self._wan_addr[(link.b, link.a)] = a_ip
+            if len(here) < 2:  # one end elsewhere: a VXLAN, made once the gateway exists
+                if here:
+                    self._tunnel_addr[(here[0], link.b if here[0] == link.a else link.a)] = \
+                        a_ip if here[0] == link.a else b_ip
+                continue
             net.addLink(
                 self._routers[link.a], self._routers[link.b],
                 intfName1=self._wan_ifname(link.a, link.b), intfName2=self._wan_ifname(link.b, link.a),
@@ -509,6 +547,8 @@ class Network:
     def _configure_hosts(self) -> None:
         cmds = []
         for dc in self.topo.dcs:
+            if dc.name not in self.local:
+                continue
             gw = self.gateway_ip(dc.name)
             rate = self.topo.intra_dc.rate_mbps
             for h in self._hosts[dc.name]:
@@ -518,6 +558,8 @@ class Network:
                     f"'net.ipv4.tcp_rmem={_TCP_MEM}' 'net.ipv4.tcp_wmem={_TCP_MEM}'; "
                     f"ip route add default via {gw}"
                 )
+                if self.mtu:
+                    cmd += f"; ip link set dev {h.name}-eth0 mtu {self.mtu}"
                 if rate > 0:
                     burst = max(32000, int(rate * 1e6 / 8 * 0.002))
                     cmd += f"; tc qdisc add dev {h.name}-eth0 root tbf rate {rate}mbit burst {burst} latency 20ms"
@@ -542,10 +584,45 @@ class Network:
             router.waitOutput()
         for dc, router in self._routers.items():
             self._iprs[dc] = IPRoute(netns=f"/proc/{router.pid}/ns/net", flags=0)
+        self._make_tunnels()
+        if self.mtu:
+            for dc, ipr in self._iprs.items():
+                for link in ipr.get_links():
+                    if link.get_attr("IFLA_IFNAME") != "lo":
+                        ipr.link("set", index=link["index"], mtu=self.mtu)
         if self._lanes:
             self._start_delay_lines()
         for dc in self._routers:
             self._install_routes(dc)
+
+    def _make_tunnels(self) -> None:
+        """Each WAN link to a DC on another machine: a unicast VXLAN made in this machine's
+        own namespace on its underlay (its UDP socket stays there), then moved into the
+        gateway's namespace and named as the veth would have been: shaping, delay and loss
+        stay at the sending gateway, as on one machine."""
+        if not self.tunnels:
+            return
+        from pyroute2 import IPRoute
+
+        with IPRoute() as ipr:
+            for (dc, other), t in self.tunnels.items():
+                if dc not in self.local:
+                    continue
+                found = ipr.get_addr(address=t.local_ip)
+                if not found:
+                    raise NetworkError(f"underlay address {t.local_ip} is on no interface of this machine")
+                tmp = f"{PREFIX}{self._index[dc]}v{self._index[other]}"
+                self.registry.link(tmp)
+                ipr.link("add", ifname=tmp, kind="vxlan", vxlan_id=t.vni, vxlan_group=t.remote_ip,
+                         vxlan_local=t.local_ip, vxlan_link=found[0]["index"], vxlan_port=t.port,
+                         vxlan_learning=0)
+                idx = ipr.link_lookup(ifname=tmp)[0]
+                ipr.link("set", index=idx, net_ns_fd=f"/proc/{self._routers[dc].pid}/ns/net")
+                rip = self._iprs[dc]
+                idx = rip.link_lookup(ifname=tmp)[0]
+                rip.link("set", index=idx, ifname=self._wan_ifname(dc, other), mtu=t.mtu)
+                rip.addr("add", index=idx, address=self._tunnel_addr[(dc, other)], prefixlen=30)
+                rip.link("set", index=idx, state="up")
 
     def _neighbours(self, dc: str) -> list[str]:
         return [d for (s, d) in self._wan_addr if s == dc]
@@ -613,6 +690,8 @@ class Network:
 
     def _shape_links(self) -> None:
         for src, dst, params in self.topo.directions():
+            if src not in self.local:
+                continue
             rtt = params.delay_ms + self.topo.direction(dst, src).delay_ms
             queue = default_queue_bytes(params, rtt)
             netem = (

@@ -92,7 +92,8 @@ class CpuContainers:
             if not root.exists():
                 root = Path("/sys/fs/cgroup/cpu,cpuacct")
         self.root = root
-        self.base = root / f"{PREFIX}-{run_name.replace('/', '-')[:20]}-{os.getpid()}"
+        machine = os.environ.get("GTB_MACHINE")  # fake machines share this cgroup tree (and PIDs repeat)
+        self.base = root / f"{PREFIX}-{machine + '-' if machine else ''}{run_name.replace('/', '-')[:20]}-{os.getpid()}"
         self.available = root.exists() and os.access(root, os.W_OK)
         self._problem: str | None = None
         self._probed = False

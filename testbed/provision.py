@@ -45,7 +45,7 @@ def _one_line(text: str) -> str:
 
 def provision(inventory: Path | None = None, check: bool = False, limit: str | None = None,
               playbook: Path = PLAYBOOK, extravars: dict | None = None,
-              progress: Callable[[str], None] | None = None) -> ProvisionResult:
+              progress: Callable[[str], None] | None = None, tags: str | None = None) -> ProvisionResult:
     """Run the playbook; raise ProvisionError with the failing task's message on failure."""
     import ansible_runner
 
@@ -80,6 +80,8 @@ def provision(inventory: Path | None = None, check: bool = False, limit: str | N
         cmdline.append("--check")
     if limit:
         cmdline += ["--limit", limit]
+    if tags:
+        cmdline += ["--tags", tags]
     with tempfile.TemporaryDirectory(prefix="gtb-ansible-") as private:
         runner = ansible_runner.run(
             private_data_dir=private,

@@ -212,7 +212,9 @@ def _prefixed_cgroups() -> list[str]:
     out = []
     for root in _cgroup_roots():
         try:
-            tops = [p for p in root.iterdir() if p.name.startswith(f"{PREFIX}-") and p.is_dir()]
+            machine = os.environ.get("GTB_MACHINE")  # a fake machine cleans its own only
+            mine = f"{PREFIX}-{machine}-" if machine else f"{PREFIX}-"
+            tops = [p for p in root.iterdir() if p.name.startswith(mine) and p.is_dir()]
         except OSError:
             continue
         for top in tops:

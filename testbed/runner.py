@@ -126,14 +126,42 @@ def nvidia_pci_devices(root: str | Path = "/sys/bus/pci/devices") -> list[str]:
     return found
 
 
+class LocalSite:
+    """Where a run's parts come from on one machine: its ``Network``, a Unix-socket
+    ``TelemetryHub`` in the network's state folder, a ``Launcher`` and ``CpuContainers``.
+    A run across machines passes ``cluster.remote.ClusterSite`` instead."""
+
+    def network(self, topo, delay_backend: str, options: dict) -> Network:
+        return Network(topo, delay_backend=delay_backend, **options)
+
+    def hub(self, run: "TrainingRun", net: Network) -> tuple[TelemetryHub, Path]:
+        path = net.registry.dir / "telemetry.sock"
+        net.registry.file(path)
+        return TelemetryHub(path), path
+
+    def launcher(self, net: Network) -> Launcher:
+        return Launcher(net.registry, net)
+
+    def containers(self, net: Network, run_name: str) -> CpuContainers:
+        return CpuContainers(net.registry, run_name)
+
+    def gpus(self) -> int:
+        return detect_gpus()
+
+    def summary(self) -> dict:
+        """What the site adds to metrics.json (a cluster: machines, clocks, underlay)."""
+        return {}
+
+
 class TrainingRun:
     """One run of ``exp``; results go to ``out_dir``.  ``extensions``: what plugs in (default
     ``extensions_for(exp)``)."""
 
     def __init__(self, exp: Experiment, out_dir: Path, delay_backend: str = "auto",
                  progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] | None = None,
-                 extensions: list[RunExtension] | None = None):
+                 extensions: list[RunExtension] | None = None, site: "LocalSite | None" = None):
         self.exp = exp
+        self.site = site or LocalSite()
         self.out_dir = Path(out_dir)
         self.delay_backend = delay_backend
         self.extensions = extensions if extensions is not None else extensions_for(exp)
@@ -214,16 +242,14 @@ class TrainingRun:
         options: dict = {}
         for ext in self.extensions:
             options.update(ext.network_options())
-        self.net = Network(exp.topo, delay_backend=self.delay_backend, **options)
+        self.net = self.site.network(exp.topo, self.delay_backend, options)
         with self.net as net:
             self.log(f"network {exp.topo.name} up in {net.startup_s:.2f} s (delay: {net.backends.delay})")
             self._check_wan(net)
-            self.telemetry_path = net.registry.dir / "telemetry.sock"
-            net.registry.file(self.telemetry_path)
-            self._hub = TelemetryHub(self.telemetry_path)
+            self._hub, self.telemetry_path = self.site.hub(self, net)
             self._hub.expect_peers(set(self._peer_owner))
-            self.launcher = Launcher(net.registry, net)
-            self.containers = CpuContainers(net.registry, exp.name)
+            self.launcher = self.site.launcher(net)
+            self.containers = self.site.containers(net, exp.name)
             try:
                 self._tcp_start = net.tcp_counters()
                 try:
@@ -251,6 +277,9 @@ class TrainingRun:
                 self._hub = None
         record = self.record()
         result = metrics.summarise(record)
+        site = self.site.summary()
+        if site:
+            result["cluster"] = site
         for ext in self.extensions:
             result["summary"].update(ext.summarise(record, result, self.out_dir))
         try:
@@ -319,7 +348,7 @@ class TrainingRun:
         want = self.exp.device
         if want == "emulated":
             return ["emulated"] * len(slots)
-        gpus = detect_gpus() if want in ("auto", "cuda") else 0
+        gpus = self.site.gpus() if want in ("auto", "cuda") else 0
         if want == "cuda" and gpus == 0:
             raise RunError(f"device: cuda asked for, but torch cannot use a GPU here: {cuda_problem() or 'no GPU'}")
         if want == "auto" and gpus == 0:

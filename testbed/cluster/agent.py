@@ -1,0 +1,308 @@
+"""``testbed machine-agent``: one machine's part of a run across several machines.
+
+How it fits: Ansible starts one agent per machine (``playbooks/cluster.yml``); the
+orchestrator (``remote.py``) connects to it on the management address, proves the run's
+token, and drives it with requests (``wire.py``): build this machine's DCs of the topology
+(``network.Network`` with ``dcs`` and VXLAN ``tunnels``), run commands and processes in its
+hosts, start workers in their CPU containers (``procs``), relay what the workers say on
+the machine's own telemetry hub (``hub.TelemetryHub``), answer clock samples.  One thread
+answers requests (a clock sample is answered the moment it arrives); a second relays
+telemetry and reports processes that ended and delay lines that died.
+
+Leases: the agent serves one orchestrator.  When its connection closes (the orchestrator
+ended, or was killed) or it hears nothing for ``lease_s`` (a hung orchestrator, a cut
+management network), it removes everything it made and exits, so a machine is left clean
+without anyone reaching it; ``testbed clean`` on the machine does the same after a crash
+of the agent itself.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import wire
+
+PID_FILE = Path("/run/gtb-agent.pid")
+
+
+class _Session:
+    def __init__(self, conn: socket.socket, token: str, lease_s: float, log):
+        self.conn = conn
+        self.token = token
+        self.lease_s = lease_s
+        self.log = log
+        self.lock = threading.Lock()
+        self.net = None
+        self.launcher = None
+        self.containers = None
+        self.hub = None
+        self.hosts: dict = {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.reported: set[str] = set()
+        self.net_error_sent = False
+        self.alive = True
+
+    # -- the wire ---------------------------------------------------------------------
+    def emit(self, msg: dict) -> None:
+        with self.lock:
+            try:
+                wire.send(self.conn, msg)
+            except OSError:
+                self.alive = False
+
+    def serve(self, reader: wire.LineReader, first: dict) -> None:
+        heard = time.monotonic()
+        relay = threading.Thread(target=self._relay, daemon=True)
+        relay.start()
+        self.emit({"id": first.get("id"), "ok": self.op_hello()})
+        try:
+            while self.alive:
+                ready, _, _ = select.select([self.conn], [], [], 0.5)
+                if not ready:
+                    if time.monotonic() - heard > self.lease_s:
+                        self.log(f"lease expired: nothing heard for {self.lease_s:g} s")
+                        return
+                    continue
+                lines = reader.read()
+                if lines is None:
+                    self.log("orchestrator closed the connection")
+                    return
+                heard = time.monotonic()
+                for req in lines:
+                    try:
+                        result = self._handle(req)
+                        self.emit({"id": req.get("id"), "ok": result})
+                    except Exception as exc:  # one line back; the orchestrator decides
+                        self.emit({"id": req.get("id"), "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+                    if req.get("op") == "teardown":
+                        return
+        finally:
+            self.alive = False
+            self.teardown()
+
+    def _relay(self) -> None:
+        while self.alive:
+            hub = self.hub
+            if hub is None:
+                time.sleep(0.05)
+                continue
+            try:
+                for name, msg in hub.poll(0.1):
+                    self.emit({"event": "telemetry", "name": name, "msg": msg, "t": time.monotonic()})
+            except (OSError, ValueError):
+                if not self.alive:
+                    return
+            launcher = self.launcher
+            for name, p in list(launcher.processes.items()) if launcher else []:
+                if name not in self.reported and p.popen.poll() is not None:
+                    self.reported.add(name)
+                    self.emit({"event": "exit", "name": name, "rc": p.popen.returncode, "tail": p.last_log_line()})
+            if self.net is not None and not self.net_error_sent:
+                try:
+                    self.net.check()
+                except Exception as exc:
+                    self.net_error_sent = True
+                    self.emit({"event": "network", "error": str(exc)})
+
+    # -- requests ---------------------------------------------------------------------
+    def _handle(self, req: dict):
+        op = req["op"]
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            raise ValueError(f"unknown op {op!r}")
+        args = {k: v for k, v in req.items() if k not in ("id", "op", "token")}
+        return fn(**args)
+
+    def op_hello(self) -> dict:
+        return {"machine": os.environ.get("GTB_MACHINE") or socket.gethostname(), "pid": os.getpid(),
+                "t": time.monotonic()}
+
+    def op_clock(self) -> dict:
+        return {"t": time.monotonic()}
+
+    def op_renew(self) -> dict:
+        return {}
+
+    def op_underlay_rtt(self, peers: list[str], count: int = 20) -> dict:
+        """Min RTT (ms) to each peer's underlay address: what a VXLAN adds to a WAN link."""
+        out = {}
+        for ip in peers:
+            r = subprocess.run(["ping", "-n", "-q", "-c", str(count), "-i", "0.01", "-W", "1", ip],
+                               capture_output=True, text=True, timeout=30)
+            line = [ln for ln in r.stdout.splitlines() if "min/avg" in ln]
+            out[ip] = float(line[0].split("=")[1].split("/")[0]) if line else None
+        return out
+
+    def op_underlay_mtu(self, address: str) -> int:
+        from pyroute2 import IPRoute
+
+        with IPRoute() as ipr:
+            found = ipr.get_addr(address=address)
+            if not found:
+                raise ValueError(f"underlay address {address} is on no interface of this machine")
+            return ipr.get_links(found[0]["index"])[0].get_attr("IFLA_MTU")
+
+    def op_build(self, topology: dict, dcs: list[str], tunnels: list[dict], mtu: int | None,
+                 delay_backend: str = "auto", loss_backend: str = "auto", run_name: str = "run") -> dict:
+        from ..hub import TelemetryHub
+        from ..network import Network, Tunnel
+        from ..procs import CpuContainers, Launcher
+        from ..spec import parse_topology
+
+        topo = parse_topology(topology, "topology", strict=False)
+        tun = {(t["local"], t["remote"]): Tunnel(t["local_ip"], t["remote_ip"], t["vni"], t["mtu"]) for t in tunnels}
+        net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, dcs=dcs, tunnels=tun, mtu=mtu)
+        self.net = net
+        net.start()
+        self.launcher = Launcher(net.registry, net)
+        self.containers = CpuContainers(net.registry, run_name)
+        path = net.registry.dir / "telemetry.sock"
+        net.registry.file(path)
+        self.hub = TelemetryHub(path)
+        self.hosts = {h.name: h for h in net.hosts()}
+        return {"hosts": {dc: [[h.name, h.ip] for h in net.hosts(dc)] for dc in net.local},
+                "backends": {"delay": net.backends.delay, "loss": net.backends.loss, "rate": net.backends.rate},
+                "startup_s": net.startup_s}
+
+    def op_cmd(self, host: str, command: str) -> str:
+        return self.hosts[host].node.cmd(command)
+
+    def op_popen(self, host: str, argv: list[str], pipe: bool = True) -> dict:
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) if pipe else \
+            dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = self.net.popen(self.hosts[host], argv, **kw)
+        self.procs[proc.pid] = proc
+        return {"pid": proc.pid}
+
+    def op_readline(self, pid: int, timeout: float = 10.0) -> str:
+        proc = self.procs[pid]
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        return proc.stdout.readline() if ready else ""
+
+    def op_communicate(self, pid: int, timeout: float | None = None) -> dict:
+        proc = self.procs[pid]
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        return {"stdout": stdout or "", "stderr": stderr or "", "rc": proc.returncode}
+
+    def op_poll(self, pid: int) -> int | None:
+        return self.procs[pid].poll()
+
+    def op_wait(self, pid: int, timeout: float | None = None) -> int | None:
+        try:
+            return self.procs[pid].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def op_signal(self, pid: int, kill: bool = False) -> None:
+        proc = self.procs[pid]
+        if proc.poll() is None:
+            proc.kill() if kill else proc.terminate()
+
+    def op_containers_problem(self) -> str | None:
+        return self.containers.problem()
+
+    def op_launch(self, name: str, module: str, config: dict, host: str, cpus: float, env: dict) -> dict:
+        from ..procs import python_env
+
+        config = dict(config, telemetry=str(self.hub.path))
+        cgroup = self.containers.make(name, cpus)
+        proc = self.launcher.start(name, module, config, host=self.hosts[host], cgroup=cgroup,
+                                   env=python_env(**env))
+        return {"pid": proc.pid}
+
+    def op_send(self, name: str, msg: dict) -> bool:
+        return self.hub.send(name, msg)
+
+    def op_tcp_counters(self) -> dict:
+        return self.net.tcp_counters()
+
+    def op_link_state(self, src: str, dst: str) -> str:
+        return self.net.link_state(src, dst)
+
+    def op_stop(self, names: list[str]) -> None:
+        self.launcher.stop(names)
+
+    def op_logs(self, names: list[str]) -> dict:
+        out = {}
+        for name in names:
+            p = self.launcher.processes.get(name)
+            if p is not None and p.log.exists() and p.log.stat().st_size:
+                out[name] = p.log.read_text(errors="replace")[-1_000_000:]
+        return out
+
+    def op_teardown(self) -> None:
+        self.teardown()
+
+    def teardown(self) -> None:
+        if self.launcher is not None:
+            try:
+                self.launcher.stop()
+            except Exception:
+                pass
+        if self.hub is not None:
+            try:
+                self.hub.close()
+            except Exception:
+                pass
+            self.hub = None
+        if self.net is not None:
+            self.net.stop()
+            self.net = None
+        self.launcher = None
+
+
+def serve(listen: str, port: int, token: str, lease_s: float = 15.0, accept_s: float = 120.0,
+          log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> int:
+    """Serve one orchestrator session on ``listen:port``; 0 when it ended cleanly."""
+    PID_FILE.write_text(f"{os.getpid()}\n")
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((listen, port))
+    server.listen(8)
+    log(f"machine agent {os.environ.get('GTB_MACHINE', socket.gethostname())} on {listen}:{port}, lease {lease_s:g} s")
+    deadline = time.monotonic() + accept_s
+    try:
+        while True:  # the first connection that proves the token is the orchestrator
+            server.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                conn, peer = server.accept()
+            except socket.timeout:
+                log(f"no orchestrator within {accept_s:g} s")
+                return 1
+            conn.settimeout(5.0)
+            reader = wire.LineReader(conn)
+            try:
+                lines = reader.read() or []
+            except (ValueError, OSError):
+                lines = []
+            first = lines[0] if lines else {}
+            if first.get("op") == "hello" and first.get("token") == token:
+                break
+            conn.close()  # a port probe (Ansible's wait_for) or a stranger
+    finally:
+        server.close()
+    conn.settimeout(None)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    log(f"orchestrator {peer[0]} connected")
+    session = _Session(conn, token, lease_s, log)
+    try:
+        session.serve(reader, first)
+    finally:
+        conn.close()
+        try:
+            PID_FILE.unlink()
+        except OSError:
+            pass
+    log("machine agent done: everything it made is removed")
+    return 0

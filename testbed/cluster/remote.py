@@ -1,0 +1,697 @@
+"""The orchestrator's side of a run across machines: agents, clocks, and the network they make.
+
+How it fits: ``Cluster.start`` starts one machine agent per machine through Ansible
+(``plays.py``), connects to each (``AgentClient``: requests and answers, events in one
+queue), measures each machine's clock against the orchestrator's (``measure_clock``),
+measures the underlay, and builds each machine's DCs with a VXLAN per WAN link that
+crosses machines.  ``ClusterNetwork`` then looks to ``runner.TrainingRun`` and to
+``fidelity`` like ``network.Network`` does on one machine: hosts whose ``node.cmd`` and
+``popen`` run on their machine, links, TCP counters, link state, ``check``.
+``ClusterSite`` gives a run its hub (telemetry relayed by the agents, every timestamp
+mapped onto the orchestrator's clock), its launcher and its CPU containers.
+
+Clocks: a sample is a request/answer pair; offset = agent's time - the pair's midpoint,
+uncertainty = half the round trip; the sample with the smallest round trip of ``samples``
+is kept.  Measured at the start and at the end; the drift between them is reported.  A
+worker's timestamps are on its machine's clock and map by that machine's offset; a
+transfer's start is the sender's clock (the transport carries it), so it maps by the
+sender's machine.  The bound a run refuses to start beyond: uncertainty under 1 ms and
+under a tenth of the smallest one-way delay of a WAN link that crosses machines (what the
+one-way checks and the "received after sent" order need).
+
+Underlay: each cross-machine link's emulated delay is cut by half the underlay's min round
+trip between its machines, so the link measures as configured.  MTU: every emulated
+interface on every machine gets the underlay's MTU less 50 (the VXLAN header): 1450 on a
+1500 underlay; the hosts' TCP then never sends a packet a tunnel would fragment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..network import HostInfo, NetworkError
+from ..spec import Topology
+from . import wire
+from .inventory import ClusterError, Machine
+
+VXLAN_OVERHEAD = 50
+CLOCK_BOUND_MS = 1.0
+_VNI_BASE = 4096
+
+
+class AgentClient:
+    """One machine agent: ``call`` blocks for its answer; events go to ``events``."""
+
+    def __init__(self, machine: Machine, port: int, token: str, events: "queue.Queue", timeout: float = 30.0):
+        self.machine = machine
+        self.events = events
+        try:
+            self.sock = socket.create_connection((machine.underlay, port), timeout=timeout)
+        except OSError as exc:
+            raise ClusterError(f"machine {machine.name}: no agent at {machine.underlay}:{port} "
+                               f"({exc.strerror or exc})") from None
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._waiting: dict[int, tuple[threading.Event, list]] = {}
+        self.closed = False
+        threading.Thread(target=self._read, daemon=True).start()
+        self.hello = self.call("hello", token=token)
+
+    def _read(self) -> None:
+        reader = wire.LineReader(self.sock)
+        while True:
+            lines = reader.read()
+            if lines is None:
+                break
+            for msg in lines:
+                if "event" in msg:
+                    self.events.put((self.machine.name, msg))
+                    continue
+                slot = self._waiting.pop(msg.get("id"), None)
+                if slot is not None:
+                    slot[1].append(msg)
+                    slot[0].set()
+        self.closed = True
+        for ev, box in list(self._waiting.values()):
+            ev.set()
+        self.events.put((self.machine.name, {"event": "gone"}))
+
+    def call(self, op: str, wait_s: float | None = 300.0, **args) -> Any:
+        if self.closed:
+            raise ClusterError(f"machine {self.machine.name}: its agent is gone")
+        rid = next(self._ids)
+        ev, box = threading.Event(), []
+        self._waiting[rid] = (ev, box)
+        with self._lock:
+            try:
+                wire.send(self.sock, {"id": rid, "op": op, **args})
+            except OSError as exc:
+                raise ClusterError(f"machine {self.machine.name}: its agent is unreachable ({exc})") from None
+        if not ev.wait(wait_s) or not box:
+            raise ClusterError(f"machine {self.machine.name}: no answer to {op}"
+                               + (" (its agent is gone)" if self.closed else f" within {wait_s:g} s"))
+        if "error" in box[0]:
+            raise ClusterError(f"machine {self.machine.name}: {op}: {box[0]['error']}")
+        return box[0].get("ok")
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@dataclass
+class ClockSample:
+    offset_s: float  # machine clock - orchestrator clock
+    uncertainty_s: float  # half the sample's round trip
+    at: float  # orchestrator time of the sample
+
+
+def measure_clock(agent: AgentClient, samples: int = 30) -> ClockSample:
+    best = None
+    for _ in range(samples):
+        t0 = time.monotonic()
+        t = agent.call("clock")["t"]
+        t1 = time.monotonic()
+        s = ClockSample(t - (t0 + t1) / 2, (t1 - t0) / 2, (t0 + t1) / 2)
+        if best is None or s.uncertainty_s < best.uncertainty_s:
+            best = s
+    return best
+
+
+class _RemoteStdout:
+    def __init__(self, proc: "RemotePopen"):
+        self._proc = proc
+
+    def readline(self) -> str:
+        return self._proc.agent.call("readline", pid=self._proc.pid)
+
+    def read(self) -> str:
+        return self._proc.communicate()[0]
+
+
+class RemotePopen:
+    """A process in a host on another machine, as much of ``subprocess.Popen`` as callers use."""
+
+    def __init__(self, agent: AgentClient, pid: int):
+        self.agent, self.pid = agent, pid
+        self.returncode: int | None = None
+        self.stdout = _RemoteStdout(self)
+        self.stderr = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.agent.call("poll", pid=self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        rc = self.agent.call("wait", wait_s=None if timeout is None else timeout + 10, pid=self.pid,
+                             timeout=timeout)
+        if rc is None:
+            raise subprocess.TimeoutExpired("remote", timeout)
+        self.returncode = rc
+        return rc
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        r = self.agent.call("communicate", wait_s=None if timeout is None else timeout + 10, pid=self.pid,
+                            timeout=timeout)
+        self.returncode = r["rc"]
+        return r["stdout"], r["stderr"]
+
+    def terminate(self) -> None:
+        self.agent.call("signal", pid=self.pid)
+
+    def kill(self) -> None:
+        self.agent.call("signal", pid=self.pid, kill=True)
+
+
+class RemoteNode:
+    """A host or gateway on another machine: what callers do with a Mininet node."""
+
+    def __init__(self, agent: AgentClient, name: str):
+        self.agent, self.name = agent, name
+
+    def cmd(self, command: str) -> str:
+        return self.agent.call("cmd", host=self.name, command=command)
+
+    def popen(self, argv: list[str], stdout=None, stderr=None, text=None, **_ignored) -> RemotePopen:
+        import subprocess
+
+        pipe = stdout == subprocess.PIPE
+        return RemotePopen(self.agent, self.agent.call("popen", host=self.name, argv=list(argv), pipe=pipe)["pid"])
+
+
+@dataclass
+class _Direction:
+    src: str
+    dst: str
+    params: Any
+
+
+class _Backends:
+    def __init__(self, d: dict):
+        self.delay, self.loss, self.rate = d["delay"], d["loss"], d["rate"]
+
+
+class ClusterNetwork:
+    """The topology built across machines, used as ``network.Network`` is."""
+
+    def __init__(self, cluster: "Cluster", topo: Topology):
+        self.cluster = cluster
+        self.topo = topo
+        self._hosts: dict[str, list[HostInfo]] = {}
+        self.backends = None
+        self.startup_s = 0.0
+        self.started = False
+        self.errors: list[str] = []
+
+    def start(self) -> "ClusterNetwork":
+        t0 = time.monotonic()
+        self.cluster.build(self, getattr(self, "delay_backend", "auto"))
+        self.startup_s = time.monotonic() - t0
+        self.started = True
+        return self
+
+    def __enter__(self) -> "ClusterNetwork":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.cluster.teardown_networks()
+        self.started = False
+
+    def machine_of(self, dc: str) -> str:
+        return self.cluster.placement[dc]
+
+    def hosts(self, dc: str | None = None) -> list[HostInfo]:
+        if dc is not None:
+            return self._hosts[dc]
+        return [h for hs in self._hosts.values() for h in hs]
+
+    def host(self, dc: str, index: int = 0) -> HostInfo:
+        try:
+            return self._hosts[dc][index]
+        except (KeyError, IndexError):
+            raise NetworkError(f"no host {index} in DC {dc!r}") from None
+
+    def links(self) -> list[_Direction]:
+        return [_Direction(s, d, p) for s, d, p in self.topo.directions()]
+
+    def link(self, src: str, dst: str) -> _Direction:
+        for s, d, p in self.topo.directions():
+            if (s, d) == (src, dst):
+                return _Direction(s, d, p)
+        raise NetworkError(f"no WAN link {src} -> {dst}")
+
+    def popen(self, host: HostInfo, cmd: list[str], **kwargs) -> RemotePopen:
+        return host.node.popen(cmd, **kwargs)
+
+    def owd_correction_ms(self, src: HostInfo, dst: HostInfo) -> float:
+        """What a one-way probe src -> dst reads too much by: the receiver's clock offset less
+        the sender's (the probe stamps with the sender's clock, reads with the receiver's)."""
+        off = self.cluster.offsets
+        return (off[self.machine_of(dst.dc)] - off[self.machine_of(src.dc)]) * 1000.0
+
+    def tcp_counters(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for agent in self.cluster.agents.values():
+            out.update(agent.call("tcp_counters"))
+        return out
+
+    def link_state(self, src: str, dst: str) -> str:
+        return self.cluster.agent_of(src).call("link_state", src=src, dst=dst)
+
+    def check(self) -> None:
+        self.cluster.drain()
+        if self.errors:
+            raise NetworkError(self.errors[0])
+
+
+class _RemoteCgroup:
+    def __init__(self, cpus: float):
+        self.cpus = cpus
+
+
+class ClusterContainers:
+    def __init__(self, cluster: "Cluster"):
+        self.cluster = cluster
+
+    def problem(self) -> str | None:
+        for name, agent in self.cluster.agents.items():
+            p = agent.call("containers_problem")
+            if p:
+                return f"on machine {name}: {p}"
+        return None
+
+    def make(self, name: str, cpus: float) -> _RemoteCgroup | None:
+        return _RemoteCgroup(cpus) if cpus > 0 else None
+
+
+class _RemoteProcess:
+    """What the runner asks of a worker's process: alive, exit status, the log's last line."""
+
+    def __init__(self, name: str, machine: str, pid: int):
+        self.name, self.machine, self.pid = name, machine, pid
+        self.popen = self
+        self.returncode: int | None = None
+        self.tail = ""
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.name, timeout)
+            self._cluster.drain(0.05)
+        return self.returncode
+
+    def alive(self) -> bool:
+        return self.returncode is None
+
+    def last_log_line(self) -> str:
+        return self.tail
+
+
+class ClusterLauncher:
+    def __init__(self, cluster: "Cluster"):
+        self.cluster = cluster
+        self.processes: dict[str, _RemoteProcess] = {}
+        self.dir = None
+
+    def start(self, name: str, module: str, config: dict, host: HostInfo = None, cgroup=None,
+              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None) -> _RemoteProcess:
+        machine = self.cluster.placement[host.dc]
+        agent = self.cluster.agents[machine]
+        base = os.environ
+        extra = {k: v for k, v in (env or {}).items() if base.get(k) != v and k != "PYTHONPATH"}
+        pid = agent.call("launch", name=name, module=module, config=config, host=host.name,
+                         cpus=cgroup.cpus if cgroup is not None else 0.0, env=extra)["pid"]
+        proc = _RemoteProcess(name, machine, pid)
+        proc._cluster = self.cluster
+        self.processes[name] = proc
+        self.cluster.processes[name] = proc
+        return proc
+
+    def pids(self) -> dict[str, int]:
+        return {n: p.pid for n, p in self.processes.items()}
+
+    def stop(self, names: list[str] | None = None, timeout: float = 5.0) -> None:
+        by_machine: dict[str, list[str]] = {}
+        for n, p in self.processes.items():
+            if names is None or n in names:
+                by_machine.setdefault(p.machine, []).append(n)
+        for machine, ns in by_machine.items():
+            try:
+                self.cluster.agents[machine].call("stop", names=ns, wait_s=timeout + 10)
+            except ClusterError:
+                pass
+
+    def copy_logs(self, dst: Path, names: list[str], rename=lambda name: name) -> None:
+        by_machine: dict[str, list[str]] = {}
+        for n in names:
+            if n in self.processes:
+                by_machine.setdefault(self.processes[n].machine, []).append(n)
+        for machine, ns in by_machine.items():
+            try:
+                logs = self.cluster.agents[machine].call("logs", names=ns)
+            except ClusterError:
+                continue
+            for n, text in logs.items():
+                dst.mkdir(parents=True, exist_ok=True)
+                (dst / f"{rename(n)}.log").write_text(text)
+
+
+class ClusterHub:
+    """The run's telemetry, relayed by the agents, on the orchestrator's clock."""
+
+    def __init__(self, cluster: "Cluster", sender_of: Callable[[str, str], str | None]):
+        self.cluster = cluster
+        self.sender_of = sender_of  # (receiver worker, transfer kind) -> sending worker
+        self.worker_machine: dict[str, str] = {}
+        self.path = None
+
+    def expect_peers(self, names: set[str]) -> None:
+        pass
+
+    def connected(self, name: str) -> bool:
+        return True
+
+    def poll(self, timeout: float) -> list[tuple[str, dict | None]]:
+        return self.cluster.drain(timeout)
+
+    def send(self, name: str, msg: dict) -> bool:
+        machine = self.worker_machine.get(name)
+        if machine is None:
+            return False
+        try:
+            return bool(self.cluster.agents[machine].call("send", name=name, msg=msg))
+        except ClusterError:
+            return False
+
+    def close(self) -> None:
+        pass
+
+    def map_times(self, name: str, machine: str, msg: dict) -> dict:
+        off = self.cluster.offsets
+        mine = off[machine]
+        if "events" in msg:
+            msg["events"] = [[k, mb, s - mine, e - mine, it] for k, mb, s, e, it in msg["events"]]
+        if "end" in msg and isinstance(msg["end"], (int, float)):
+            msg["end"] -= mine
+        if "t" in msg and isinstance(msg["t"], (int, float)):
+            msg["t"] -= mine
+        if msg.get("transfers"):
+            out = []
+            for kind, mb, s, e, nbytes, it in msg["transfers"]:
+                sender = self.sender_of(name, kind)
+                theirs = off[self.worker_machine.get(sender, machine)] if sender else mine
+                out.append([kind, mb, s - theirs, e - mine, nbytes, it])
+            msg["transfers"] = out
+        return msg
+
+
+@dataclass
+class Cluster:
+    """The machines of one run and their agents."""
+
+    machines: list[Machine]
+    placement: dict[str, str]  # DC -> machine
+    inventory: Path
+    port: int = wire.AGENT_PORT
+    lease_s: float = 15.0
+    progress: Callable[[str], None] = lambda msg: None
+    agents: dict[str, AgentClient] = field(default_factory=dict)
+    offsets: dict[str, float] = field(default_factory=dict)
+    clock: dict = field(default_factory=dict)
+    underlay: dict = field(default_factory=dict)
+    processes: dict[str, _RemoteProcess] = field(default_factory=dict)
+    hub: ClusterHub | None = None
+    net: ClusterNetwork | None = None
+    events: "queue.Queue" = field(default_factory=queue.Queue)
+    _renewer: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
+
+    # -- start and end ----------------------------------------------------------------
+    def start(self) -> "Cluster":
+        from .plays import start_agents
+
+        used = sorted(set(self.placement.values()), key=[m.name for m in self.machines].index)
+        token = secrets.token_hex(16)
+        self.progress(f"starting machine agents on {', '.join(used)} (Ansible)")
+        start_agents(self.inventory, used, self.port, token, self.lease_s, progress=self.progress)
+        by_name = {m.name: m for m in self.machines}
+        try:
+            for name in used:
+                self.agents[name] = AgentClient(by_name[name], self.port, token, self.events)
+            self._renewer = threading.Thread(target=self._renew, daemon=True)
+            self._renewer.start()
+            self.measure_clocks("start")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _renew(self) -> None:
+        while not self._stopping.wait(self.lease_s / 4):
+            for agent in list(self.agents.values()):
+                try:
+                    agent.call("renew", wait_s=self.lease_s)
+                except ClusterError:
+                    pass
+
+    def close(self) -> None:
+        self._stopping.set()
+        for agent in self.agents.values():
+            try:
+                agent.call("teardown", wait_s=60)
+            except ClusterError:
+                pass
+            agent.close()
+        self.agents.clear()
+
+    # -- clocks -----------------------------------------------------------------------
+    def measure_clocks(self, when: str) -> dict:
+        got = {name: measure_clock(agent) for name, agent in self.agents.items()}
+        self.clock[when] = {n: {"offset_s": round(s.offset_s, 6), "uncertainty_ms": round(s.uncertainty_s * 1e3, 4),
+                                "at": s.at} for n, s in got.items()}
+        if when == "start":
+            self.offsets = {n: s.offset_s for n, s in got.items()}
+        return self.clock[when]
+
+    def clock_bound_ms(self, topo: Topology) -> float:
+        crossing = [p.delay_ms for s, d, p in topo.directions() if self.placement[s] != self.placement[d]]
+        return min([CLOCK_BOUND_MS] + [0.1 * d for d in crossing])
+
+    def check_clocks(self, topo: Topology) -> None:
+        bound = self.clock_bound_ms(topo)
+        worst = max(((v["uncertainty_ms"], n) for n, v in self.clock["start"].items()), default=(0.0, ""))
+        if worst[0] > bound:
+            raise ClusterError(f"machine {worst[1]}: its clock is known to {worst[0]:.3f} ms, more than the "
+                               f"{bound:.3f} ms this run needs (1 ms, and a tenth of the smallest one-way delay "
+                               f"between machines)")
+
+    def clock_report(self) -> dict:
+        end = self.measure_clocks("end") if self.agents else {}
+        out = {"bound_ms": None, "machines": {}}
+        for n, s in self.clock.get("start", {}).items():
+            e = end.get(n)
+            row = {"offset_s": s["offset_s"], "uncertainty_ms": s["uncertainty_ms"]}
+            if e:
+                span = e["at"] - s["at"]
+                row["offset_end_s"] = e["offset_s"]
+                row["drift_ppm"] = round((e["offset_s"] - s["offset_s"]) / span * 1e6, 3) if span > 0 else None
+                row["mapping_error_ms"] = round(abs(e["offset_s"] - s["offset_s"]) * 1e3 + s["uncertainty_ms"]
+                                                + e["uncertainty_ms"], 4)
+            out["machines"][n] = row
+        return out
+
+    # -- the network --------------------------------------------------------------------
+    def agent_of(self, dc: str) -> AgentClient:
+        return self.agents[self.placement[dc]]
+
+    def build(self, net: ClusterNetwork, delay_backend: str = "auto", loss_backend: str = "auto",
+              run_name: str = "run") -> None:
+        topo = net.topo
+        self.net = net
+        by_name = {m.name: m for m in self.machines}
+        crossing = [(n, link) for n, link in enumerate(topo.wan) if self.placement[link.a] != self.placement[link.b]]
+        self.progress("measuring the underlay")
+        pairs = {frozenset((self.placement[l.a], self.placement[l.b])) for _, l in crossing}
+        for pair in pairs:
+            a, b = sorted(pair)
+            rtt = self.agents[a].call("underlay_rtt", peers=[by_name[b].underlay])[by_name[b].underlay]
+            if rtt is None:
+                raise ClusterError(f"machines {a} and {b}: no ping over the underlay ({by_name[a].underlay} -> "
+                                   f"{by_name[b].underlay})")
+            self.underlay[f"{a}-{b}"] = {"rtt_ms": rtt}
+        mtus = {m: self.agents[m].call("underlay_mtu", address=by_name[m].underlay) for m in self.agents}
+        mtu = min(1500, min(mtus.values())) - VXLAN_OVERHEAD
+        self.underlay["mtu"] = mtus
+        # each crossing link's delay less half the underlay's round trip, per direction
+        data = topo.model_dump()
+        for n, link in crossing:
+            a, b = sorted((self.placement[link.a], self.placement[link.b]))
+            owd = self.underlay[f"{a}-{b}"]["rtt_ms"] / 2
+            for key in ("delay_ms",):
+                data["wan"][n][key] = max(0.0, link.delay_ms - owd)
+            if data["wan"][n].get("reverse"):
+                data["wan"][n]["reverse"]["delay_ms"] = max(0.0, link.reverse.delay_ms - owd)
+        self.progress(f"building {len(topo.dcs)} DCs on {len(self.agents)} machines "
+                      f"({len(crossing)} WAN link(s) over VXLAN, MTU {mtu})")
+        results = {}
+        errors: list[str] = []
+
+        def build_on(machine: str) -> None:
+            tunnels = []
+            for n, link in crossing:
+                for local, remote in ((link.a, link.b), (link.b, link.a)):
+                    if self.placement[local] == machine:
+                        tunnels.append({"local": local, "remote": remote, "local_ip": by_name[machine].underlay,
+                                        "remote_ip": by_name[self.placement[remote]].underlay,
+                                        "vni": _VNI_BASE + n, "mtu": mtu})
+            dcs = [dc for dc, m in self.placement.items() if m == machine]
+            try:
+                results[machine] = self.agents[machine].call(
+                    "build", topology=data, dcs=dcs, tunnels=tunnels, mtu=mtu, delay_backend=delay_backend,
+                    loss_backend=loss_backend, run_name=run_name)
+            except ClusterError as exc:
+                errors.append(str(exc))
+
+        threads = [threading.Thread(target=build_on, args=(m,)) for m in self.agents]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise NetworkError(errors[0])
+        for machine, r in results.items():
+            for dc, hosts in r["hosts"].items():
+                net._hosts[dc] = [HostInfo(dc, j, name, ip, RemoteNode(self.agents[machine], name))
+                                  for j, (name, ip) in enumerate(hosts)]
+            net.backends = _Backends(r["backends"])
+        net.mtu = mtu
+
+    def teardown_networks(self) -> None:
+        for agent in self.agents.values():
+            try:
+                agent.call("teardown", wait_s=60)
+            except ClusterError:
+                pass
+
+    # -- events -----------------------------------------------------------------------
+    def drain(self, timeout: float = 0.0) -> list[tuple[str, dict | None]]:
+        """Handle the agents' events that arrived (waiting up to ``timeout`` for the first);
+        telemetry comes back as the hub's (name, msg)."""
+        out: list[tuple[str, dict | None]] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                machine, ev = self.events.get(timeout=left) if left > 0 and not out else self.events.get_nowait()
+            except queue.Empty:
+                return out
+            kind = ev["event"]
+            if kind == "telemetry":
+                name, msg = ev["name"], ev["msg"]
+                if self.hub is not None and msg is not None:
+                    self.hub.worker_machine.setdefault(name, machine)
+                    msg = self.hub.map_times(name, machine, msg)
+                out.append((name, msg))
+            elif kind == "exit":
+                p = self.processes.get(ev["name"])
+                if p is not None:
+                    p.returncode, p.tail = ev["rc"], ev.get("tail", "")
+            elif kind == "network" and self.net is not None:
+                self.net.errors.append(f"machine {machine}: {ev['error']}")
+            elif kind == "gone" and self.net is not None and not self._stopping.is_set():
+                self.net.errors.append(f"machine {machine}: its agent is gone (the machine or its management "
+                                       f"network failed)")
+
+
+class ClusterSite:
+    """``runner.TrainingRun``'s parts across machines (``runner.LocalSite`` on one)."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.net: ClusterNetwork | None = None
+
+    def network(self, topo: Topology, delay_backend: str, options: dict) -> ClusterNetwork:
+        if options:
+            raise ClusterError(f"a run across machines does not take {', '.join(sorted(options))} yet "
+                               f"(Atlas's scheduler and BubbleTea run on one machine)")
+        self.cluster.check_clocks(topo)
+        self.net = ClusterNetwork(self.cluster, topo)
+        self.net.delay_backend = delay_backend
+        return self.net
+
+    def hub(self, run, net: ClusterNetwork) -> tuple[ClusterHub, None]:
+        slots = {(s.stage, s.replica): s.name for s in run.exp.workers()}
+        stage_of = {s.name: (s.stage, s.replica) for s in run.exp.workers()}
+
+        def sender_of(receiver: str, kind: str) -> str | None:
+            stage, replica = stage_of.get(receiver, (None, None))
+            if stage is None:
+                return None
+            return slots.get((stage - 1 if kind == "xfer_act" else stage + 1, replica))
+
+        hub = ClusterHub(self.cluster, sender_of)
+        for s in run.exp.workers():
+            hub.worker_machine[s.name] = self.cluster.placement[s.dc]
+        self.cluster.hub = hub
+        orig_close = hub.close
+
+        def close() -> None:  # the end clock sample, while the agents are still there
+            self._clock = self.cluster.clock_report()
+            orig_close()
+
+        hub.close = close
+        return hub, None
+
+    def launcher(self, net: ClusterNetwork) -> ClusterLauncher:
+        return ClusterLauncher(self.cluster)
+
+    def containers(self, net: ClusterNetwork, run_name: str) -> ClusterContainers:
+        return ClusterContainers(self.cluster)
+
+    def gpus(self) -> int:
+        used = set(self.cluster.placement.values())
+        return min((m.gpus for m in self.cluster.machines if m.name in used), default=0)
+
+    def summary(self) -> dict:
+        clock = getattr(self, "_clock", None) or self.cluster.clock_report()
+        clock["bound_ms"] = round(self.cluster.clock_bound_ms(self.net.topo), 4) if self.net else None
+        return {"machines": sorted(set(self.cluster.placement.values())), "placement": self.cluster.placement,
+                "clock": clock, "underlay": self.cluster.underlay,
+                "mtu": getattr(self.net, "mtu", None)}
+
+
+def open_cluster(topo: Topology, inventory: Path, machines_flag: str | None = None,
+                 progress: Callable[[str], None] = lambda msg: None, lease_s: float = 15.0) -> Cluster:
+    """Read the inventory, place the DCs, start and reach the agents, sample the clocks.
+    The caller ends it with ``close()`` (the agents' leases end it too)."""
+    from .inventory import load_inventory, parse_machines_flag, place
+
+    machines = load_inventory(inventory)
+    placement = place(topo, machines, parse_machines_flag(machines_flag))
+    return Cluster(machines, placement, Path(inventory), lease_s=lease_s, progress=progress).start()
