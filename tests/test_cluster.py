@@ -1,0 +1,214 @@
+"""Several machines, on a fake cluster: three "machines" (network, mount, PID and time
+namespaces, their own sshd), an underlay bridge, Ansible over SSH, the real machine agents,
+VXLAN between them, clocks 5 s ahead and 3 s behind.  The code path is the one real
+servers take; only the machines are namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agents.trainer.reference import reference_losses
+from testbed.experiment import load_experiment
+from testbed.fidelity import rtt_tolerance_ms
+from testbed.spec import load_topology
+
+REPO = Path(__file__).resolve().parent.parent
+TESTBED = [sys.executable, "-m", "testbed.cli"]
+OFFSETS = [5.0, 0.0, -3.0]
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    if not os.path.exists("/usr/sbin/sshd"):
+        return "needs sshd (openssh-server)"
+    if not os.path.exists("/proc/self/ns/time"):
+        return "needs time namespaces (Linux >= 5.6)"
+    r = subprocess.run(["unshare", "--net", "sh", "-c", "ip link add v0 type vxlan id 1 dstport 4789 remote 192.0.2.1"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        return f"needs VXLAN: {r.stderr.strip()}"
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from testbed.cluster import fake
+
+    c = fake.create(3, OFFSETS)
+    inv = tmp_path_factory.mktemp("cluster") / "inventory.ini"
+    inv.write_text(c.inventory_text())
+    c.inventory_path = inv
+    yield c
+    fake.destroy()
+
+
+def _head(cluster, args: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cluster.head_argv([*TESTBED, *args]), capture_output=True, text=True, cwd=REPO,
+                          timeout=kw.pop("timeout", 600), **kw)
+
+
+def _in_machine(cluster, name: str, script: str) -> str:
+    return subprocess.run(cluster.machine_argv(name, ["sh", "-c", script]), capture_output=True, text=True,
+                          timeout=30).stdout
+
+
+def _nothing_left(cluster) -> None:
+    """On every machine: only its own interfaces, no testbed process, state or cgroup."""
+    for m in cluster.machines:
+        links = _in_machine(cluster, m.name, "ls /sys/class/net").split()
+        assert sorted(links) == ["eth0", "lo"], (m.name, links)
+        state = _in_machine(cluster, m.name, "ls /run/gtb 2>/dev/null").split()
+        assert set(state) <= {"lock"}, (m.name, state)
+        procs = _in_machine(cluster, m.name, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done")
+        ours = [ln for ln in procs.splitlines() if "testbed" in ln or "agents.trainer" in ln or "mnexec" in ln]
+        assert [ln for ln in ours if "for p in" not in ln] == [], (m.name, ours)
+        cg = [p.name for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")) if root.is_dir()
+              for p in root.iterdir() if p.name.startswith(f"gtb-{m.name}-")]
+        assert cg == [], (m.name, cg)
+
+
+def test_fidelity_across_vxlan_measures_as_configured(cluster):
+    """aws-us3 with each DC on its own machine: every link is a VXLAN between two machines."""
+    r = _head(cluster, ["fidelity", "aws-us3", "--inventory", str(cluster.inventory_path), "--json", "--seconds", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
+    assert len(rows) == 6
+    for row in rows:
+        conf = row["rtt_ms_configured"]
+        assert abs(row["rtt_ms_measured"] - conf) <= max(0.5, 0.03 * conf), row
+        # one-way across machines whose clocks differ by 3-8 s: the mapping makes it right
+        assert abs(row["owd_ms_measured"] - topo.one_way_delay_ms(row["src"], row["dst"])) <= \
+            max(0.5, 0.03 * conf), row
+        assert 0.90 <= row["goodput_ratio"] <= 1.01, row
+    _nothing_left(cluster)
+
+
+_MTU_PROBE = """
+import json, sys
+from testbed.cluster.remote import ClusterNetwork, open_cluster
+from testbed.spec import load_topology
+topo = load_topology("topologies/aws-us3.yaml")
+cluster = open_cluster(topo, sys.argv[1])
+try:
+    with ClusterNetwork(cluster, topo) as net:
+        a, b = net.host("virginia"), net.host("oregon")
+        payload = net.mtu - 28  # IPv4 + ICMP headers
+        out = {}
+        for size in (payload, payload + 1):
+            res = a.node.cmd(f"ping -n -c 2 -i 0.2 -W 2 -M do -s {size} {b.ip}; echo rc=$?")
+            out[size] = res.strip().splitlines()[-1]
+        out["mtu"] = net.mtu
+        print(json.dumps(out))
+finally:
+    cluster.close()
+"""
+
+
+def test_dont_fragment_ping_fits_the_path_mtu_and_one_byte_more_does_not(cluster):
+    r = subprocess.run(cluster.head_argv([sys.executable, "-c", _MTU_PROBE, str(cluster.inventory_path)]),
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["mtu"] == 1450  # the underlay's 1500 less VXLAN's 50
+    assert out[str(1450 - 28)] == "rc=0"
+    assert out[str(1450 - 27)] != "rc=0"
+
+
+def test_default_job_across_machines_trains_as_on_one(cluster, tmp_path):
+    exp = load_experiment(REPO / "experiments" / "default.yaml")
+    r = _head(cluster, ["run", "experiments/default.yaml", "--inventory", str(cluster.inventory_path),
+                        "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "metrics.json").read_text())
+    want = reference_losses(exp.model.model_dump(), exp.training.model_dump(), exp.parallel.replicas)
+    assert [it["loss"] for it in result["iterations"]] == pytest.approx(want, rel=1e-5)
+    info = result["cluster"]
+    assert info["placement"] == {"virginia": "m1", "ohio": "m2", "oregon": "m3"}
+    for name, off in zip(("m1", "m2", "m3"), OFFSETS):
+        row = info["clock"]["machines"][name]
+        assert abs(row["offset_s"] - off) < 1e-3, row  # the injected offsets, found
+        assert row["uncertainty_ms"] < info["clock"]["bound_ms"]
+    # every transfer crosses a WAN link (one stage per DC): none is received before it was
+    # sent, nor faster than the smallest one-way delay (Virginia-Ohio, 5.5 ms)
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    xfers = [e for e in trace if e.get("cat") in ("xfer_act", "xfer_grad")]
+    assert len(xfers) == 2 * exp.training.iterations * exp.training.microbatches * 2 * exp.parallel.replicas
+    assert min(e["dur"] for e in xfers) / 1000 >= 5.5 - 0.5
+    _nothing_left(cluster)
+
+
+def _start_run(cluster, out: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(cluster.head_argv([*TESTBED, "run", "experiments/default.yaml", "--inventory",
+                                               str(cluster.inventory_path), "--out", str(out)]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    deadline = time.monotonic() + 180
+    while (out / "iterations.jsonl").exists() is False or not (out / "iterations.jsonl").read_text().strip():
+        assert proc.poll() is None, proc.stdout.read()[-2000:]
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    return proc
+
+
+def _worker_pid(cluster, machine: str, name: str) -> int:
+    """A worker the run started on ``machine`` (its PID here, found by its config file's name)."""
+    m = next(x for x in cluster.machines if x.name == machine)
+    ns = os.readlink(f"/proc/{m.pid}/ns/pid")
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{p}/ns/pid") != ns:
+                continue
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "agents.trainer.worker" in cmd and f"/{name}.json" in cmd:
+            return int(p)
+    raise AssertionError(f"no worker {name} on {machine}")
+
+
+def test_a_killed_remote_worker_ends_the_run_naming_it(cluster, tmp_path):
+    proc = _start_run(cluster, tmp_path)
+    os.kill(_worker_pid(cluster, "m3", "s2r1"), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-2000:]
+    last = [ln for ln in out.strip().splitlines() if ln.strip()][-1]
+    assert last.startswith("error:") and "s2r1" in last and "killed by signal 9" in last, out[-2000:]
+    _nothing_left(cluster)
+
+
+def test_after_a_sigkilled_orchestrator_clean_inventory_leaves_nothing(cluster, tmp_path):
+    proc = _start_run(cluster, tmp_path)
+    proc.kill()
+    proc.wait(10)
+    r = _head(cluster, ["clean", "--inventory", str(cluster.inventory_path)], timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(ln.split(":")[0] for ln in r.stdout.splitlines() if ln.strip()) == ["m1", "m2", "m3"]
+    _nothing_left(cluster)
+
+
+def test_bad_maps_are_one_line_errors(cluster, tmp_path):
+    for flag, words in (("virginia=m9", "machine 'm9'"), ("narnia=m1", "DC 'narnia'"), ("virginia", "DC=MACHINE")):
+        r = _head(cluster, ["fidelity", "aws-us3", "--inventory", str(cluster.inventory_path), "--machines", flag],
+                  timeout=60)
+        assert r.returncode != 0
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and words in lines[0], r.stderr
+    bad = tmp_path / "bad.ini"
+    bad.write_text("[machines]\nm1 ansible_host=172.30.0.1 gtb_underlay=not-an-ip\n")
+    r = _head(cluster, ["fidelity", "aws-us3", "--inventory", str(bad)], timeout=60)
+    assert r.returncode != 0 and "gtb_underlay 'not-an-ip'" in r.stderr, r.stderr
+    _nothing_left(cluster)
