@@ -148,6 +148,10 @@ class LocalSite:
     def gpus(self) -> int:
         return detect_gpus()
 
+    def finish(self, run: "TrainingRun") -> None:
+        """Training is over, the parts are still up (a cluster: the end clock sample, and
+        every timestamp corrected for the drift it measured)."""
+
     def summary(self) -> dict:
         """What the site adds to metrics.json (a cluster: machines, clocks, underlay)."""
         return {}
@@ -259,6 +263,7 @@ class TrainingRun:
                 except (ExtensionError, ProcessError) as exc:
                     raise RunError(str(exc)) from None
                 self._collect()
+                self.site.finish(self)
                 after = net.tcp_counters()
                 self.tcp = {h: {k: v - self._tcp_start.get(h, {}).get(k, 0) for k, v in c.items()}
                             for h, c in after.items()}

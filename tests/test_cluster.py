@@ -212,3 +212,30 @@ def test_bad_maps_are_one_line_errors(cluster, tmp_path):
     r = _head(cluster, ["fidelity", "aws-us3", "--inventory", str(bad)], timeout=60)
     assert r.returncode != 0 and "gtb_underlay 'not-an-ip'" in r.stderr, r.stderr
     _nothing_left(cluster)
+
+
+def test_drift_between_the_clock_samples_moves_timestamps_in_proportion():
+    """Runs without the fake cluster's machines: the correction is arithmetic on records."""
+    from testbed.cluster.remote import correct_drift
+    from testbed.records import Interval, Transfer, WorkerRecord
+
+    start = {"a": {"offset_s": 5.0, "uncertainty_ms": 0.05, "at": 100.0},
+             "b": {"offset_s": 0.0, "uncertainty_ms": 0.05, "at": 100.0}}
+    end = {"a": {"offset_s": 5.002, "uncertainty_ms": 0.05, "at": 110.0},  # 2 ms in 10 s: 200 ppm
+           "b": {"offset_s": 0.00004, "uncertainty_ms": 0.05, "at": 110.0}}  # within the samples: noise
+    recv = WorkerRecord("s1r0", 1, 0, "dc-b")
+    recv.events = [Interval("forward", 0, 105.0, 106.0, 0)]
+    recv.iteration_end = {0: 106.0}
+    recv.transfers = [Transfer("xfer_act", 0, 105.0, 105.01, 100, 0)]  # sent by s0r0 on a
+    send = WorkerRecord("s0r0", 0, 0, "dc-a")
+    send.events = [Interval("forward", 0, 105.0, 106.0, 0)]
+    where = {"s0r0": "a", "s1r0": "b"}
+    moved = correct_drift({"s0r0": send, "s1r0": recv}, where, lambda n, k: "s0r0" if n == "s1r0" else None,
+                          start, end)
+    assert moved
+    assert send.events[0].start == pytest.approx(105.0 - 0.001)  # half way: half of 2 ms
+    assert send.events[0].end == pytest.approx(106.0 - 0.0012)
+    assert recv.events[0].start == 105.0 and recv.iteration_end[0] == 106.0  # b's drift is noise
+    assert recv.transfers[0].start == pytest.approx(105.0 - 0.001)  # the sender's machine's drift
+    assert recv.transfers[0].end == 105.01
+    assert not correct_drift({"s1r0": recv}, where, lambda n, k: None, {"b": start["b"]}, {"b": end["b"]})

@@ -12,7 +12,9 @@ mapped onto the orchestrator's clock), its launcher and its CPU containers.
 
 Clocks: a sample is a request/answer pair; offset = agent's time - the pair's midpoint,
 uncertainty = half the round trip; the sample with the smallest round trip of ``samples``
-is kept.  Measured at the start and at the end; the drift between them is reported.  A
+is kept.  Measured at the start and at the end: the hub maps with the start offsets as
+messages arrive; when training is over, ``correct_drift`` moves every timestamp by its
+machine's drift, where the offset moved more than the two samples' uncertainties.  A
 worker's timestamps are on its machine's clock and map by that machine's offset; a
 transfer's start is the sender's clock (the transport carries it), so it maps by the
 sender's machine.  The bound a run refuses to start beyond: uncertainty under 1 ms and
@@ -661,12 +663,21 @@ class ClusterSite:
         self.cluster.hub = hub
         orig_close = hub.close
 
-        def close() -> None:  # the end clock sample, while the agents are still there
-            self._clock = self.cluster.clock_report()
+        def close() -> None:  # the end clock sample, while the agents are still there (a failed run)
+            if getattr(self, "_clock", None) is None:
+                self._clock = self.cluster.clock_report()
             orig_close()
 
         hub.close = close
         return hub, None
+
+    def finish(self, run) -> None:
+        """The end clock sample, then every timestamp moved by its machine's drift."""
+        self._clock = self.cluster.clock_report()
+        hub = self.cluster.hub
+        self._clock["drift_corrected"] = correct_drift(
+            {n: w.record for n, w in run.workers.items()}, hub.worker_machine, hub.sender_of,
+            self.cluster.clock.get("start", {}), self.cluster.clock.get("end", {}))
 
     def launcher(self, net: ClusterNetwork) -> ClusterLauncher:
         return ClusterLauncher(self.cluster)
@@ -680,6 +691,7 @@ class ClusterSite:
 
     def summary(self) -> dict:
         clock = getattr(self, "_clock", None) or self.cluster.clock_report()
+        clock.setdefault("drift_corrected", False)
         clock["bound_ms"] = round(self.cluster.clock_bound_ms(self.net.topo), 4) if self.net else None
         return {"machines": sorted(set(self.cluster.placement.values())), "placement": self.cluster.placement,
                 "clock": clock, "underlay": self.cluster.underlay,
@@ -695,3 +707,37 @@ def open_cluster(topo: Topology, inventory: Path, machines_flag: str | None = No
     machines = load_inventory(inventory)
     placement = place(topo, machines, parse_machines_flag(machines_flag))
     return Cluster(machines, placement, Path(inventory), lease_s=lease_s, progress=progress).start()
+
+
+def correct_drift(records: dict, where: dict[str, str], sender_of: Callable[[str, str], str | None],
+                  start: dict, end: dict) -> bool:
+    """Move every timestamp of ``records`` (already mapped with the start offsets) by its
+    machine's drift: a machine whose offset moved by ``d`` between the start and the end
+    sample had its timestamps off by ``d`` times the fraction of that span elapsed.  A drift
+    within what the two samples can tell (their uncertainties added) is noise and left
+    alone.  True when something moved."""
+    from ..records import Interval, Transfer
+
+    rate: dict[str, tuple[float, float]] = {}
+    for m, s0 in start.items():
+        e = end.get(m)
+        if not e or e["at"] <= s0["at"]:
+            continue
+        moved = e["offset_s"] - s0["offset_s"]
+        known = (s0["uncertainty_ms"] + e["uncertainty_ms"]) / 1e3
+        if abs(moved) > known:
+            rate[m] = (moved / (e["at"] - s0["at"]), s0["at"])
+    if not rate:
+        return False
+
+    def fix(t: float, machine: str) -> float:
+        r, at = rate.get(machine, (0.0, 0.0))
+        return t - r * (t - at)
+
+    for name, rec in records.items():
+        m = where[name]
+        rec.events = [Interval(i.kind, i.mb, fix(i.start, m), fix(i.end, m), i.iteration) for i in rec.events]
+        rec.iteration_end = {k: fix(t, m) for k, t in rec.iteration_end.items()}
+        rec.transfers = [Transfer(x.kind, x.mb, fix(x.start, where.get(sender_of(name, x.kind) or "", m)),
+                                  fix(x.end, m), x.nbytes, x.iteration) for x in rec.transfers]
+    return True
