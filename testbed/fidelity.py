@@ -190,13 +190,14 @@ def one_way_probe(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, i
     the order shows whether the path reordered them."""
     rows = _probe(net, src, dst, ["recv", str(port), str(count)],
                   ["send", dst.ip, str(port), str(count), str(interval_s)], 2.0 + count * interval_s + 2.0)
-    skew = net.owd_correction_ms(src, dst) if hasattr(net, "owd_correction_ms") else 0.0  # across machines
-    return [(float(r[0]) - skew, int(r[1])) for r in rows]
+    return [(r[0], int(r[1])) for r in rows]
 
 
 def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
-           timeout: float) -> list[list[str]]:
-    """Run ``testbed.owd``'s receiver on dst and its sender on src; the receiver's lines, split."""
+           timeout: float) -> list[list]:
+    """Run ``testbed.owd``'s receiver on dst and its sender on src; the receiver's lines, split,
+    each led by its delay in ms on one timeline (``net.owd_correction_ms``: across machines the
+    sender's and the receiver's clocks differ)."""
     import sys
 
     recv = net.popen(dst, [sys.executable, "-m", "testbed.owd", *recv_args, str(timeout)],
@@ -209,7 +210,9 @@ def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], sen
     except subprocess.TimeoutExpired:
         recv.kill()
         stdout, _ = recv.communicate()
-    return [line.split() for line in stdout.splitlines() if line.strip()]
+    skew = net.owd_correction_ms(src, dst)
+    rows = [line.split() for line in stdout.splitlines() if line.strip()]
+    return [[float(r[0]) - skew, *r[1:]] for r in rows]
 
 
 def message_delays(net: Network, src: HostInfo, dst: HostInfo, size: int = 131072, count: int = 30,
@@ -219,8 +222,7 @@ def message_delays(net: Network, src: HostInfo, dst: HostInfo, size: int = 13107
     rows = _probe(net, src, dst, ["msg-recv", str(port), str(count), str(size)],
                   ["msg-send", dst.ip, str(port), str(count), str(size), str(interval_s)],
                   2.0 + count * (interval_s + 0.5))
-    skew = net.owd_correction_ms(src, dst) if hasattr(net, "owd_correction_ms") else 0.0
-    return [float(r[0]) - skew for r in rows]
+    return [r[0] for r in rows]
 
 
 def configured_rtt_ms(net: Network, src: str, dst: str) -> float:

@@ -86,6 +86,29 @@ class HostInfo:
     node: Any  # mininet.node.Host
 
 
+class HostIndex:
+    """The hosts of a network by DC (``_hosts``): what ``Network`` and, across machines,
+    ``cluster.remote.ClusterNetwork`` answer alike."""
+
+    _hosts: dict[str, list[HostInfo]]
+
+    def hosts(self, dc: str | None = None) -> list[HostInfo]:
+        if dc is not None:
+            return self._hosts[dc]
+        return [h for dc_hosts in self._hosts.values() for h in dc_hosts]
+
+    def host(self, dc: str, index: int = 0) -> HostInfo:
+        try:
+            return self._hosts[dc][index]
+        except (KeyError, IndexError):
+            raise NetworkError(f"no host {index} in DC {dc!r}") from None
+
+    def owd_correction_ms(self, src: HostInfo, dst: HostInfo) -> float:
+        """What a one-way probe src -> dst reads too much by: on one machine nothing (every
+        namespace reads the same clock)."""
+        return 0.0
+
+
 class _DelayLineClient:
     """Talks to one delay-line process over its Unix datagram socket."""
 
@@ -273,7 +296,7 @@ class WanDirection:
         self.delay_client.request({"lane": self.lane, **msg})
 
 
-class Network:
+class Network(HostIndex):
     """Build, run and tear down one topology.  Use as a context manager."""
 
     def __init__(
@@ -344,17 +367,6 @@ class Network:
         return f"10.{self._index[dc]}.0.254"
 
     # -- public queries -------------------------------------------------------------
-    def hosts(self, dc: str | None = None) -> list[HostInfo]:
-        if dc is not None:
-            return self._hosts[dc]
-        return [h for dc_hosts in self._hosts.values() for h in dc_hosts]
-
-    def host(self, dc: str, index: int = 0) -> HostInfo:
-        try:
-            return self._hosts[dc][index]
-        except (KeyError, IndexError):
-            raise NetworkError(f"no host {index} in DC {dc!r}") from None
-
     def router(self, dc: str) -> Any:
         return self._routers[dc]
 

@@ -210,10 +210,10 @@ def _cgroup_roots() -> list[Path]:
 def _prefixed_cgroups() -> list[str]:
     """The testbed's top-level cgroups (named ``gtb-<run>-<pid>``) and everything under them."""
     out = []
+    machine = os.environ.get("GTB_MACHINE")  # a fake machine cleans its own only
+    mine = f"{PREFIX}-{machine}-" if machine else f"{PREFIX}-"
     for root in _cgroup_roots():
         try:
-            machine = os.environ.get("GTB_MACHINE")  # a fake machine cleans its own only
-            mine = f"{PREFIX}-{machine}-" if machine else f"{PREFIX}-"
             tops = [p for p in root.iterdir() if p.name.startswith(mine) and p.is_dir()]
         except OSError:
             continue

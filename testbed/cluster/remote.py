@@ -34,13 +34,14 @@ import os
 import queue
 import secrets
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..network import HostInfo, NetworkError
+from ..network import HostIndex, HostInfo, NetworkError
 from ..spec import Topology
 from . import wire
 from .inventory import ClusterError, Machine
@@ -134,15 +135,17 @@ def measure_clock(agent: AgentClient, samples: int = 30) -> ClockSample:
     return best
 
 
-class _RemoteStdout:
-    def __init__(self, proc: "RemotePopen"):
-        self._proc = proc
+class _RemoteStream:
+    """A remote process's stdout (0) or stderr (1), read through its agent."""
+
+    def __init__(self, proc: "RemotePopen", which: int):
+        self._proc, self._which = proc, which
 
     def readline(self) -> str:
         return self._proc.agent.call("readline", pid=self._proc.pid)
 
     def read(self) -> str:
-        return self._proc.communicate()[0]
+        return self._proc.communicate()[self._which]
 
 
 class RemotePopen:
@@ -151,8 +154,7 @@ class RemotePopen:
     def __init__(self, agent: AgentClient, pid: int):
         self.agent, self.pid = agent, pid
         self.returncode: int | None = None
-        self.stdout = _RemoteStdout(self)
-        self.stderr = None
+        self.stdout, self.stderr = _RemoteStream(self, 0), _RemoteStream(self, 1)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -160,8 +162,6 @@ class RemotePopen:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
         rc = self.agent.call("wait", wait_s=None if timeout is None else timeout + 10, pid=self.pid,
                              timeout=timeout)
         if rc is None:
@@ -192,8 +192,6 @@ class RemoteNode:
         return self.agent.call("cmd", host=self.name, command=command)
 
     def popen(self, argv: list[str], stdout=None, stderr=None, text=None, **_ignored) -> RemotePopen:
-        import subprocess
-
         pipe = stdout == subprocess.PIPE
         return RemotePopen(self.agent, self.agent.call("popen", host=self.name, argv=list(argv), pipe=pipe)["pid"])
 
@@ -210,7 +208,7 @@ class _Backends:
         self.delay, self.loss, self.rate = d["delay"], d["loss"], d["rate"]
 
 
-class ClusterNetwork:
+class ClusterNetwork(HostIndex):
     """The topology built across machines, used as ``network.Network`` is."""
 
     def __init__(self, cluster: "Cluster", topo: Topology):
@@ -241,17 +239,6 @@ class ClusterNetwork:
 
     def machine_of(self, dc: str) -> str:
         return self.cluster.placement[dc]
-
-    def hosts(self, dc: str | None = None) -> list[HostInfo]:
-        if dc is not None:
-            return self._hosts[dc]
-        return [h for hs in self._hosts.values() for h in hs]
-
-    def host(self, dc: str, index: int = 0) -> HostInfo:
-        try:
-            return self._hosts[dc][index]
-        except (KeyError, IndexError):
-            raise NetworkError(f"no host {index} in DC {dc!r}") from None
 
     def links(self) -> list[_Direction]:
         return [_Direction(s, d, p) for s, d, p in self.topo.directions()]
@@ -309,8 +296,9 @@ class ClusterContainers:
 class _RemoteProcess:
     """What the runner asks of a worker's process: alive, exit status, the log's last line."""
 
-    def __init__(self, name: str, machine: str, pid: int):
+    def __init__(self, name: str, machine: str, pid: int, cluster: "Cluster"):
         self.name, self.machine, self.pid = name, machine, pid
+        self._cluster = cluster
         self.popen = self
         self.returncode: int | None = None
         self.tail = ""
@@ -319,8 +307,6 @@ class _RemoteProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             if deadline is not None and time.monotonic() > deadline:
@@ -349,8 +335,7 @@ class ClusterLauncher:
         extra = {k: v for k, v in (env or {}).items() if base.get(k) != v and k != "PYTHONPATH"}
         pid = agent.call("launch", name=name, module=module, config=config, host=host.name,
                          cpus=cgroup.cpus if cgroup is not None else 0.0, env=extra)["pid"]
-        proc = _RemoteProcess(name, machine, pid)
-        proc._cluster = self.cluster
+        proc = _RemoteProcess(name, machine, pid, self.cluster)
         self.processes[name] = proc
         self.cluster.processes[name] = proc
         return proc
@@ -412,7 +397,7 @@ class ClusterHub:
             return False
 
     def close(self) -> None:
-        pass
+        self.cluster.clock_report()  # the end clock sample, while the agents are still there
 
     def map_times(self, name: str, machine: str, msg: dict) -> dict:
         off = self.cluster.offsets
@@ -452,6 +437,7 @@ class Cluster:
     net: ClusterNetwork | None = None
     events: "queue.Queue" = field(default_factory=queue.Queue)
     _renewer: threading.Thread | None = None
+    _report: dict | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
 
     # -- start and end ----------------------------------------------------------------
@@ -514,8 +500,12 @@ class Cluster:
                                f"between machines)")
 
     def clock_report(self) -> dict:
+        """The clocks over the run, for metrics.json; the end sample is taken on the first call
+        (while the agents are still there), later calls return the same report."""
+        if self._report is not None:
+            return self._report
         end = self.measure_clocks("end") if self.agents else {}
-        out = {"bound_ms": None, "machines": {}}
+        out = {"bound_ms": None, "drift_corrected": False, "machines": {}}
         for n, s in self.clock.get("start", {}).items():
             e = end.get(n)
             row = {"offset_s": s["offset_s"], "uncertainty_ms": s["uncertainty_ms"]}
@@ -526,6 +516,7 @@ class Cluster:
                 row["mapping_error_ms"] = round(abs(e["offset_s"] - s["offset_s"]) * 1e3 + s["uncertainty_ms"]
                                                 + e["uncertainty_ms"], 4)
             out["machines"][n] = row
+        self._report = out
         return out
 
     # -- the network --------------------------------------------------------------------
@@ -555,8 +546,7 @@ class Cluster:
         for n, link in crossing:
             a, b = sorted((self.placement[link.a], self.placement[link.b]))
             owd = self.underlay[f"{a}-{b}"]["rtt_ms"] / 2
-            for key in ("delay_ms",):
-                data["wan"][n][key] = max(0.0, link.delay_ms - owd)
+            data["wan"][n]["delay_ms"] = max(0.0, link.delay_ms - owd)
             if data["wan"][n].get("reverse"):
                 data["wan"][n]["reverse"]["delay_ms"] = max(0.0, link.reverse.delay_ms - owd)
         self.progress(f"building {len(topo.dcs)} DCs on {len(self.agents)} machines "
@@ -661,21 +651,13 @@ class ClusterSite:
         for s in run.exp.workers():
             hub.worker_machine[s.name] = self.cluster.placement[s.dc]
         self.cluster.hub = hub
-        orig_close = hub.close
-
-        def close() -> None:  # the end clock sample, while the agents are still there (a failed run)
-            if getattr(self, "_clock", None) is None:
-                self._clock = self.cluster.clock_report()
-            orig_close()
-
-        hub.close = close
         return hub, None
 
     def finish(self, run) -> None:
         """The end clock sample, then every timestamp moved by its machine's drift."""
-        self._clock = self.cluster.clock_report()
+        report = self.cluster.clock_report()
         hub = self.cluster.hub
-        self._clock["drift_corrected"] = correct_drift(
+        report["drift_corrected"] = correct_drift(
             {n: w.record for n, w in run.workers.items()}, hub.worker_machine, hub.sender_of,
             self.cluster.clock.get("start", {}), self.cluster.clock.get("end", {}))
 
@@ -690,8 +672,7 @@ class ClusterSite:
         return min((m.gpus for m in self.cluster.machines if m.name in used), default=0)
 
     def summary(self) -> dict:
-        clock = getattr(self, "_clock", None) or self.cluster.clock_report()
-        clock.setdefault("drift_corrected", False)
+        clock = self.cluster.clock_report()
         clock["bound_ms"] = round(self.cluster.clock_bound_ms(self.net.topo), 4) if self.net else None
         return {"machines": sorted(set(self.cluster.placement.values())), "placement": self.cluster.placement,
                 "clock": clock, "underlay": self.cluster.underlay,
