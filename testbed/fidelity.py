@@ -13,8 +13,9 @@ delay (``owd.py``: every namespace reads the same clock) against the direction's
 ``delay_ms``; and a steady-state goodput.  Goodput leaves the flow's start-up and the loss
 recovery that ends it out (30 round trips, at least 1 s, cut from the receiver's own
 half-second intervals) and measures for at least 20 round trips, so a 262 ms link is
-measured as long as it needs; the flow is BBR where the kernel has it
-(``measuring_congestion`` says why).  Tolerances
+measured as long as it needs; the flow's window is capped a little above the link's
+bandwidth-delay product (``measuring_window`` says why), so it fills the link without
+overflowing its queue.  Tolerances
 (``within_tolerance``): RTT within max(0.5 ms, 2%), goodput 90-101% of the rate.
 """
 
@@ -26,10 +27,10 @@ import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 from .network import HostInfo, Network, NetworkError
+from .spec import Direction, default_queue_bytes
 
 RTT_TOLERANCE_MS = 0.5
 RTT_TOLERANCE_FRAC = 0.02
@@ -61,7 +62,7 @@ class LinkReport:
     goodput_seconds: float  # measured for this long, after omitting slow start
     retransmits: int
     loss_configured: float
-    congestion: str = "cubic"  # what the goodput flow used (``measuring_congestion``)
+    window_bytes: int | None = None  # the goodput flow's socket buffers (``measuring_window``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,23 +148,25 @@ def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, str
         server.wait(5)
 
 
-def measuring_congestion() -> str:
-    """The congestion control ``measure_link`` measures a link's goodput with: BBR where the
-    kernel has it, else cubic.
+def measuring_window(params: Direction, rtt_ms: float) -> int:
+    """The socket buffers (iperf3 ``-w``) ``measure_link`` measures a direction's goodput
+    with: its bandwidth-delay product plus a quarter of its queue (at most a quarter BDP).
 
-    Cubic at a one-BDP queue overshoots it every few seconds (a loss, then a second of
-    data held behind the hole at the receiver, then that second's data at once): the
-    receiver's intervals then read 0.65 and 1.26 of the rate in turn, and a window of a few
-    seconds reads 0.95-1.01 depending on where it falls (measured on 148 and 262 ms links,
-    58 and 33 Mbit/s).  BBR paces at the bottleneck rate and does not fill the queue: after
-    its start-up (omitted) it read 0.950-0.954 of the rate in every half-second (the payload
-    fraction is 0.956).  The link is the same either way; BBR is the steadier instrument.
-    The training's own connections keep the hosts' cubic."""
-    try:
-        available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
-    except OSError:
-        available = []
-    return "bbr" if "bbr" in available else "cubic"
+    A flow whose window stays between one BDP and one BDP plus the queue keeps the link busy
+    and never overflows the queue: no loss, no recovery, no congestion-control artefact in
+    the figure.  Without the cap, cubic overshoots a one-BDP queue every few seconds and the
+    data held behind each hole reaches the receiver at once (half-second intervals read 0.65
+    and 1.26 of the rate in turn, a window of a few seconds 0.95-1.01 depending on where it
+    falls), and BBR drains the path for 200 ms plus a round trip every 10 s (ProbeRTT: 0.87
+    of the rate over a 6 s window on a 262 ms link, in about one direction in six, where
+    every other interval read 0.955).  Capped at 1.25 BDP, cubic read 0.954-0.956 in every
+    interval after 2-3 s on 11-262 ms links, 0 retransmits (2026-12-04).  The kernel's
+    window for a buffer of ``-w`` bytes is ``-w`` to 1.3 ``-w`` (its payload/truesize
+    ratio), so a quarter of margin stays inside the queue.  The training's own connections
+    keep the hosts' settings."""
+    bdp = params.rate_mbps * 1e6 / 8 * rtt_ms / 1000.0
+    queue = default_queue_bytes(params, rtt_ms)
+    return max(int(bdp + min(queue, bdp) / 4), 4096)
 
 
 def _after(intervals: list[dict], omit_s: float) -> list[dict]:
@@ -251,8 +254,8 @@ def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: 
     conf = configured_rtt_ms(net, src, dst)
     owds = one_way_delays(net, a, b, count=20, interval_s=0.01)
     omit, measure = steady_state_seconds(conf, seconds)
-    congestion = measuring_congestion()
-    perf = iperf3(net, a, b, seconds=measure, omit_s=omit, congestion=congestion)
+    window = measuring_window(params, conf)
+    perf = iperf3(net, a, b, seconds=measure, omit_s=omit, window_bytes=window)
     return LinkReport(
         src=src,
         dst=dst,
@@ -268,7 +271,7 @@ def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: 
         goodput_seconds=round(perf["seconds"], 2),
         retransmits=perf["retransmits"],
         loss_configured=params.loss,
-        congestion=congestion,
+        window_bytes=window,
     )
 
 
