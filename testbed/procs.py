@@ -65,8 +65,10 @@ def cpu_seconds(pid: int) -> float:
 
 def python_env(**extra: str) -> dict[str, str]:
     """The environment our Python processes run with: this checkout (or install) importable,
-    one math thread (a worker stands for one device), few page faults per step."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+    one math thread (a worker stands for one device), few page faults per step.  A
+    PYTHONPATH already set stays behind this checkout (packages installed beside it)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                GLIBC_TUNABLES="glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824")
     env.update(extra)
     return env

@@ -52,6 +52,7 @@ class ServerConfig:
     device_file: str | None = None  # emulated: the worker's device, which prefill chunks occupy
     serving_profile: str | None = None  # emulated: profile.py's JSON (prefill and decode times, KV bytes)
     speedup: float = 1.0  # emulated: the device is this many times as fast as the profiled one
+    device: str = "cpu"  # the real model's device: the worker's (cpu, cuda:N)
 
     def to_dict(self) -> dict:
         return asdict(self)

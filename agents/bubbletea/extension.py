@@ -35,7 +35,7 @@ from agents.bubbletea.config import ControllerConfig, DecodeConfig, InferenceMod
 from agents.trainer.device import create_device
 from agents.trainer.waitboard import create_board
 from testbed.extension import ExtensionError, RunContext, RunExtension
-from testbed.procs import CpuContainers
+from testbed.procs import CpuContainers, python_env
 from testbed.records import BUSY_KINDS, RunRecord
 from testbed.spec import SpecError
 
@@ -148,6 +148,10 @@ class BubbleTeaExtension(RunExtension):
             if self.emulated:  # the worker's own device: its chunks queue on the stream training ops use
                 cfg.device_file = str(w.device_file)
                 self._start(ctx, f"server-{name}", "agents.bubbletea.server", cfg.to_dict(), name, host=w.host)
+            elif w.record.device.startswith("cuda"):  # the worker's own GPU, as the worker sees it
+                cfg.device = "cuda:0"
+                self._start(ctx, f"server-{name}", "agents.bubbletea.server", cfg.to_dict(), name, host=w.host,
+                            sched_idle=True, env=python_env(CUDA_VISIBLE_DEVICES=w.record.device.split(":")[1]))
             else:
                 # an idle-priority co-tenant of the worker's own quota, on the worker's core, and
                 # SCHED_IDLE (inherited by its threads): any waking task preempts it at once, also

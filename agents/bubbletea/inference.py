@@ -48,7 +48,7 @@ def prompt_tokens(rid: int, n: int, seed: int = 7) -> torch.Tensor:
 @torch.no_grad()
 def _forward(model: GPT, x: torch.Tensor, keys: list, values: list, start: int) -> torch.Tensor:
     n = x.shape[1]
-    h = model.tok(x) + model.pos(torch.arange(start, start + n))
+    h = model.tok(x) + model.pos(torch.arange(start, start + n, device=x.device))
     for i, blk in enumerate(model.blocks):
         def attend(q, k, v, i=i):
             if len(keys) > i:
@@ -60,7 +60,7 @@ def _forward(model: GPT, x: torch.Tensor, keys: list, values: list, start: int) 
             if start == 0:
                 return F.scaled_dot_product_attention(q, keys[i], values[i], is_causal=True)
             # query j sits at position start + j: it sees keys 0 .. start + j
-            mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(diagonal=start)
             return F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask)
 
         h = blk(h, attend)
@@ -87,7 +87,7 @@ def decode(model: GPT, keys: list, values: list, first_logits: torch.Tensor, ste
     out = [int(first_logits.argmax(-1))]
     pos = keys[0].shape[2]
     while len(out) < steps and pos < model.cfg.seq_len:
-        logits = _forward(model, torch.tensor([[out[-1]]]), keys, values, pos)
+        logits = _forward(model, torch.tensor([[out[-1]]], device=keys[0].device), keys, values, pos)
         out.append(int(logits.argmax(-1)))
         pos += 1
     return out
@@ -114,14 +114,15 @@ def decode_batch(model: GPT, caches: list[dict], steps: list[int], step_times: l
             vv[j, :, :n] = c["values"][i][0]
         keys.append(kk)
         values.append(vv)
-    valid = torch.zeros(batch, room, dtype=torch.bool)
+    dev = caches[0]["keys"][0].device
+    valid = torch.zeros(batch, room, dtype=torch.bool, device=dev)
     for j, n in enumerate(lens):
         valid[j, :n] = True
     out = [[int(c["logits"].argmax(-1))] for c in caches]
-    pos = torch.tensor(lens)
+    pos = torch.tensor(lens, device=dev)
     col = longest
     while any(len(o) < n and p < limit for o, n, p in zip(out, steps, pos.tolist())):
-        x = torch.tensor([[o[-1]] for o in out])
+        x = torch.tensor([[o[-1]] for o in out], device=dev)
         h = model.tok(x) + model.pos(pos.clamp(max=limit - 1))[:, None, :]
         valid[:, col] = True
         mask = valid[:, None, None, :col + 1]
@@ -147,10 +148,11 @@ def decode_batch(model: GPT, caches: list[dict], steps: list[int], step_times: l
 def pack(state: PrefillState) -> bytes:
     """The cache on the wire: its own bytes only (a prompt prefilled in one chunk keeps its keys
     and values as views into the layer's fused q/k/v output, which ``torch.save`` would ship
-    whole: 1.5x the cache)."""
+    whole: 1.5x the cache).  A cache prefilled on a GPU is shipped as host tensors."""
     buf = io.BytesIO()
-    torch.save({"keys": [k.contiguous().clone() for k in state.keys],
-                "values": [v.contiguous().clone() for v in state.values], "logits": state.logits}, buf)
+    torch.save({"keys": [k.contiguous().cpu().clone() for k in state.keys],
+                "values": [v.contiguous().cpu().clone() for v in state.values],
+                "logits": None if state.logits is None else state.logits.cpu()}, buf)
     return buf.getvalue()
 
 

@@ -16,7 +16,8 @@ What a chunk runs on is the backend's business, and the loop above is the same f
 
 * ``_TorchPrefill`` (CPU containers, GPUs): the real model of ``inference.py``, in an
   idle-priority child cgroup of the worker's CPU container (``cpu.idle = 1``): it competes
-  only with its own training stage, as a second stream on a shared GPU would.  The next
+  only with its own training stage, as a second stream on a shared GPU would; on a GPU
+  (``device: cuda``) on the worker's own GPU, a chunk timed to its end (``synchronize``).  The next
   chunk is judged by the slow end of the recent chunks' times (under a CPU quota a chunk's
   wall time varies several-fold).
 * ``_EmulatedPrefill`` (``device: emulated``): each chunk occupies the worker's emulated
@@ -86,8 +87,10 @@ class _TorchPrefill:
 
         torch.set_num_threads(1)
         self.inf = inference
+        self.dev = torch.device(cfg.device)
+        self._sync = (lambda: torch.cuda.synchronize(self.dev)) if self.dev.type == "cuda" else (lambda: None)
         m = cfg.model
-        self.model = inference.load_model(m.layers, m.hidden, m.heads, m.max_context, m.seed)
+        self.model = inference.load_model(m.layers, m.hidden, m.heads, m.max_context, m.seed).to(self.dev)
         self.max_context = m.max_context
         self.calibrate_lengths = cfg.calibrate
         self.recent: deque = deque(maxlen=32)  # seconds per token of recent chunks
@@ -96,15 +99,16 @@ class _TorchPrefill:
         profile = []
         for n in self.calibrate_lengths:
             n = min(n, self.max_context)
-            state = self.inf.PrefillState(self.inf.prompt_tokens(10**6 + n, n))
+            state = self.inf.PrefillState(self.inf.prompt_tokens(10**6 + n, n).to(self.dev))
             t0 = time.monotonic()
             self.inf.prefill_chunk(self.model, state, n)
+            self._sync()
             profile.append([n, time.monotonic() - t0])
         self.recent.append(max(1e-5, profile[-1][1] / profile[-1][0]))
         return profile
 
     def new(self, rid: int, tokens: int):
-        return self.inf.PrefillState(self.inf.prompt_tokens(rid, tokens))
+        return self.inf.PrefillState(self.inf.prompt_tokens(rid, tokens).to(self.dev))
 
     @staticmethod
     def progress(state) -> tuple[int, int]:
@@ -118,6 +122,7 @@ class _TorchPrefill:
     def run_chunk(self, state, n: int) -> tuple[float, float, int]:
         t0 = time.monotonic()
         ran = self.inf.prefill_chunk(self.model, state, n)
+        self._sync()
         t1 = time.monotonic()
         self.recent.append((t1 - t0) / max(1, ran))
         return t0, t1, ran
