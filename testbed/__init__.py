@@ -8,7 +8,8 @@ model and the pipeline schedules, shared by the trainer and the simulator.  *The
 builds the DCs (Mininet hosts, Linux bridges, gateway routers) and the WAN links between
 them, shaping each direction with ``shaping`` (tc through pyroute2) and, without netem, the
 userspace ``delayline``; ``registry`` records everything made so ``testbed clean`` can
-remove it; ``fidelity`` (with the ``owd`` probe) measures a built network against its spec.
+remove it; ``fidelity`` (with the ``owd`` and ``goodput`` probes) measures a built network
+against its spec.
 *A run*: ``runner`` owns one training run: it launches processes through ``procs`` (CPU
 containers, start, stop), talks to them through the ``hub``, and drives every ``extension``
 (Atlas, BubbleTea) through the same hooks; ``emulation`` gives emulated devices

@@ -1,4 +1,5 @@
-"""Measure a running network against its spec: RTT with ping, goodput with iperf3.
+"""Measure a running network against its spec: RTT with ping, one-way delay and goodput
+with probes of its own (``owd.py``, ``goodput.py``), iperf3 for the tests' plain flows.
 
 How it fits: ``testbed fidelity`` builds a ``Network``, calls ``measure_all`` and prints
 configured against measured; every ``testbed run`` calls ``check_wan`` before training (a
@@ -10,11 +11,11 @@ each crosses exactly the WAN link under test.
 Per direction: the round trip (min of a ping series) against the configured round trip and,
 where the topology names a measured source (``source_rtt_ms``), against that; the one-way
 delay (``owd.py``: every namespace reads the same clock) against the direction's
-``delay_ms``; and a steady-state goodput.  Goodput leaves the flow's start-up and the loss
-recovery that ends it out (30 round trips, at least 1 s, cut from the receiver's own
-half-second intervals) and measures for at least 20 round trips, so a 262 ms link is
-measured as long as it needs; the flow's window is capped a little above the link's
-bandwidth-delay product (``measuring_window`` says why), so it fills the link without
+``delay_ms``; and a steady-state goodput.  Goodput leaves the flow's slow start out (12
+round trips, at least 1 s, cut from the receiver's own half-second intervals) and measures
+for at least 20 round trips, so a 262 ms link is measured as long as it needs; the flow's
+window is clamped by its receiver a little above the link's bandwidth-delay product
+(``measuring_window`` says why, ``goodput.py`` how), so it fills the link without
 overflowing its queue.  Tolerances
 (``within_tolerance``): RTT within max(0.5 ms, 2%), goodput 90-101% of the rate.
 """
@@ -62,7 +63,7 @@ class LinkReport:
     goodput_seconds: float  # measured for this long, after omitting slow start
     retransmits: int
     loss_configured: float
-    window_bytes: int | None = None  # the goodput flow's socket buffers (``measuring_window``)
+    window_bytes: int | None = None  # the goodput flow's window clamp (``measuring_window``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,11 +130,11 @@ def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, str
                 raise NetworkError(f"iperf3 {src.name} -> {dst.name}: {data['error']}")
             time.sleep(0.05)  # the server is not listening yet
         end = data["end"]
-        steady = _after(data.get("server_output_json", {}).get("intervals", []), omit_s)
+        steady = _after([i["sum"] for i in data.get("server_output_json", {}).get("intervals", [])], omit_s)
         seconds_in = sum(i["seconds"] for i in steady)
         goodput = (sum(i["bytes"] for i in steady) * 8 / seconds_in if seconds_in > 0
                    else end["sum_received"]["bits_per_second"])
-        sent = _after(data.get("intervals", []), omit_s)
+        sent = _after([i["sum"] for i in data.get("intervals", [])], omit_s)
         retransmits = (sum(i.get("retransmits", 0) for i in sent) if omit_s
                        else end["sum_sent"].get("retransmits", 0))
         return {
@@ -149,8 +150,8 @@ def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, str
 
 
 def measuring_window(params: Direction, rtt_ms: float) -> int:
-    """The socket buffers (iperf3 ``-w``) ``measure_link`` measures a direction's goodput
-    with: its bandwidth-delay product plus a quarter of its queue (at most a quarter BDP).
+    """The window (bytes) ``measure_link`` clamps a direction's goodput flow to: its
+    bandwidth-delay product plus a quarter of its queue (at most a quarter BDP).
 
     A flow whose window stays between one BDP and one BDP plus the queue keeps the link busy
     and never overflows the queue: no loss, no recovery, no congestion-control artefact in
@@ -159,22 +160,62 @@ def measuring_window(params: Direction, rtt_ms: float) -> int:
     and 1.26 of the rate in turn, a window of a few seconds 0.95-1.01 depending on where it
     falls), and BBR drains the path for 200 ms plus a round trip every 10 s (ProbeRTT: 0.87
     of the rate over a 6 s window on a 262 ms link, in about one direction in six, where
-    every other interval read 0.955).  Capped at 1.25 BDP, cubic read 0.954-0.956 in every
-    interval after 2-3 s on 11-262 ms links, 0 retransmits (2026-12-04).  The kernel's
-    window for a buffer of ``-w`` bytes is ``-w`` to 1.3 ``-w`` (its payload/truesize
-    ratio), so a quarter of margin stays inside the queue.  The training's own connections
-    keep the hosts' settings."""
+    every other interval read 0.955).  Clamped at 1.25 BDP, every half-second interval read
+    0.952-0.957 from 1.5 s on at 148 ms, 0 retransmits (2026-12-05).  The clamp is the
+    receiver's ``TCP_WINDOW_CLAMP``, exact in bytes on every path (``goodput.py`` says why
+    socket buffers are not).  The training's own connections keep the hosts' settings."""
     bdp = params.rate_mbps * 1e6 / 8 * rtt_ms / 1000.0
     queue = default_queue_bytes(params, rtt_ms)
     return max(int(bdp + min(queue, bdp) / 4), 4096)
 
 
+def steady_goodput(net: Network, src: HostInfo, dst: HostInfo, seconds: float, omit_s: float,
+                   clamp_bytes: int, port: int = 5303) -> dict:
+    """One bulk TCP flow src -> dst with its window clamped at ``clamp_bytes`` by the receiver
+    (``goodput.py``): ``omit_s`` left out, then at least ``seconds`` measured; returns the
+    goodput (Mbit/s, from the receiver's own intervals), the sender's retransmissions while
+    measured and the seconds measured, as ``iperf3`` does."""
+    import sys
+
+    total = omit_s + seconds + 2 * _INTERVAL_S  # the last interval is a partial one
+    timeout = total + 30.0
+    recv = net.popen(dst, [sys.executable, "-m", "testbed.goodput", "recv", str(port), str(int(clamp_bytes)),
+                           str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if recv.stdout.readline().strip() != "listening":
+            raise NetworkError(f"goodput receiver on {dst.name} did not start: {recv.stderr.read()[-200:]}")
+        out = src.node.cmd(f"{sys.executable} -m testbed.goodput send {dst.ip} {port} {total:.3f} 2>&1")
+        try:
+            sent = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise NetworkError(f"goodput flow {src.name} -> {dst.name}: {out.strip()[-200:]}") from None
+        stdout, stderr = recv.communicate(timeout=timeout + 5)
+        try:
+            intervals = json.loads(stdout.strip().splitlines()[-1])["intervals"]
+        except (ValueError, IndexError, KeyError):
+            raise NetworkError(f"goodput receiver on {dst.name}: {stderr.strip()[-200:]}") from None
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.communicate()
+    steady = _after([{"seconds": t, "bytes": n} for t, n in intervals[:-1]], omit_s)
+    seconds_in = sum(i["seconds"] for i in steady)
+    if seconds_in <= 0:
+        raise NetworkError(f"goodput flow {src.name} -> {dst.name}: nothing measured after {omit_s:.1f} s")
+    samples = sent["retransmits"]
+    at_omit = max((r for t, r in samples if t <= omit_s), default=0)
+    return {
+        "goodput_mbps": sum(i["bytes"] for i in steady) * 8 / seconds_in / 1e6,
+        "retransmits": samples[-1][1] - at_omit,
+        "seconds": seconds_in,
+    }
+
+
 def _after(intervals: list[dict], omit_s: float) -> list[dict]:
-    """The ``sum`` of each interval that began once ``omit_s`` had passed (by the intervals'
-    own lengths, added up: no interval clock of iperf3's is trusted)."""
+    """Each interval (a dict with its ``seconds``) that began once ``omit_s`` had passed, by
+    the intervals' own lengths, added up: no interval clock of iperf3's is trusted."""
     out, t = [], 0.0
-    for i in intervals:
-        cur = i["sum"]
+    for cur in intervals:
         if t >= omit_s - 1e-3:
             out.append(cur)
         t += cur["seconds"]
@@ -233,13 +274,14 @@ def configured_rtt_ms(net: Network, src: str, dst: str) -> float:
 
 
 def steady_state_seconds(rtt_ms: float, seconds: float) -> tuple[float, float]:
-    """(omit, measure) for iperf3 on a path of this round trip.  Slow start overshoots a
-    one-BDP queue and the recovery from that loss lasts up to ~30 round trips (measured: 238
-    ms, 34 Mbit/s, retransmissions until 7 s); until it is over, data held behind a hole
-    reaches the application in bursts above the link's rate (1.2x in one interval).  So 30
-    round trips are left out, then at least 20 measured."""
+    """(omit, measure) for a goodput flow on a path of this round trip.  A flow clamped at
+    1.25 BDP (``measuring_window``) never overshoots the queue, so it is in steady state once
+    slow start has reached the clamp: about 8 round trips from 10 segments (measured: every
+    half-second interval 0.956 from 2.0 s on at 262 ms, 7.6 round trips).  So 12 round trips
+    (at least 1 s) are left out, then at least 20 measured.  (An unclamped cubic flow
+    overshoots a one-BDP queue in slow start and recovers for up to ~30 round trips.)"""
     rtt = rtt_ms / 1000.0
-    return max(1.0, 30 * rtt), max(seconds, 20 * rtt)
+    return max(1.0, 12 * rtt), max(seconds, 20 * rtt)
 
 
 def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: int = 20,
@@ -255,7 +297,7 @@ def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: 
     owds = one_way_delays(net, a, b, count=20, interval_s=0.01)
     omit, measure = steady_state_seconds(conf, seconds)
     window = measuring_window(params, conf)
-    perf = iperf3(net, a, b, seconds=measure, omit_s=omit, window_bytes=window)
+    perf = steady_goodput(net, a, b, seconds=measure, omit_s=omit, clamp_bytes=window)
     return LinkReport(
         src=src,
         dst=dst,

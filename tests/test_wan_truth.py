@@ -17,7 +17,7 @@ import pytest
 
 from conftest import two_dcs
 from testbed.experiment import load_experiment
-from testbed.fidelity import check_wan, rtt_tolerance_ms
+from testbed.fidelity import check_wan, measuring_window, rtt_tolerance_ms, steady_goodput
 from testbed.network import Network, default_queue_bytes
 from testbed.runner import TrainingRun
 from testbed.spec import load_topology
@@ -64,6 +64,21 @@ def test_default_queue_is_one_bandwidth_delay_product():
     assert default_queue_bytes(params, 100.0) == int(80e6 / 8 * 0.100)  # rate x RTT
     assert default_queue_bytes(params, 4.0) == int(80e6 / 8 * 0.020)  # at least 20 ms
     assert default_queue_bytes(params.model_copy(update={"queue_bytes": 5000}), 100.0) == 5000
+
+
+def test_the_goodput_flow_is_held_to_its_window_clamp(caps):
+    """The goodput probe's clamp is the flow's window, whatever the socket buffers make of it:
+    clamped at half the BDP a flow gets half the payload rate; at ``measuring_window`` the
+    whole of it, with no retransmission."""
+    rate, rtt = 40.0, 40.0
+    with Network(two_dcs(delay_ms=rtt / 2, rate_mbps=rate), caps=caps) as net:
+        east, west = net.host("east"), net.host("west")
+        bdp = rate * 1e6 / 8 * rtt / 1000
+        half = steady_goodput(net, east, west, seconds=2, omit_s=1, clamp_bytes=int(bdp / 2))
+        full = steady_goodput(net, east, west, seconds=2, omit_s=1,
+                              clamp_bytes=measuring_window(net.link("east", "west").params, rtt))
+    assert 0.42 <= half["goodput_mbps"] / full["goodput_mbps"] <= 0.60, (half, full)
+    assert full["goodput_mbps"] / rate >= 0.90 and full["retransmits"] == 0, full
 
 
 def test_wan_check_flags_a_direction_that_is_not_as_configured(caps):
