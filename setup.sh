@@ -51,6 +51,6 @@ case "$what" in
     # tests with the one-line reason instead of skipping them; a build gives up after 20 min.
     apt_install qemu-system-x86 debootstrap e2fsprogs
     export GTB_NETEM_VM="${GTB_NETEM_VM:-required}"
-    exec .venv/bin/python -m pytest -ra ;;
+    exec .venv/bin/python -m pytest -ra --durations=15 ;;
   *) echo "usage: bash setup.sh [setup|demo|test]" >&2; exit 2 ;;
 esac
