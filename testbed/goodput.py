@@ -34,6 +34,7 @@ import time
 
 INTERVAL_S = 0.5
 _TCP_WINDOW_CLAMP = getattr(socket, "TCP_WINDOW_CLAMP", 10)
+_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 _TOTAL_RETRANS = struct.Struct("I")  # struct tcp_info's tcpi_total_retrans
 _TOTAL_RETRANS_OFFSET = 100
 _CHUNK = 1 << 16
@@ -44,7 +45,10 @@ def recv(port: int, clamp: int, timeout_s: float) -> None:
     from the first byte on."""
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2 * clamp)  # inherited, locked
+    try:  # inherited by the connection, and locked; past net.core.rmem_max where root
+        server.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 2 * clamp)
+    except PermissionError:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2 * clamp)
     server.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, clamp)
     server.bind(("0.0.0.0", port))
     server.listen(1)
