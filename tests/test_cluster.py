@@ -79,6 +79,7 @@ def _nothing_left(cluster) -> None:
         assert cg == [], (m.name, cg)
 
 
+@pytest.mark.fidelity
 def test_fidelity_across_vxlan_measures_as_configured(cluster):
     """aws-us3 with each DC on its own machine: every link is a VXLAN between two machines."""
     r = _head(cluster, ["fidelity", "aws-us3", "--inventory", str(cluster.inventory_path), "--json", "--seconds", "2"])
