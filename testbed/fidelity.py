@@ -26,6 +26,7 @@ import json
 import math
 import re
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -175,8 +176,6 @@ def steady_goodput(net: Network, src: HostInfo, dst: HostInfo, seconds: float, o
     (``goodput.py``): ``omit_s`` left out, then at least ``seconds`` measured; returns the
     goodput (Mbit/s, from the receiver's own intervals), the sender's retransmissions while
     measured and the seconds measured, as ``iperf3`` does."""
-    import sys
-
     total = omit_s + seconds + 2 * _INTERVAL_S  # the last interval is a partial one
     timeout = total + 30.0
     recv = net.popen(dst, [sys.executable, "-m", "testbed.goodput", "recv", str(port), str(int(clamp_bytes)),
@@ -242,8 +241,6 @@ def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], sen
     """Run ``testbed.owd``'s receiver on dst and its sender on src; the receiver's lines, split,
     each led by its delay in ms on one timeline (``net.owd_correction_ms``: across machines the
     sender's and the receiver's clocks differ)."""
-    import sys
-
     recv = net.popen(dst, [sys.executable, "-m", "testbed.owd", *recv_args, str(timeout)],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if recv.stdout.readline().strip() != "listening":

@@ -18,7 +18,7 @@ machine's veths but 0.66 ``-w`` across a VXLAN (every direction of aws-us3 acros
 machines read 0.79-0.82 of its rate, window-limited 87% of the time, 0 retransmits).  A
 route's ``window`` metric clamps only until the connection is set up (on a 148 ms link the
 window grew to the window scale's limit, 2 MB, and the flow lost packets).  Here the clamp
-holds for the whole flow (``ss``: the sender's ``snd_wnd`` the clamp to the byte).
+holds for the whole flow (``ss`` shows the sender's ``snd_wnd`` at the clamp, to the byte).
 
     python -m testbed.goodput recv PORT CLAMP_BYTES TIMEOUT_S  -> "listening", then one JSON line
     python -m testbed.goodput send HOST PORT SECONDS            -> one JSON line
@@ -59,22 +59,23 @@ def recv(port: int, clamp: int, timeout_s: float) -> None:
     conn.settimeout(timeout_s)
     buf = memoryview(bytearray(64 * _CHUNK))
     intervals: list[list[float]] = []
-    start = got = 0
+    last: float | None = None
+    got = 0
     try:
         while True:
             n = conn.recv_into(buf)
             now = time.monotonic()
             if not n:
                 break
-            if not start:
-                start = last = now
+            if last is None:
+                last = now
             got += n
             if now - last >= INTERVAL_S:
                 intervals.append([round(now - last, 6), got])
                 last, got = now, 0
     except socket.timeout:
         pass
-    if got:
+    if got and last is not None:
         intervals.append([round(time.monotonic() - last, 6), got])
     print(json.dumps({"intervals": intervals}), flush=True)
 
