@@ -24,7 +24,7 @@ between two DCs; say so).  Each at equal buffer depth on the link: ``router`` (a
 BDP, the pipelines' queues at the enforcing gateway splitting that same BDP) and ``deep``
 (16 BDP, 4 BDP a pipeline).  The ablation: one pipeline's devices 1.5 x slower, the plan's
 order from telemetry (the slow pipeline first) against the fixed r0, r1, ... with the slow
-pipeline last.  Every run is predicted by the simulator (the devices' times, the measured
+pipeline last.  Every run is predicted by the simulator (the devices' times, the
 window, the controller's order).  Writes ``OUT/atlas_regime.csv`` and prints a table.
 """
 
@@ -89,23 +89,7 @@ def _write(tmp: Path, name: str, queue: int, **over) -> Path:
     return path
 
 
-def _measure_window(tmp: Path) -> float:
-    """One connection's effective window on this link with the cap, set as the transport sets
-    it (both socket buffers, ``iperf3 -w``): goodput x RTT."""
-    from testbed.fidelity import iperf3
-    from testbed.network import Network
-    from testbed.spec import load_topology
-
-    topo = load_topology(_write(tmp, "probe", 1).parent / "topo-1.yaml")
-    with Network(topo) as net:
-        a, b = net.host("ohio"), net.host("oregon")
-        a.node.cmd(f"sysctl -qw 'net.ipv4.tcp_wmem=4096 16384 {WINDOW}'")
-        b.node.cmd(f"sysctl -qw 'net.ipv4.tcp_rmem=4096 {min(131072, WINDOW)} {WINDOW}'")
-        perf = iperf3(net, a, b, seconds=6, omit_s=2, window_bytes=WINDOW)
-    return perf["goodput_mbps"] * 1e6 / 8 * 2 * ONE_WAY / 1000
-
-
-def run(tmp: Path, name: str, queue: int, window_eff: float, **over) -> dict:
+def run(tmp: Path, name: str, queue: int, **over) -> dict:
     exp = load_experiment(_write(tmp, name, queue, **over))
     out = tmp / name
     if not (out / "metrics.json").exists():
@@ -117,9 +101,7 @@ def run(tmp: Path, name: str, queue: int, window_eff: float, **over) -> dict:
     if exp.atlas.sharing == "temporal" and plans.exists() and json.loads(plans.read_text()):
         order = json.loads(plans.read_text())[-1]["order"]
         policy = PriorityPolicy(order)
-    data = exp.model_dump()
-    data["sim"]["tcp_window_bytes"] = int(window_eff)
-    data["parallel"]["tcp_window_bytes"] = None
+    data = exp.model_dump()  # the simulator's window is the cap: the transport clamps it exactly
     data["topology"] = exp.topology_file
     from testbed.experiment import parse_experiment
 
@@ -145,24 +127,20 @@ def main() -> int:
     schedule = {"parallel__schedule": args.schedule}  # of (a), (b), (c) and the ablation
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    cal = args.out / "window.json"
-    if not cal.exists():
-        cal.write_text(json.dumps({"window_eff_bytes": _measure_window(args.out)}))
-    window_eff = json.loads(cal.read_text())["window_eff_bytes"]
-    print(f"one connection's effective window with a {WINDOW} B cap: {window_eff / 1024:.1f} KiB "
-          f"({window_eff / (2 * ONE_WAY / 1000) * 8 / 1e6:.1f} Mbit/s on the {2 * ONE_WAY:g} ms round trip; a "
-          f"pipeline's fair share is {RATE / D * PAYLOAD_FRACTION:.1f})", flush=True)
+    print(f"one connection's window: {WINDOW / 1024:.0f} KiB, {WINDOW / (2 * ONE_WAY / 1000) * 8 / 1e6:.1f} Mbit/s "
+          f"on the {2 * ONE_WAY:g} ms round trip; a pipeline's fair share is {RATE / D * PAYLOAD_FRACTION:.1f}",
+          flush=True)
     rows = []
     for queue in ((1,) if args.quick else (1, 16)):
-        rows.append(run(args.out, f"a-q{queue}", queue, window_eff, parallel__connections=1, **schedule))
-        rows.append(run(args.out, f"b-q{queue}", queue, window_eff, **schedule))
-        rows.append(run(args.out, f"c-q{queue}", queue, window_eff, atlas__sharing="temporal", **schedule))
+        rows.append(run(args.out, f"a-q{queue}", queue, parallel__connections=1, **schedule))
+        rows.append(run(args.out, f"b-q{queue}", queue, **schedule))
+        rows.append(run(args.out, f"c-q{queue}", queue, atlas__sharing="temporal", **schedule))
     if not args.quick:
         for schedule, extra in (("gpipe", 0), ("1f1b", 2)):
-            rows.append(run(args.out, f"s-{schedule}-w{extra}-q1", 1, window_eff, atlas__sharing="temporal",
+            rows.append(run(args.out, f"s-{schedule}-w{extra}-q1", 1, atlas__sharing="temporal",
                             parallel__schedule=schedule, parallel__extra_warmup=extra))
         for plan in ("fixed", "telemetry"):  # the slow pipeline is r3: last in the fixed order
-            rows.append(run(args.out, f"slow-{plan}-q1", 1, window_eff, atlas__sharing="temporal", atlas__plan=plan,
+            rows.append(run(args.out, f"slow-{plan}-q1", 1, atlas__sharing="temporal", atlas__plan=plan,
                             emulation__slowdown={3: 1.5}, **schedule))
     with open(args.out / "atlas_regime.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))

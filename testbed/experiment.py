@@ -69,9 +69,10 @@ class ParallelSpec(_Strict):
         True, description="Linux's default; false = WAN-tuned hosts (net.ipv4.tcp_slow_start_after_idle=0): "
                           "TCP keeps its window across the idle gaps between microbatches")
     tcp_window_bytes: int | None = Field(
-        None, ge=16384, description="cap every connection's window (the worker hosts' rmem/wmem maximum and the "
-                                    "transport's socket buffers): a window-bound connection, as a default Linux "
-                                    "host's across a long round trip; None: 2 x BDP per connection, 64 MiB at most")
+        None, ge=16384, description="every WAN connection's window, to the byte (the transport's receivers clamp "
+                                    "it; the worker hosts' other connections are held by their rmem/wmem maximum): "
+                                    "a window-bound connection, as a default Linux host's across a long round trip; "
+                                    "None: socket buffers of 2 x BDP per connection, 64 MiB at most")
 
 
 class AtlasSpec(_Strict):

@@ -94,8 +94,7 @@ def ping_loss(src: HostInfo, dst_ip: str, count: int = 2000, interval_s: float =
 
 
 def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, streams: int = 1,
-           port: int = _IPERF_PORT, omit_s: float = 0.0, window_bytes: int | None = None,
-           congestion: str = "cubic") -> dict:
+           port: int = _IPERF_PORT, omit_s: float = 0.0, congestion: str = "cubic") -> dict:
     """One iperf3 TCP run src -> dst: ``omit_s`` left out, then at least ``seconds`` measured;
     returns goodput (at the receiver), retransmits (while measured) and the seconds measured.
 
@@ -119,7 +118,7 @@ def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, str
         for attempt in range(20):
             out = src.node.cmd(
                 f"iperf3 -c {dst.ip} -p {port} -t {total:.3f} -i {_INTERVAL_S} -P {streams} -J -C {congestion} "
-                f"--get-server-output" + (f" -w {window_bytes}" if window_bytes else "")
+                "--get-server-output"
             )
             try:
                 data = json.loads(out[out.index("{"):])

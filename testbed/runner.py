@@ -383,9 +383,10 @@ class TrainingRun:
             if not exp.parallel.slow_start_after_idle:  # a per-namespace sysctl: this host only
                 host.node.cmd("sysctl -qw net.ipv4.tcp_slow_start_after_idle=0")
             window = exp.parallel.tcp_window_bytes
-            if window:  # every connection of this host window-bound: its buffers cannot grow past this
-                # (tcp_rmem/tcp_wmem are per namespace; net.core.rmem_max is not, here: the
-                # transport's explicit socket buffers are capped to the window instead)
+            if window:  # every connection of this host window-bound: the transport clamps the
+                # window to the byte (``transport.py``); other connections (gloo's, when DP crosses
+                # the WAN) by their buffers, so within the payload/truesize ratio (tcp_rmem/tcp_wmem
+                # are per namespace; net.core.rmem_max is not, here)
                 host.node.cmd(f"sysctl -qw 'net.ipv4.tcp_rmem=4096 {min(131072, window)} {window}' "
                               f"'net.ipv4.tcp_wmem=4096 {min(16384, window)} {window}'")
         # a co-tenant of a worker's device (a prefill server, say) must share its core:
@@ -459,10 +460,8 @@ class TrainingRun:
         topo = self.exp.topo
         hops = topo.path(me.dc, peer.dc)
         rate = min(topo.direction(a, b).rate_mbps for a, b in zip(hops, hops[1:]))
-        buf = socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n)
-        if self.exp.parallel.tcp_window_bytes:
-            buf = min(buf, self.exp.parallel.tcp_window_bytes)
-        return Peer(peer.name, ip, n, buf)
+        window = self.exp.parallel.tcp_window_bytes or 0  # exact: the transport clamps it
+        return Peer(peer.name, ip, n, socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n), window)
 
     def _collect(self) -> None:
         hub = self._hub

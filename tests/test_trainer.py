@@ -7,6 +7,7 @@ same model, seed and global batch, losses equal to 1e-5 relative for every itera
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -124,6 +125,45 @@ def test_n_connections_really_are_n(tmp_path):
     run.subscribe(count)
     run.run()
     assert seen == {"act": 4, "grad": 4}, seen
+
+
+@pytest.mark.fidelity
+def test_a_window_cap_is_each_connections_window_to_the_byte(tmp_path):
+    """``parallel.tcp_window_bytes`` is the window every WAN connection advertises (the
+    receiver's clamp), whatever the path makes of a socket buffer: the sender's ``snd_wnd``
+    reads the cap, and back-to-back messages cross at cap/RTT, a quarter of the link's rate.
+    (Buffers of the cap alone gave 174,080 bytes here, 1.33x, and about 0.66x across a VXLAN.)"""
+    window, rtt = 128 << 10, 0.040
+    exp = parse_experiment({
+        "name": "window", "topology": str(REPO / "tests" / "data" / "window2.yaml"), "device": "emulated",
+        "model": {"layers": 2, "hidden": 256, "heads": 4, "seq_len": 128},
+        "training": {"iterations": 4, "microbatches": 4, "microbatch_size": 8, "seed": 3},
+        "parallel": {"stages": 2, "replicas": 1, "schedule": "gpipe", "tcp_window_bytes": window,
+                     "slow_start_after_idle": False},
+        "sim": {"stage_times": [{"forward_s": 0.01, "backward_s": 0.02}] * 2},
+    }, "test")
+    run = TrainingRun(exp, tmp_path / "window")
+    seen: list[int] = []
+
+    def sample(worker, msg):  # the sender's view of the receiver's window, as messages cross
+        if worker == "s1r0" and msg.get("type") == "events":
+            w0, w1 = run.workers["s0r0"], run.workers["s1r0"]
+            for name, peer in (("s0r0", w1), ("s1r0", w0)):
+                out = run.workers[name].host.node.cmd(f"ss -Htin dst {peer.host.ip}:29400")
+                seen.extend(int(x) for x in re.findall(r"snd_wnd:(\d+)", out))
+
+    run.subscribe(sample)
+    run.run()
+    assert seen and max(seen) == window, seen
+    batches: dict[tuple, list] = {}
+    for w in run.record().workers.values():
+        for t in w.transfers:
+            if t.iteration > 0:  # the first iteration's are in slow start
+                batches.setdefault((t.kind, t.iteration), []).append(t)
+    for key, ts in batches.items():  # 4 MiB sent at once: cap/RTT from the first send to the last byte
+        span = max(t.end for t in ts) - min(t.start for t in ts) - rtt / 2
+        rate = sum(t.nbytes for t in ts) / span / (window / rtt)
+        assert 0.85 <= rate <= 1.05, (key, rate)
 
 
 def test_a_killed_worker_ends_the_run_naming_it_and_nothing_is_left(tmp_path):

@@ -25,12 +25,14 @@ class Me:
 @dataclass
 class Peer:
     """The neighbouring stage of the same pipeline: ``connections`` TCP connections, each
-    with ``buf`` bytes of socket buffer (0: the kernel's autotuning; inside a DC)."""
+    with ``buf`` bytes of socket buffer (0: the kernel's autotuning; inside a DC) and, where
+    ``window`` is set, a window of exactly that many bytes (``parallel.tcp_window_bytes``)."""
 
     name: str
     ip: str
     connections: int = 1
     buf: int = 0
+    window: int = 0
 
 
 @dataclass

@@ -13,7 +13,13 @@ Why sockets and not torch.distributed P2P: the transfer must be striped over N r
 connections whose addresses name the pipeline (host of replica d -> host of replica d), so
 tc can classify each pipeline's flows, and it must always cross the emulated links, also
 where GPUs share a machine (tensors are copied to host memory; no CUDA IPC, no NVLink).
-Socket buffers are sized from the link's bandwidth-delay product (``config.py``).
+Socket buffers are sized from the link's bandwidth-delay product (``config.py``).  A window
+cap (``parallel.tcp_window_bytes``) is each receiving connection's ``TCP_WINDOW_CLAMP``, with
+buffers of twice the cap behind it: the window the kernel makes of a buffer alone is the
+buffer times the payload/truesize ratio of the packets received, which differs by path
+(buffers of the cap gave a window of 1.33x the cap across one machine's veths, and about
+0.66x across a VXLAN: ``testbed/goodput.py`` measured both).  The reader sets the clamp
+again wherever the kernel moved it (this kernel resets it when that ratio changes).
 
 Wire format per slice: header ``!QIQQd`` = (message seq, slice index, total bytes, slice
 bytes, the sender's monotonic send time), then the slice.  All hosts share one clock, so
@@ -37,12 +43,19 @@ class TransportError(RuntimeError):
     pass
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+_TCP_WINDOW_CLAMP = getattr(socket, "TCP_WINDOW_CLAMP", 10)
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, clamp: int = 0) -> None:
     while len(view):
         n = sock.recv_into(view)
         if n == 0:
             raise TransportError("peer closed the connection")
         view = view[n:]
+        if clamp and sock.getsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP) != clamp:
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, clamp)  # the kernel moved it
 
 
 def _recv_exact_bytes(sock: socket.socket, n: int) -> bytes:
@@ -74,9 +87,10 @@ class _Outgoing:
 class Channel:
     """One direction of traffic to/from one peer over ``n`` connections."""
 
-    def __init__(self, socks: list[socket.socket], on_receive=None):
+    def __init__(self, socks: list[socket.socket], on_receive=None, window_bytes: int = 0):
         self.socks = socks
         self.n = len(socks)
+        self._clamp = window_bytes
         self._on_receive = on_receive
         self._send_queues = [queue.Queue() for _ in socks]
         self._seq = 0
@@ -141,7 +155,7 @@ class Channel:
                         self._partial[seq] = (bytearray(total), self.n)
                     buf, _ = self._partial[seq]
                 lo = total * idx // self.n
-                _recv_exact(sock, memoryview(buf)[lo:lo + size])
+                _recv_exact(sock, memoryview(buf)[lo:lo + size], self._clamp)
                 with self._cv:
                     buf, left = self._partial[seq]
                     left -= 1
@@ -190,8 +204,16 @@ class Channel:
             sock.close()
 
 
-def _sized(sock: socket.socket, buf_bytes: int) -> None:
-    if buf_bytes:
+def _sized(sock: socket.socket, buf_bytes: int, window_bytes: int = 0) -> None:
+    if window_bytes:  # the clamp is the window: buffers that never bind, past rmem_max where root
+        buf_bytes = max(buf_bytes, 2 * window_bytes)
+        for force, plain in ((_SO_SNDBUFFORCE, socket.SO_SNDBUF), (_SO_RCVBUFFORCE, socket.SO_RCVBUF)):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, force, buf_bytes)
+            except PermissionError:
+                sock.setsockopt(socket.SOL_SOCKET, plain, buf_bytes)
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, window_bytes)
+    elif buf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -213,14 +235,14 @@ class Endpoint:
         self._accepted: dict[tuple[str, int], list[socket.socket | None]] = {}
 
     def connect(self, peer: str, host: str, port: int, kind: int, connections: int, buf_bytes: int,
-                timeout: float = 60.0) -> Channel:
+                timeout: float = 60.0, window_bytes: int = 0) -> Channel:
         """Open ``connections`` TCP connections to a peer's endpoint for one channel kind."""
         socks = []
         for i in range(connections):
             deadline = time.monotonic() + timeout
             while True:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                _sized(sock, buf_bytes)
+                _sized(sock, buf_bytes, window_bytes)
                 try:
                     sock.connect((host, port))
                     break
@@ -234,7 +256,7 @@ class Endpoint:
         return Channel(socks)
 
     def accept(self, peer: str, kind: int, connections: int, buf_bytes: int, timeout: float = 60.0,
-               on_receive=None) -> Channel:
+               on_receive=None, window_bytes: int = 0) -> Channel:
         """Wait for a peer's ``connections`` connections of one channel kind."""
         key = (peer, kind)
         deadline = time.monotonic() + timeout
@@ -246,11 +268,13 @@ class Endpoint:
                 sock, _ = self._listener.accept()
             except socket.timeout:
                 continue
-            _sized(sock, buf_bytes)
             name, k, i, total = _HELLO.unpack(_recv_exact_bytes(sock, _HELLO.size))
             slot = self._accepted.setdefault((name.rstrip(b"\0").decode(), k), [None] * total)
             slot[i] = sock
-        return Channel(self._accepted.pop(key), on_receive=on_receive)
+        socks = self._accepted.pop(key)
+        for sock in socks:  # sized once its channel is known: another peer's may come in first
+            _sized(sock, buf_bytes, window_bytes)
+        return Channel(socks, on_receive=on_receive, window_bytes=window_bytes)
 
     def close(self) -> None:
         self._listener.close()

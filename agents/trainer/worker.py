@@ -96,13 +96,15 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
     act_out = grad_out = act_in = grad_in = None
     # transfers are recorded where they end: the receiver sees the last byte arrive
     if nxt:
-        act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf)
+        act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf, window_bytes=nxt.window)
     if prv:
-        grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf)
+        grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf, window_bytes=prv.window)
     if prv:
-        act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"))
+        act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"),
+                           window_bytes=prv.window)
     if nxt:
-        grad_in = ep.accept(nxt.name, GRAD, nxt.connections, nxt.buf, on_receive=on_transfer("xfer_grad"))
+        grad_in = ep.accept(nxt.name, GRAD, nxt.connections, nxt.buf, on_receive=on_transfer("xfer_grad"),
+                            window_bytes=nxt.window)
     compute: Compute = compute_factory(cfg, ep)  # it joins the stage's DP group
 
     tel.send({"type": "ready"})
