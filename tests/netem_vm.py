@@ -168,3 +168,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         f"{run['count']} netem test(s) ran in a VM (kernel {run['kernel']}, {run['accel']}): boot {boot}, "
         f"VM {run['wall_s']:.0f} s in all, image build/check {run.get('build_s', 0):.0f} s"
         + (", TIMED OUT" if run.get("timed_out") else ""))
+    spent = sorted(((sum(r.get("duration", 0.0) for r in phases.values()), nodeid)
+                    for nodeid, phases in run["results"].items()), reverse=True)
+    for seconds, nodeid in spent:  # what the one host test's time is made of (CI's budget)
+        terminalreporter.write_line(f"  {seconds:6.1f} s  {nodeid}")
