@@ -9,7 +9,8 @@ builds the DCs (Mininet hosts, Linux bridges, gateway routers) and the WAN links
 them, shaping each direction with ``shaping`` (tc through pyroute2) and, without netem, the
 userspace ``delayline``; ``registry`` records everything made so ``testbed clean`` can
 remove it; ``fidelity`` (with the ``owd`` and ``goodput`` probes) measures a built network
-against its spec.
+against its spec; ``tcpwindow`` holds a connection's window at exactly N bytes (the goodput
+probe's and the training transport's window cap).
 *A run*: ``runner`` owns one training run: it launches processes through ``procs`` (CPU
 containers, start, stop), talks to them through the ``hub``, and drives every ``extension``
 (Atlas, BubbleTea) through the same hooks; ``emulation`` gives emulated devices

@@ -12,18 +12,12 @@ retransmissions (``tcp_info.tcpi_total_retrans``) at the same pace, on its own c
 runs cubic, whatever the host's default.
 
 Why not iperf3: iperf3 has no window clamp, only ``-w`` (socket buffers), and the window the
-kernel makes of a buffer is the buffer times the payload/truesize ratio of the packets it
-receives, which differs by path: ``-w`` bytes gave a window of ``-w`` to 1.3 ``-w`` across one
-machine's veths but 0.66 ``-w`` across a VXLAN (every direction of aws-us3 across fake
-machines read 0.79-0.82 of its rate, window-limited 87% of the time, 0 retransmits).  A
-route's ``window`` metric clamps only until the connection is set up (on a 148 ms link the
-window grew to the window scale's limit, 2 MB, and the flow lost packets).  Here the clamp
-holds for the whole flow (``ss`` shows the sender's ``snd_wnd`` at the clamp, to the byte),
-provided it is set again when the kernel moves it: when the payload/truesize ratio of
-arriving packets changes, this kernel (6.18) resets the window clamp to what the buffer
-allows (``tcp_measure_rcv_mss``), user clamp or not.  That happened at the first data in 2
-of 10 flows here (clamp 100,000 -> 265,625 bytes, the flow 1.31x faster than clamped), so
-the receiver checks the clamp after every read and sets it again where it moved.
+kernel makes of a buffer depends on the path (``-w`` bytes gave a window of ``-w`` to 1.3
+``-w`` across one machine's veths but 0.66 ``-w`` across a VXLAN: every direction of aws-us3
+across fake machines read 0.79-0.82 of its rate, window-limited 87% of the time, 0
+retransmits).  Here the clamp (``tcpwindow.py``) holds for the whole flow (``ss`` shows the
+sender's ``snd_wnd`` at the clamp, to the byte): the receiver sets it again after every
+read where the kernel moved it, and reports how often it had.
 
     python -m testbed.goodput recv PORT CLAMP_BYTES TIMEOUT_S  -> "listening", then one JSON line
     python -m testbed.goodput send HOST PORT SECONDS            -> one JSON line
@@ -37,9 +31,9 @@ import struct
 import sys
 import time
 
+from testbed.tcpwindow import hold_window, set_window
+
 INTERVAL_S = 0.5
-_TCP_WINDOW_CLAMP = getattr(socket, "TCP_WINDOW_CLAMP", 10)
-_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 _TOTAL_RETRANS = struct.Struct("I")  # struct tcp_info's tcpi_total_retrans
 _TOTAL_RETRANS_OFFSET = 100
 _CHUNK = 1 << 16
@@ -50,17 +44,13 @@ def recv(port: int, clamp: int, timeout_s: float) -> None:
     "reclamped": n}`` from the first byte on (n: how often the kernel had moved the clamp)."""
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:  # inherited by the connection, and locked; past net.core.rmem_max where root
-        server.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 2 * clamp)
-    except PermissionError:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2 * clamp)
-    server.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, clamp)
+    set_window(server, clamp)  # inherited by the connection
     server.bind(("0.0.0.0", port))
     server.listen(1)
     server.settimeout(timeout_s)
     print("listening", flush=True)
     conn, _ = server.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, clamp)
+    hold_window(conn, clamp)
     conn.settimeout(timeout_s)
     buf = memoryview(bytearray(64 * _CHUNK))
     intervals: list[list[float]] = []
@@ -75,9 +65,7 @@ def recv(port: int, clamp: int, timeout_s: float) -> None:
             if last is None:
                 last = now
             got += n
-            if conn.getsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP) != clamp:
-                conn.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, clamp)  # see the docstring
-                reclamped += 1
+            reclamped += hold_window(conn, clamp)
             if now - last >= INTERVAL_S:
                 intervals.append([round(now - last, 6), got])
                 last, got = now, 0

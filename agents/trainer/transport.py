@@ -14,12 +14,9 @@ connections whose addresses name the pipeline (host of replica d -> host of repl
 tc can classify each pipeline's flows, and it must always cross the emulated links, also
 where GPUs share a machine (tensors are copied to host memory; no CUDA IPC, no NVLink).
 Socket buffers are sized from the link's bandwidth-delay product (``config.py``).  A window
-cap (``parallel.tcp_window_bytes``) is each receiving connection's ``TCP_WINDOW_CLAMP``, with
-buffers of twice the cap behind it: the window the kernel makes of a buffer alone is the
-buffer times the payload/truesize ratio of the packets received, which differs by path
-(buffers of the cap gave 1.33x the cap across one machine's veths and 0.63x across the
-fake cluster's VXLAN; clamped, 0.99 of cap/RTT on both).  The reader sets the clamp
-again wherever the kernel moved it (this kernel resets it when that ratio changes).
+cap (``parallel.tcp_window_bytes``) is each connection's window clamp, held by the reader
+(``testbed/tcpwindow.py``): buffers of the cap alone gave 1.33x the cap across one
+machine's veths and 0.63x across the fake cluster's VXLAN; clamped, 0.99 of cap/RTT on both.
 
 Wire format per slice: header ``!QIQQd`` = (message seq, slice index, total bytes, slice
 bytes, the sender's monotonic send time), then the slice.  All hosts share one clock, so
@@ -35,6 +32,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from testbed.tcpwindow import hold_window, set_window
+
 _HELLO = struct.Struct("!16sBBB")  # peer name, channel kind, connection index, connections
 _SLICE = struct.Struct("!QIQQd")  # seq, slice, total bytes, slice bytes, send time
 
@@ -43,19 +42,14 @@ class TransportError(RuntimeError):
     pass
 
 
-_TCP_WINDOW_CLAMP = getattr(socket, "TCP_WINDOW_CLAMP", 10)
-_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
-_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-
-
 def _recv_exact(sock: socket.socket, view: memoryview, clamp: int = 0) -> None:
     while len(view):
         n = sock.recv_into(view)
         if n == 0:
             raise TransportError("peer closed the connection")
         view = view[n:]
-        if clamp and sock.getsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP) != clamp:
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, clamp)  # the kernel moved it
+        if clamp:
+            hold_window(sock, clamp)
 
 
 def _recv_exact_bytes(sock: socket.socket, n: int) -> bytes:
@@ -205,14 +199,8 @@ class Channel:
 
 
 def _sized(sock: socket.socket, buf_bytes: int, window_bytes: int = 0) -> None:
-    if window_bytes:  # the clamp is the window: buffers that never bind, past rmem_max where root
-        buf_bytes = max(buf_bytes, 2 * window_bytes)
-        for force, plain in ((_SO_SNDBUFFORCE, socket.SO_SNDBUF), (_SO_RCVBUFFORCE, socket.SO_RCVBUF)):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, force, buf_bytes)
-            except PermissionError:
-                sock.setsockopt(socket.SOL_SOCKET, plain, buf_bytes)
-        sock.setsockopt(socket.IPPROTO_TCP, _TCP_WINDOW_CLAMP, window_bytes)
+    if window_bytes:  # the clamp is the window, with buffers that never bind
+        set_window(sock, window_bytes, max(buf_bytes, 2 * window_bytes), send_buffer=True)
     elif buf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
