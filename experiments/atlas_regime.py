@@ -41,10 +41,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testbed.emulation import stage_times as emulated_stage_times  # noqa: E402
-from testbed.experiment import load_experiment  # noqa: E402
-from testbed.metrics import summarise  # noqa: E402
-from testbed.runner import TrainingRun  # noqa: E402
+from testbed.run.emulation import stage_times as emulated_stage_times  # noqa: E402
+from testbed.spec.experiment import load_experiment  # noqa: E402
+from testbed.run.metrics import summarise  # noqa: E402
+from testbed.run.runner import TrainingRun  # noqa: E402
 from testbed.sim.build import PAYLOAD_FRACTION, simulate  # noqa: E402
 from testbed.sim.engine import PriorityPolicy  # noqa: E402
 
@@ -103,7 +103,7 @@ def run(tmp: Path, name: str, queue: int, **over) -> dict:
         policy = PriorityPolicy(order)
     data = exp.model_dump()  # the simulator's window is the cap: the transport clamps it exactly
     data["topology"] = exp.topology_file
-    from testbed.experiment import parse_experiment
+    from testbed.spec.experiment import parse_experiment
 
     sim_exp = parse_experiment(data, exp.origin)
     times, latency = emulated_stage_times(exp)

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import yaml  # noqa: E402
 
 from agents.atlas.plan import make_plan  # noqa: E402
-from testbed.experiment import load_experiment, parse_experiment  # noqa: E402
-from testbed.metrics import summarise  # noqa: E402
+from testbed.spec.experiment import load_experiment, parse_experiment  # noqa: E402
+from testbed.run.metrics import summarise  # noqa: E402
 from testbed.sim.build import PAYLOAD_FRACTION, profiled_stage_times, simulate  # noqa: E402
 from testbed.sim.engine import PriorityPolicy  # noqa: E402
 
@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def precision() -> None:
     from agents.atlas.precision import measure_turns
-    from testbed.kernel import choose_backends, probe
-    from testbed.spec import parse_topology
-    from testbed.network import Network
+    from testbed.net.kernel import choose_backends, probe
+    from testbed.spec.topology import parse_topology
+    from testbed.net.network import Network
 
     caps = probe()
     topo = parse_topology({"name": "bench-atlas", "dcs": [{"name": "east", "hosts": 2}, {"name": "west", "hosts": 2}],
@@ -134,7 +134,7 @@ def sweep(out_dir: Path) -> None:
 def emulator_sweep(out_dir: Path) -> None:
     """(a) and (c) on the emulator at a few points of the sweep, each against the simulator fed
     that point's own profiled compute: the sweep's claims where this machine can run them."""
-    from testbed.runner import TrainingRun
+    from testbed.run.runner import TrainingRun
 
     tmp = Path(tempfile.mkdtemp(prefix="gtb-bench-atlas-emu-"))
     # hosts of 0.25 core, as in aws-us3 (uncontained, six workers would share two cores and

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import yaml  # noqa: E402
 
 from agents.bubbletea.backtoback import back_to_back  # noqa: E402
-from testbed.experiment import parse_experiment  # noqa: E402
-from testbed.spec import read_yaml  # noqa: E402
+from testbed.spec.experiment import parse_experiment  # noqa: E402
+from testbed.spec.topology import read_yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT = {"delay": 1.0, "rate": 20.0, "pipelines": 2}

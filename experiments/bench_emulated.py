@@ -32,8 +32,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testbed.experiment import load_experiment  # noqa: E402
-from testbed.runner import TrainingRun  # noqa: E402
+from testbed.spec.experiment import load_experiment  # noqa: E402
+from testbed.run.runner import TrainingRun  # noqa: E402
 
 
 def _topology(tmp: Path, dcs: int, hosts: int) -> Path:

@@ -3,7 +3,7 @@
     .venv/bin/testbed vm run -- python experiments/bench_netem_vm.py [--json /mnt/gtbjob/netem.json]
     .venv/bin/python experiments/bench_netem_vm.py          # on a machine whose kernel has netem
 
-On a kernel without netem run it in the netem VM (``testbed vm run``, ``testbed/vm.py``);
+On a kernel without netem run it in the netem VM (``testbed vm run``, ``testbed/tools/vm.py``);
 every figure is labelled with how it ran (kernel, accelerator, CPUs).  Under TCG (software
 emulation) the guest's CPU is 10-30x slower than the host's, so rates stay at what it
 sustains (<= 40 Mbit/s; one TCP flow tops out near 70 Mbit/s there) and start-up times say
@@ -34,11 +34,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_wan import rtt_error, startup  # noqa: E402
-from testbed.fidelity import iperf3, message_delays, one_way_delays, ping, ping_loss  # noqa: E402
-from testbed.kernel import choose_backends, probe  # noqa: E402
-from testbed.network import Network  # noqa: E402
+from testbed.net.fidelity import iperf3, message_delays, one_way_delays, ping, ping_loss  # noqa: E402
+from testbed.net.kernel import choose_backends, probe  # noqa: E402
+from testbed.net.network import Network  # noqa: E402
 from testbed.sim.build import PAYLOAD_FRACTION  # noqa: E402
-from testbed.spec import parse_topology  # noqa: E402
+from testbed.spec.topology import parse_topology  # noqa: E402
 
 
 def _two(delay_ms: float, rate_mbps: float, hosts: int = 1, **extra):

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml  # noqa: E402
 
-from testbed.experiment import parse_experiment  # noqa: E402
-from testbed.runner import TrainingRun  # noqa: E402
+from testbed.spec.experiment import parse_experiment  # noqa: E402
+from testbed.run.runner import TrainingRun  # noqa: E402
 
 TMP = Path(tempfile.mkdtemp(prefix="gtb-bench-"))
 
@@ -76,8 +76,8 @@ def versus_connections() -> list[dict]:
 def overhead() -> dict:
     import torch
 
-    from agents.trainer.data import Corpus
-    from agents.trainer.model import ModelConfig, build_model, loss_fn, stage_module
+    from testbed.train.data import Corpus
+    from testbed.train.model import ModelConfig, build_model, loss_fn, stage_module
 
     model = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64}
     iterations, m, size = 6, 8, 4

@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testbed.awsmatrix import aws_topology, regions  # noqa: E402
-from testbed.fidelity import iperf3, message_delays, ping  # noqa: E402
-from testbed.kernel import mininet_on_path, probe  # noqa: E402
-from testbed.network import Network  # noqa: E402
-from testbed.procs import cpu_seconds  # noqa: E402
+from testbed.spec.awsmatrix import aws_topology, regions  # noqa: E402
+from testbed.net.fidelity import iperf3, message_delays, ping  # noqa: E402
+from testbed.net.kernel import mininet_on_path, probe  # noqa: E402
+from testbed.net.network import Network  # noqa: E402
+from testbed.run.procs import cpu_seconds  # noqa: E402
 from testbed.registry import PREFIX, Registry  # noqa: E402
 from testbed.sim.build import PAYLOAD_FRACTION  # noqa: E402
-from testbed.spec import parse_topology  # noqa: E402
+from testbed.spec.topology import parse_topology  # noqa: E402
 
 
 
@@ -173,7 +173,7 @@ def main() -> None:
     args = ap.parse_args()
     caps = probe()
     results = {"machine": {"cores": os.cpu_count(), "kernel": os.uname().release}}
-    from testbed.kernel import choose_backends
+    from testbed.net.kernel import choose_backends
 
     results["backends"] = vars(choose_backends(caps))
     print(f"backends: {results['backends']}", flush=True)

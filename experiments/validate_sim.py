@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml  # noqa: E402
 
-from testbed.experiment import parse_experiment  # noqa: E402
-from testbed.metrics import summarise  # noqa: E402
-from testbed.runner import TrainingRun  # noqa: E402
+from testbed.spec.experiment import parse_experiment  # noqa: E402
+from testbed.run.metrics import summarise  # noqa: E402
+from testbed.run.runner import TrainingRun  # noqa: E402
 from testbed.sim.build import profiled_stage_times, simulate  # noqa: E402
 
 MODEL = {"layers": 6, "hidden": 128, "heads": 4, "seq_len": 64}

@@ -1,27 +1,22 @@
 """Geo-distributed training testbed.
 
-How the pieces fit.  *Specs*: ``spec`` reads and validates topology files and
-``experiment`` experiment files (placement included); ``awsmatrix`` writes topologies from
-the measured AWS matrix; ``modelshape`` and ``schedules`` are the torch-free shape of the
-model and the pipeline schedules, shared by the trainer and the simulator.  *The network*:
-``kernel`` probes what this kernel offers and picks a backend per feature; ``network``
-builds the DCs (Mininet hosts, Linux bridges, gateway routers) and the WAN links between
-them, shaping each direction with ``shaping`` (tc through pyroute2) and, without netem, the
-userspace ``delayline``; ``registry`` records everything made so ``testbed clean`` can
-remove it; ``fidelity`` (with the ``owd`` and ``goodput`` probes) measures a built network
-against its spec; ``tcpwindow`` holds a connection's window at exactly N bytes (the goodput
-probe's and the training transport's window cap).
-*A run*: ``runner`` owns one training run: it launches processes through ``procs`` (CPU
-containers, start, stop), talks to them through the ``hub``, and drives every ``extension``
-(Atlas, BubbleTea) through the same hooks; ``emulation`` gives emulated devices
-(``device: emulated``) their op times; ``records`` are what a run (or the simulator,
-``sim``) leaves behind, and ``metrics`` turns them into metrics.json, a Chrome trace and
-plots; ``compare`` runs an experiment's variants back to back.  *Around it*: ``provision``
-runs the Ansible playbook, ``chaos`` injects faults into short real runs and judges how
-they ended, ``cli`` is the ``testbed`` command (``cliutil``: the one-line errors and the
-Ctrl-C/SIGTERM unwinding every command shares), and ``vm`` (by hand: ``vmcli``, ``testbed
-vm``) boots a throwaway VM with Debian's stock kernel, where the netem backend runs on a
-machine whose kernel has none.
+How the pieces fit, bottom up (each package imports only those listed before it):
+
+* ``spec``: what a user writes, validated (topologies, experiments, the AWS matrix, the
+  model's shape, pipeline schedules);
+* ``registry``: everything the testbed makes, written down as it is made, so ``testbed
+  clean`` can always remove it;
+* ``net``: the emulated WAN (Mininet hosts behind gateways, links shaped by tc and the
+  delay line) and the instruments that measure it against its spec;
+* ``extension``: the one registry through which extensions (``agents/``: Atlas, BubbleTea,
+  Titan, a third party's) plug in, found by the ``testbed.extensions`` entry points;
+* ``train``: the training workload, a GPT cut into pipeline stages (what each worker
+  process runs);
+* ``run``: a workload on the WAN: processes in hosts, their telemetry, records, metrics,
+  comparisons, fault injection; ``cluster``: the same across several machines;
+* ``sim``: the simulator, from the same experiment files;
+* ``tools``: provisioning (Ansible) and the netem VM; ``cli``: the ``testbed`` command
+  (``cliutil``: the one-line errors and the Ctrl-C/SIGTERM unwinding every command shares).
 """
 
 __version__ = "0.1.0"

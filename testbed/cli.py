@@ -22,17 +22,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
-from .cliutil import fail as _fail
-from .cliutil import fail_interrupted
-from .cliutil import on_sigterm as _on_sigterm
+from testbed import __version__
+from testbed.cliutil import fail as _fail
+from testbed.cliutil import fail_interrupted
+from testbed.cliutil import on_sigterm as _on_sigterm
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
 topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
 app.add_typer(topology_app, name="topology")
 
 # command groups of agents (``extension.COMMANDS``): ``testbed titan ...``
-from .extension import command_groups  # noqa: E402
+from testbed.extension import command_groups  # noqa: E402
 
 for _name, _group in command_groups().items():
     app.add_typer(_group, name=_name)
@@ -41,11 +41,11 @@ out = Console()
 
 
 def _user_errors():
-    from .kernel import BackendUnavailable
-    from .cluster.inventory import ClusterError
-    from .network import NetworkError
-    from .registry import Busy
-    from .spec import SpecError
+    from testbed.net.kernel import BackendUnavailable
+    from testbed.cluster.inventory import ClusterError
+    from testbed.net.network import NetworkError
+    from testbed.registry import Busy
+    from testbed.spec.topology import SpecError
 
     return (SpecError, BackendUnavailable, NetworkError, Busy, ClusterError)
 
@@ -53,7 +53,7 @@ def _user_errors():
 @app.command()
 def doctor(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """What this kernel offers and which backend each feature will use."""
-    from .kernel import BackendUnavailable, choose_backends, probe
+    from testbed.net.kernel import BackendUnavailable, choose_backends, probe
 
     caps = probe()
     try:
@@ -96,9 +96,9 @@ def fidelity(
     """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down."""
     import contextlib
 
-    from .fidelity import measure_all
-    from .network import Network
-    from .spec import load_topology, resolve_topology
+    from testbed.net.fidelity import measure_all
+    from testbed.net.network import Network
+    from testbed.spec.topology import load_topology, resolve_topology
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     cluster = None
@@ -106,7 +106,7 @@ def fidelity(
         topo = load_topology(resolve_topology(topology))
         with console.status("building the network") as status:
             if inventory is not None:
-                from .cluster.remote import ClusterNetwork, open_cluster
+                from testbed.cluster.remote import ClusterNetwork, open_cluster
 
                 cluster = open_cluster(topo, inventory, machines, progress=lambda m: status.update(m))
                 cluster.check_clocks(topo)
@@ -158,14 +158,14 @@ def run(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .experiment import load_experiment
-    from .runner import RunError, TrainingRun
+    from testbed.spec.experiment import load_experiment
+    from testbed.run.runner import RunError, TrainingRun
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         exp = load_experiment(experiment)
         if exp.device == "emulated":  # a bad profile fails before anything is made, variants or not
-            from .emulation import device_profile
+            from testbed.run.emulation import device_profile
 
             device_profile(exp)
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -174,8 +174,8 @@ def run(
             return
         site = None
         if inventory is not None:
-            from .cluster.inventory import ClusterError
-            from .extension import extensions_for
+            from testbed.cluster.inventory import ClusterError
+            from testbed.extension import extensions_for
 
             refused = ("compare:" if exp.compare else "device: emulated" if exp.device == "emulated" else
                        ", ".join(e.name for e in extensions_for(exp)))
@@ -184,7 +184,7 @@ def run(
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
             if inventory is not None:
-                from .cluster.remote import ClusterSite, open_cluster
+                from testbed.cluster.remote import ClusterSite, open_cluster
 
                 cluster = open_cluster(exp.topo, inventory, machines,
                                        progress=lambda m: progress.console.print(m, highlight=False))
@@ -229,7 +229,7 @@ def _run_comparison(exp, out: Path, delay_backend: str) -> None:
     """``compare:`` variants back to back; ``comparison.json`` with measured and predicted times."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .compare import run_comparison
+    from testbed.run.compare import run_comparison
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
@@ -262,7 +262,7 @@ def sim(
     out_dir: Optional[Path] = typer.Option(None, "--out", help="write metrics.json and timeline.json (or sweep.csv/png)"),
 ) -> None:
     """Simulate EXPERIMENT (paper scale welcome): iteration time, bubbles, WAN utilization."""
-    from .sim.cli import run_sim
+    from testbed.sim.cli import run_sim
 
     try:
         rows = run_sim(experiment, profile=profile, iterations=iterations, sweep=sweep, out_dir=out_dir)
@@ -299,8 +299,8 @@ def plan(
 
     import yaml
 
-    from .experiment import load_experiment
-    from .extension import tool
+    from testbed.spec.experiment import load_experiment
+    from testbed.extension import tool
 
     planner = tool("plan")
     PlanError, search = planner.PlanError, planner.search
@@ -362,7 +362,7 @@ def provision(
     limit: Optional[str] = typer.Option(None, help="only these hosts or groups"),
 ) -> None:
     """Run playbooks/site.yml through ansible-runner: progress per task, summary per host."""
-    from .provision import ProvisionError, provision as run_playbook
+    from testbed.tools.provision import ProvisionError, provision as run_playbook
 
     try:
         result = run_playbook(inventory, check, limit, progress=lambda line: console.print(line, highlight=False))
@@ -381,13 +381,13 @@ def clean(force: bool = typer.Option(False, help="also when a run still holds th
           inventory: Optional[Path] = typer.Option(None, help="clean every machine of this inventory (Ansible)"),
           fake_cluster: bool = typer.Option(False, "--fake-cluster", help="also end the fake cluster")) -> None:
     """Remove every namespace, interface, process and file the testbed made (also after a crash)."""
-    from .registry import Busy, CleanError, clean as do_clean
+    from testbed.registry import Busy, CleanError, clean as do_clean
 
     if not _is_root():
         _fail("testbed clean must run as root")
     if inventory is not None:
-        from .cluster.inventory import ClusterError
-        from .cluster.plays import clean_machines
+        from testbed.cluster.inventory import ClusterError
+        from testbed.cluster.plays import clean_machines
 
         try:
             result = clean_machines(inventory)
@@ -402,7 +402,7 @@ def clean(force: bool = typer.Option(False, help="also when a run still holds th
         return
     _end_agent()
     if fake_cluster:
-        from .cluster import fake
+        from testbed.cluster import fake
 
         ended = fake.destroy()
         out.print(f"fake cluster: ended {len(ended)} process(es)")
@@ -427,9 +427,9 @@ def chaos(
                                                    "injections already in chaos.jsonl are not run again)"),
     report: bool = typer.Option(False, help="only print the table of what chaos.jsonl holds (markdown)"),
 ) -> None:
-    """Inject one fault at a time into a short real run (testbed/chaos.py) and say, per fault,
+    """Inject one fault at a time into a short real run (testbed/run/chaos.py) and say, per fault,
     whether each run ended as documented, lost no iteration and left nothing behind."""
-    from .chaos import FAULTS, Outcome, _read_jsonl, campaign, summary_line, table
+    from testbed.run.chaos import FAULTS, Outcome, _read_jsonl, campaign, summary_line, table
 
     chosen = tuple(f.strip() for f in faults.split(",")) if faults else FAULTS
     unknown = [f for f in chosen if f not in FAULTS]
@@ -468,8 +468,8 @@ def topology_aws(
     output: Optional[Path] = typer.Option(None, "--out", "-o", help="write here instead of stdout"),
 ) -> None:
     """A full-mesh topology from the measured AWS inter-region matrix."""
-    from .awsmatrix import aws_topology
-    from .spec import parse_topology
+    from testbed.spec.awsmatrix import aws_topology
+    from testbed.spec.topology import parse_topology
 
     try:
         data = aws_topology(name, [r.strip() for r in regions.split(",")], scale, hosts, cpus, description)
@@ -487,7 +487,7 @@ def topology_aws(
         sys.stdout.write(text)
 
 
-from .vmcli import vm_app  # noqa: E402  (testbed vm ...: the netem VM)
+from testbed.tools.vmcli import vm_app  # noqa: E402  (testbed vm ...: the netem VM)
 
 app.add_typer(vm_app, name="vm")
 
@@ -501,7 +501,7 @@ def _end_agent() -> None:
     it removes its own network on SIGTERM."""
     import time
 
-    from .cluster.agent import PID_FILE
+    from testbed.cluster.agent import PID_FILE
 
     try:
         pid = int(PID_FILE.read_text().split()[0])
@@ -527,7 +527,7 @@ def machine_agent(
     accept_timeout: float = typer.Option(120.0, help="end when no orchestrator connects within this"),
 ) -> None:
     """One machine's part of a run across machines (Ansible starts it: playbooks/cluster.yml)."""
-    from .cluster.agent import serve
+    from testbed.cluster.agent import serve
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -552,7 +552,7 @@ def fake_up(machines: int = typer.Argument(3, help="how many machines"),
             clock_offsets: str = typer.Option("", help="each machine's clock offset in seconds: 5,0,-3"),
             inventory: Path = typer.Option(Path("fake-cluster.ini"), help="where to write its inventory")) -> None:
     """Start MACHINES fake machines (netns + mount + PID + time namespaces, sshd each) on an underlay."""
-    from .cluster import fake
+    from testbed.cluster import fake
 
     try:
         offsets = [float(x) for x in clock_offsets.split(",") if x.strip()]
@@ -571,7 +571,7 @@ def fake_up(machines: int = typer.Argument(3, help="how many machines"),
 @fake_app.command("down")
 def fake_down() -> None:
     """End the fake cluster and everything in it."""
-    from .cluster import fake
+    from testbed.cluster import fake
 
     out.print(f"fake cluster: ended {len(fake.destroy())} process(es)")
 

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from .experiment import Experiment, WorkerSlot
-    from .network import HostInfo, Network
-    from .procs import CpuContainers, Launcher
-    from .records import RunRecord, WorkerRecord
+    from testbed.spec.experiment import Experiment, WorkerSlot
+    from testbed.net.network import HostInfo, Network
+    from testbed.run.procs import CpuContainers, Launcher
+    from testbed.run.records import RunRecord, WorkerRecord
 
 REGISTRY: dict[str, str] = {
     "atlas": "agents.atlas.extension:AtlasExtension",
@@ -102,7 +102,7 @@ class RunExtension:
         return {}
 
     def worker_options(self, ctx: RunContext, slot: "WorkerSlot") -> dict[str, Any]:
-        """Fields of the worker's ``agents.trainer.config.WorkerConfig`` to set."""
+        """Fields of the worker's ``testbed.train.config.WorkerConfig`` to set."""
         return {}
 
     def start(self, ctx: RunContext) -> None:

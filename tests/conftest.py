@@ -27,8 +27,8 @@ import pytest
 import netem_vm
 from netem_vm import (  # noqa: F401  (hooks: the netem variants run in the netem VM on a kernel without netem)
     pytest_collection_modifyitems, pytest_configure, pytest_pyfunc_call, pytest_runtest_logreport, runs_in_vm)
-from testbed.kernel import BackendUnavailable, Capabilities, choose_backends, probe
-from testbed.spec import Topology, parse_topology
+from testbed.net.kernel import BackendUnavailable, Capabilities, choose_backends, probe
+from testbed.spec.topology import Topology, parse_topology
 
 DELAY_BACKENDS = ["tun", "netem"]
 _CAPS: Capabilities | None = None

@@ -4,7 +4,7 @@ How it fits: the tests that exercise the netem backend are ordinary tests, param
 with ``delay_backend="netem"`` (the ``delay_backend`` fixture of ``conftest.py``, or a direct
 parametrization; ``_is_netem_variant``); on a kernel with netem they run here as they are.
 On a kernel without netem (this machine; ``runs_in_vm``), ``conftest.py``'s network fixture
-leaves their capability check to the guest and their call goes to ``pytest_pyfunc_call`` below: the first of them boots the netem VM (``testbed/vm.py``: a
+leaves their capability check to the guest and their call goes to ``pytest_pyfunc_call`` below: the first of them boots the netem VM (``testbed/tools/vm.py``: a
 stock Debian kernel, built and provisioned once and cached in ``/var/cache/geo-testbed/vm``) and runs
 *all* the session's netem variants in it in one pytest run on the live project (shared
 read-only); each host test then passes, fails or skips as its twin did in the guest, with
@@ -99,7 +99,7 @@ def _run_in_vm(session: pytest.Session) -> dict:
     stash = session.config.stash
     if _KEY in stash:
         return stash[_KEY]
-    from testbed import vm
+    from testbed.tools import vm
 
     run: dict = {"results": {}, "accel": "?", "kernel": "?", "tail": ""}
     stash[_KEY] = run

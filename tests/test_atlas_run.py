@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.experiment import parse_experiment
-from testbed.runner import TrainingRun
+from testbed.spec.experiment import parse_experiment
+from testbed.run.runner import TrainingRun
 
 pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent

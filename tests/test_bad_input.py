@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
-from testbed.experiment import Experiment, load_experiment  # noqa: E402
-from testbed.spec import SpecError, Topology, key_text, load_topology  # noqa: E402
+from testbed.spec.experiment import Experiment, load_experiment  # noqa: E402
+from testbed.spec.topology import SpecError, Topology, key_text, load_topology  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SCALE = float(os.environ.get("GTB_BAD_INPUT_EXAMPLES", "1"))
@@ -325,7 +325,7 @@ def experiment_defects(draw) -> tuple[dict, list[str]]:
 def _load_as_run_does(path: Path) -> None:
     exp = load_experiment(path)
     if exp.device == "emulated":
-        from testbed.emulation import device_profile
+        from testbed.run.emulation import device_profile
 
         device_profile(exp)
 

@@ -257,14 +257,14 @@ def test_the_wait_board_shows_a_wait_to_another_process(tmp_path):
     import subprocess
     import sys
 
-    from agents.trainer.waitboard import WaitBoard, wait_id
+    from testbed.train.waitboard import WaitBoard, wait_id
 
     path = tmp_path / "s0r0.board"
     path.write_bytes(bytes(8))
     board = WaitBoard(str(path))
     assert board.read() == 0
     board.show(wait_id(12, 3))
-    seen = subprocess.run([sys.executable, "-c", "import sys; from agents.trainer.waitboard import WaitBoard; "
+    seen = subprocess.run([sys.executable, "-c", "import sys; from testbed.train.waitboard import WaitBoard; "
                            f"print(WaitBoard({str(path)!r}).read())"], capture_output=True, text=True,
                           cwd=str(Path(__file__).resolve().parent.parent), check=True).stdout
     assert int(seen) == wait_id(12, 3) != wait_id(12, 2) != 0
@@ -292,7 +292,7 @@ def test_emulated_serving_occupies_the_devices_and_ships_caches_of_the_real_size
     from agents.bubbletea.config import DecodeConfig, InferenceModel, ServerConfig
     from agents.bubbletea.extension import DEFAULT_PROFILE
     from agents.bubbletea.timing import ServingTimes
-    from agents.trainer.device import EmulatedDevice, create_device
+    from testbed.train.device import EmulatedDevice, create_device
 
     speedup = 0.02  # a device 1/50 of the profiled core: a 32-token chunk takes ~30 ms, long enough to catch
     times = ServingTimes.load(DEFAULT_PROFILE, speedup)
@@ -384,8 +384,8 @@ def test_the_emulated_experiment_replays_the_shipped_profile_and_refuses_another
 
     from agents.bubbletea.extension import DEFAULT_PROFILE, serving_profile
     from agents.bubbletea.timing import ServingTimes
-    from testbed.experiment import load_experiment
-    from testbed.spec import SpecError
+    from testbed.spec.experiment import load_experiment
+    from testbed.spec.topology import SpecError
 
     repo = Path(__file__).resolve().parent.parent
     exp = load_experiment(repo / "experiments" / "bubbletea-emulated.yaml")

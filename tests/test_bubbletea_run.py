@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.experiment import load_experiment
-from testbed.runner import TrainingRun
+from testbed.spec.experiment import load_experiment
+from testbed.run.runner import TrainingRun
 
 pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def _exact(s: dict) -> None:
 @pytest.mark.network(delay="tun")
 @pytest.mark.fidelity
 def test_prefills_fill_bubbles_and_every_request_is_accounted_for(tmp_path):
-    from agents.trainer.reference import reference_losses
+    from testbed.train.reference import reference_losses
 
     exp = _exp(8, rate_scale=200.0)  # far above what the bubbles can serve: an overload
     result = TrainingRun(exp, tmp_path).run()

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.trainer.reference import reference_losses
-from testbed.experiment import load_experiment
-from testbed.fidelity import rtt_tolerance_ms
-from testbed.spec import load_topology
+from testbed.train.reference import reference_losses
+from testbed.spec.experiment import load_experiment
+from testbed.net.fidelity import rtt_tolerance_ms
+from testbed.spec.topology import load_topology
 
 REPO = Path(__file__).resolve().parent.parent
 TESTBED = [sys.executable, "-m", "testbed.cli"]
@@ -72,7 +72,7 @@ def _nothing_left(cluster) -> None:
         state = _in_machine(cluster, m.name, "ls /run/gtb 2>/dev/null").split()
         assert set(state) <= {"lock"}, (m.name, state)
         procs = _in_machine(cluster, m.name, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done")
-        ours = [ln for ln in procs.splitlines() if "testbed" in ln or "agents.trainer" in ln or "mnexec" in ln]
+        ours = [ln for ln in procs.splitlines() if "testbed" in ln or "testbed.train" in ln or "mnexec" in ln]
         assert [ln for ln in ours if "for p in" not in ln] == [], (m.name, ours)
         cg = [p.name for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")) if root.is_dir()
               for p in root.iterdir() if p.name.startswith(f"gtb-{m.name}-")]
@@ -100,7 +100,7 @@ def test_fidelity_across_vxlan_measures_as_configured(cluster):
 _MTU_PROBE = """
 import json, sys
 from testbed.cluster.remote import ClusterNetwork, open_cluster
-from testbed.spec import load_topology
+from testbed.spec.topology import load_topology
 topo = load_topology("topologies/aws-us3.yaml")
 cluster = open_cluster(topo, sys.argv[1])
 try:
@@ -176,7 +176,7 @@ def _worker_pid(cluster, machine: str, name: str) -> int:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if "agents.trainer.worker" in cmd and f"/{name}.json" in cmd:
+        if "testbed.train.worker" in cmd and f"/{name}.json" in cmd:
             return int(p)
     raise AssertionError(f"no worker {name} on {machine}")
 
@@ -218,7 +218,7 @@ def test_bad_maps_are_one_line_errors(cluster, tmp_path):
 def test_drift_between_the_clock_samples_moves_timestamps_in_proportion():
     """Runs without the fake cluster's machines: the correction is arithmetic on records."""
     from testbed.cluster.remote import correct_drift
-    from testbed.records import Interval, Transfer, WorkerRecord
+    from testbed.run.records import Interval, Transfer, WorkerRecord
 
     start = {"a": {"offset_s": 5.0, "uncertainty_ms": 0.05, "at": 100.0},
              "b": {"offset_s": 0.0, "uncertainty_ms": 0.05, "at": 100.0}}

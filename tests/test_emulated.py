@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.trainer.device import EmulatedDevice, create_device
-from testbed.experiment import parse_experiment
+from testbed.train.device import EmulatedDevice, create_device
+from testbed.spec.experiment import parse_experiment
 from testbed.registry import NOTHING_LEFT, leftovers
-from testbed.runner import TrainingRun
+from testbed.run.runner import TrainingRun
 
 REPO = Path(__file__).resolve().parent.parent
 TOPO = str(REPO / "tests" / "data" / "train3.yaml")

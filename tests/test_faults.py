@@ -1,4 +1,4 @@
-"""Faults injected into short real runs (testbed/chaos.py), and the judge that grades them.
+"""Faults injected into short real runs (testbed/run/chaos.py), and the judge that grades them.
 
 The network tests run ``experiments/chaos.yaml`` (shortened) once per fault, at a point drawn
 from a seed that changes every session (``GTB_CHAOS_SEED`` replays one; a failure names it):
@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from testbed import chaos
+from testbed.run import chaos
 from testbed.registry import NOTHING_LEFT, leftovers
 
 SEED = int(os.environ.get("GTB_CHAOS_SEED") or random.SystemRandom().randrange(1_000_000))
@@ -92,7 +92,7 @@ class _Line:
 
     def request(self, msg: dict) -> dict:
         if self.broken or self.refuse in msg:
-            from testbed.network import NetworkError
+            from testbed.net.network import NetworkError
 
             raise NetworkError(f"delay line: cannot set {self.refuse}")
         self.lanes.update(msg)
@@ -111,16 +111,16 @@ class _Shaper:
 
 
 def _direction(line):
-    from testbed.kernel import Backends
-    from testbed.network import WanDirection
-    from testbed.spec import Direction
+    from testbed.net.kernel import Backends
+    from testbed.net.network import WanDirection
+    from testbed.spec.topology import Direction
 
     return WanDirection("dc1", "dc2", Direction(delay_ms=5, rate_mbps=100, queue_bytes=250_000), "gtb-w0", None,
                         _Shaper(), Backends(delay="tun", loss="delayline"), lane="dc1-dc2", delay_client=line)
 
 
 def test_a_link_change_the_delay_line_refuses_is_undone_whole():
-    from testbed.network import NetworkError
+    from testbed.net.network import NetworkError
 
     link = _direction(_Line(refuse="delay_ms"))
     with pytest.raises(NetworkError, match=r"^dc1->dc2: setting delay failed \(.*\); nothing was changed$"):

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import two_dcs
-from testbed.fidelity import iperf3, ping
-from testbed.network import Network
+from testbed.net.fidelity import iperf3, ping
+from testbed.net.network import Network
 from testbed.registry import NOTHING_LEFT, PREFIX, leftovers
-from testbed.spec import load_topology
+from testbed.spec.topology import load_topology
 
 pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent

@@ -50,7 +50,7 @@ def _root_with_apt():
 
 def test_playbook_runs_for_real_and_a_second_run_changes_nothing():
     _root_with_apt()
-    from testbed.provision import provision
+    from testbed.tools.provision import provision
 
     provision()  # the first run may change things (a fresh machine)
     second = provision()
@@ -63,7 +63,7 @@ def test_the_dry_run_passes_on_a_provisioned_machine():
     reads the kernel), so the delay-backend assert has its answer (it failed with
     "from_json ... Expecting value" when the doctor was skipped)."""
     _root_with_apt()
-    from testbed.provision import provision
+    from testbed.tools.provision import provision
 
     result = provision(check=True)
     assert result.hosts["localhost"].get("failed", 0) == 0, result.failures
@@ -78,7 +78,7 @@ def test_a_failing_task_fails_provision_in_one_line(tmp_path):
         "    - name: Install a package that does not exist\n"
         "      ansible.builtin.apt:\n        name: gtb-no-such-package-zz\n        state: present\n"
     )
-    from testbed.provision import ProvisionError, provision
+    from testbed.tools.provision import ProvisionError, provision
 
     with pytest.raises(ProvisionError) as err:
         provision(playbook=play)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed import schedules as sch
-from testbed.experiment import parse_experiment
-from testbed.spec import SpecError
+from testbed.spec import schedules as sch
+from testbed.spec.experiment import parse_experiment
+from testbed.spec.topology import SpecError
 
 REPO = Path(__file__).resolve().parent.parent
 TOPO = str(REPO / "tests" / "data" / "train3.yaml")
@@ -90,7 +90,7 @@ def test_default_placement_spreads_stages_over_dcs_in_order():
 
 
 def test_shipped_experiments_load():
-    from testbed.experiment import load_experiment
+    from testbed.spec.experiment import load_experiment
 
     for path in sorted((REPO / "experiments").glob("*.yaml")):
         load_experiment(path)

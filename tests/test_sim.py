@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed.experiment import parse_experiment
-from testbed.metrics import summarise
-from testbed.schedules import ideal_bubble_fraction
+from testbed.spec.experiment import parse_experiment
+from testbed.run.metrics import summarise
+from testbed.spec.schedules import ideal_bubble_fraction
 from testbed.sim.build import simulate
 from testbed.sim.engine import Link, Simulator
 
@@ -214,7 +214,7 @@ def test_simulator_predicts_an_emulator_run_within_10_percent(tmp_path):
 
 
 def test_paper_scale_scenarios_load_and_simulate_fast():
-    from testbed.experiment import load_experiment
+    from testbed.spec.experiment import load_experiment
 
     exp = load_experiment(REPO / "experiments" / "sim-10k.yaml")
     assert exp.parallel.stages * exp.parallel.replicas * exp.sim.tensor_parallel >= 9_984

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.awsmatrix import aws_topology, load_pairs
-from testbed.spec import SpecError, load_topology, parse_topology
+from testbed.spec.awsmatrix import aws_topology, load_pairs
+from testbed.spec.topology import SpecError, load_topology, parse_topology
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD = {

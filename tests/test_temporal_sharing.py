@@ -11,8 +11,8 @@ import pytest
 
 from agents.atlas.precision import measure_turns
 from conftest import emulation, link_rate, two_dcs
-from testbed.fidelity import iperf3
-from testbed.network import Network, NetworkError
+from testbed.net.fidelity import iperf3
+from testbed.net.network import Network, NetworkError
 
 pytestmark = [pytest.mark.network, pytest.mark.fidelity]
 

@@ -18,7 +18,7 @@ from agents.titan.placement import (INTERNET, WAN, Options, Plan, _mix, evaluate
                                     realise_greedy, rule_plan)
 from agents.titan.regions import Backbone, build_world, load_wan
 from agents.titan.spec import LatencyRule, StudySpec, TitanError, WorkloadSpec, load_spec
-from testbed.spec import parse_topology
+from testbed.spec.topology import parse_topology
 
 EU_US = ["uksouth", "westeurope", "northeurope", "francecentral", "eastus", "centralus", "westus2"]
 
@@ -48,7 +48,7 @@ def test_backbone_keeps_exactly_the_edges_no_relay_explains():
 
 
 def test_backbone_routes_like_the_testbed_topology():
-    """The plan's paths must be the emulator's: same rule as testbed.spec.Topology."""
+    """The plan's paths must be the emulator's: same rule as testbed.spec.topology.Topology."""
     wan = load_wan()
     bb = Backbone(wan, EU_US, 1.1)
     topo = parse_topology({"name": "t", "dcs": [{"name": r, "hosts": 1} for r in EU_US],

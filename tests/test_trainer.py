@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from testbed.experiment import parse_experiment
+from testbed.spec.experiment import parse_experiment
 from testbed.registry import NOTHING_LEFT, leftovers
-from testbed.runner import RunError, TrainingRun
-from testbed.schedules import ideal_bubble_fraction
+from testbed.run.runner import RunError, TrainingRun
+from testbed.spec.schedules import ideal_bubble_fraction
 
 pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def _run(exp, tmp_path, **kwargs):
 @pytest.mark.parametrize(("stages", "replicas", "schedule"), [
     (2, 1, "gpipe"), (2, 1, "1f1b"), (3, 2, "gpipe"), (3, 2, "1f1b")])
 def test_loss_parity_with_a_single_process_run(tmp_path, stages, replicas, schedule):
-    from agents.trainer.reference import reference_losses
+    from testbed.train.reference import reference_losses
 
     exp = _experiment(stages, replicas, schedule, connections=2)
     run, result = _run(exp, tmp_path)
@@ -90,7 +90,7 @@ def test_gpipe_bubble_fraction_matches_fill_and_drain_on_a_fast_link(tmp_path):
 
 
 def test_raising_wan_delay_raises_iteration_time_and_bubbles(tmp_path):
-    from testbed.spec import load_topology
+    from testbed.spec.topology import load_topology
     import yaml
 
     results = {}

@@ -15,8 +15,8 @@ import statistics
 import pytest
 
 from conftest import delay_slack_ms, link_rate, two_dcs
-from testbed.fidelity import iperf3, message_delays, one_way_delays, one_way_probe, ping, ping_loss
-from testbed.network import Network
+from testbed.net.fidelity import iperf3, message_delays, one_way_delays, one_way_probe, ping, ping_loss
+from testbed.net.network import Network
 from testbed.sim.build import PAYLOAD_FRACTION
 
 pytestmark = [pytest.mark.network, pytest.mark.fidelity]
@@ -123,7 +123,7 @@ def test_runtime_change_of_delay_and_rate_takes_effect(delay_backend, caps):
 def test_bad_runtime_change_is_refused_and_leaves_link_as_it_was(caps):
     with Network(two_dcs(delay_ms=10, rate_mbps=100), caps=caps) as net:
         link = net.link("east", "west")
-        from testbed.network import NetworkError
+        from testbed.net.network import NetworkError
 
         with pytest.raises(NetworkError, match="rate_mbps") as err:
             link.set(rate_mbps=-5)

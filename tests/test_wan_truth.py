@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import two_dcs
-from testbed.experiment import load_experiment
-from testbed.fidelity import check_wan, measuring_window, rtt_tolerance_ms, steady_goodput
-from testbed.network import Network, default_queue_bytes
-from testbed.runner import TrainingRun
-from testbed.spec import load_topology
+from testbed.spec.experiment import load_experiment
+from testbed.net.fidelity import check_wan, measuring_window, rtt_tolerance_ms, steady_goodput
+from testbed.net.network import Network, default_queue_bytes
+from testbed.run.runner import TrainingRun
+from testbed.spec.topology import load_topology
 
 pytestmark = [pytest.mark.network, pytest.mark.fidelity]
 REPO = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_the_main_job_runs_across_the_long_hauls_and_checks_its_wan(tmp_path):
     assert abs(checks[("sydney", "london")]["rtt_ms_measured"] - 262.0) <= rtt_tolerance_ms(262.0)
     assert result["summary"]["warnings"] == []
     default = load_experiment(REPO / "experiments" / "default.yaml")  # the same job: the same losses
-    from agents.trainer.reference import reference_losses
+    from testbed.train.reference import reference_losses
 
     want = reference_losses(default.model.model_dump(), exp.training.model_dump(), exp.parallel.replicas)
     assert [it["loss"] for it in result["iterations"]] == pytest.approx(want, rel=1e-5)

@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from testbed.network import Network, NetworkError
+from testbed.net.network import Network, NetworkError
 
 
 @dataclass

@@ -4,7 +4,7 @@ How it fits: a run with BubbleTea on cannot measure its own cost (its unserved i
 still carry the decoding and KV shipping of the served ones), so the training slowdown is
 measured against runs of the same experiment (topology, seed, device) with
 ``bubbletea.enabled: false``, alternated with runs that serve every steady iteration
-(``interleave: false``): off, on, off, on, ...  Each run is a ``testbed.runner.TrainingRun``
+(``interleave: false``): off, on, off, on, ...  Each run is a ``testbed.run.runner.TrainingRun``
 in ``OUT/off-<i>/`` or ``OUT/on-<i>/`` with its own metrics.json.  The result
 (``OUT/backtoback.json``) holds per run the mean steady-state iteration time, and overall:
 
@@ -46,7 +46,7 @@ def arm(exp, on: bool):
 
 def back_to_back(exp, out: Path, pairs: int = 1, delay_backend: str = "auto",
                  log: Callable[[str], None] | None = None) -> dict:
-    from testbed.runner import TrainingRun
+    from testbed.run.runner import TrainingRun
 
     say = log or (lambda m: None)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
 
 
 def main() -> int:
-    from testbed.experiment import load_experiment
+    from testbed.spec.experiment import load_experiment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment")

@@ -2,7 +2,7 @@
 
 How it fits: ``BubbleTeaExtension.start`` builds a ``ServerConfig`` per training worker, a
 ``DecodeConfig`` per decode worker and one ``ControllerConfig`` from the experiment's
-``bubbletea`` section (``testbed.experiment.BubbleTeaSpec``, where the user-facing defaults
+``bubbletea`` section (``testbed.spec.experiment.BubbleTeaSpec``, where the user-facing defaults
 live), and starts the processes with them as JSON.  The defaults here are the processes'
 own (how many KV senders, what to calibrate): one place each.
 

@@ -44,7 +44,7 @@ import time
 from agents.bubbletea.config import ControllerConfig
 from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles
 from agents.bubbletea.workload import azure_trace, poisson
-from agents.trainer.waitboard import wait_id
+from testbed.train.waitboard import wait_id
 
 FINAL = ("completed", "rejected", "dropped")
 COUNTS = ("arrivals", "admitted", "completed", "rejected", "dropped")

@@ -75,7 +75,7 @@ class _EmulatedDecode:
 
     def __init__(self, cfg: DecodeConfig):
         from agents.bubbletea.timing import ServingTimes
-        from agents.trainer.device import EmulatedDevice
+        from testbed.train.device import EmulatedDevice
 
         self.times = ServingTimes.load(cfg.serving_profile, cfg.speedup)
         self.device = EmulatedDevice(cfg.device_file)

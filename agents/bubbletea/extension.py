@@ -32,12 +32,12 @@ import statistics
 from pathlib import Path
 
 from agents.bubbletea.config import ControllerConfig, DecodeConfig, InferenceModel, ServerConfig, Workload
-from agents.trainer.device import create_device
-from agents.trainer.waitboard import create_board
+from testbed.train.device import create_device
+from testbed.train.waitboard import create_board
 from testbed.extension import ExtensionError, RunContext, RunExtension
-from testbed.procs import CpuContainers, python_env
-from testbed.records import BUSY_KINDS, RunRecord
-from testbed.spec import SpecError
+from testbed.run.procs import CpuContainers, python_env
+from testbed.run.records import BUSY_KINDS, RunRecord
+from testbed.spec.topology import SpecError
 
 _DECODE_PORT = 29700
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "serving-profile-cpu.json"

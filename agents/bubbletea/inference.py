@@ -1,6 +1,6 @@
 """The inference side: a small decoder-only LM, chunked prefill into a KV cache, decode.
 
-How it fits: the model is the trainer's GPT (``agents/trainer/model.py``) built from a seed,
+How it fits: the model is the trainer's GPT (``testbed/train/model.py``) built from a seed,
 so its weights are real and reproducible.  ``prefill`` runs a prompt through it one chunk
 at a time, keeping each layer's keys and values (the KV cache); a chunk attends to the cache
 of the chunks before it, so a prefill cut at a chunk boundary continues later exactly where
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from agents.trainer.model import GPT, ModelConfig, build_model
+from testbed.train.model import GPT, ModelConfig, build_model
 
 
 @dataclass

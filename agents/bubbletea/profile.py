@@ -1,11 +1,11 @@
 """Profile BubbleTea's device times on this machine: the numbers an emulated device replays.
 
 How it fits: with ``device: emulated`` a prefill server and a decode worker compute nothing;
-they occupy their emulated device (``agents/trainer/device.py``) for the time the real model
+they occupy their emulated device (``testbed/train/device.py``) for the time the real model
 takes, which this script measures once and writes as JSON to ``agents/bubbletea/data/``
 (``timing.py`` reads it, without torch).  It runs the real inference model of
 ``inference.py`` (the experiment's ``bubbletea.model``) and the training job's own stages
-(``agents/trainer/model.py``) on one device, here one CPU core with one torch thread (or a
+(``testbed/train/model.py``) on one device, here one CPU core with one torch thread (or a
 GPU with ``--device cuda``), so that training and serving times come from the same device:
 
 * ``prefill``: one chunk of ``n`` prompt tokens after ``start`` tokens already in the cache
@@ -71,8 +71,8 @@ def measure(exp_path: str, device: str = "cpu", repeats: int = 9) -> dict:
 
     from agents.bubbletea.inference import (PrefillState, decode_batch, load_model, pack, prefill_chunk,
                                            prompt_tokens, unpack)
-    from agents.trainer.model import ModelConfig, build_model, loss_fn, stage_module
-    from testbed.experiment import load_experiment
+    from testbed.train.model import ModelConfig, build_model, loss_fn, stage_module
+    from testbed.spec.experiment import load_experiment
 
     exp = load_experiment(exp_path)
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ How it fits: ``testbed run`` starts one server per training worker, on the worke
 (the predicted bubble's end less a margin, then later ends the wait reached before).  It runs
 the prompt chunk by chunk (a bubble's last chunk cut to what fits, down to a quarter chunk)
 and stops at the first chunk boundary where the worker's wait board
-(``agents/trainer/waitboard.py``) shows that the wait it was sent for is over, or where the
+(``testbed/train/waitboard.py``) shows that the wait it was sent for is over, or where the
 next chunk would pass the deadline and the wait is not seen to outlast it (then the next
 deadline holds); the request's cache stays here and the next job for it continues.  When the prompt
 is done it ships the KV cache over TCP through the emulated network to its DC's decode
@@ -21,7 +21,7 @@ What a chunk runs on is the backend's business, and the loop above is the same f
   chunk is judged by the slow end of the recent chunks' times (under a CPU quota a chunk's
   wall time varies several-fold).
 * ``_EmulatedPrefill`` (``device: emulated``): each chunk occupies the worker's emulated
-  device (``agents/trainer/device.py``: the stream the worker's own ops queue on) for its
+  device (``testbed/train/device.py``: the stream the worker's own ops queue on) for its
   profiled time (``timing.py``), so a chunk still running when training issues its next op
   delays that op exactly as on a GPU; the KV cache it ships has the real cache's size.
   It imports no torch.
@@ -140,7 +140,7 @@ class _EmulatedPrefill:
 
     def __init__(self, cfg: ServerConfig):
         from agents.bubbletea.timing import ServingTimes
-        from agents.trainer.device import EmulatedDevice
+        from testbed.train.device import EmulatedDevice
 
         self.times = ServingTimes.load(cfg.serving_profile, cfg.speedup)
         self.device = EmulatedDevice(cfg.device_file)
@@ -188,7 +188,7 @@ def _fitting(backend, state, n: int, room_s: float) -> int:
 
 
 def run(cfg: ServerConfig) -> None:
-    from agents.trainer.waitboard import WaitBoard
+    from testbed.train.waitboard import WaitBoard
 
     backend = _EmulatedPrefill(cfg) if cfg.device_file else _TorchPrefill(cfg)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

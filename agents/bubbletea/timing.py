@@ -4,7 +4,7 @@ How it fits: ``profile.py`` measures the real inference model once on this machi
 GPU) and writes ``data/serving-profile-<device>.json``; with ``device: emulated`` the
 extension passes that file and the experiment's ``emulation.speedup`` to every prefill
 server and decode worker, which read it here (``ServingTimes.load``) and occupy their
-emulated device (``agents/trainer/device.py``) for the times it gives: a chunk of ``n``
+emulated device (``testbed/train/device.py``) for the times it gives: a chunk of ``n``
 prompt tokens after ``start`` cached tokens, one decode step of a batch at a context, a
 batch's set-up; and ship KV caches of the size ``pack`` gives the real model's caches.
 Between measured points times are interpolated linearly (bilinear on the grids), beyond

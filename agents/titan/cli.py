@@ -27,12 +27,12 @@ out = Console()
 
 
 def _user_errors() -> tuple:
-    from testbed.kernel import BackendUnavailable
-    from testbed.network import NetworkError
+    from testbed.net.kernel import BackendUnavailable
+    from testbed.net.network import NetworkError
     from testbed.registry import Busy
-    from testbed.spec import SpecError
+    from testbed.spec.topology import SpecError
 
-    from .spec import TitanError
+    from agents.titan.spec import TitanError
 
     return (TitanError, SpecError, BackendUnavailable, NetworkError, Busy)
 
@@ -58,8 +58,8 @@ def study(
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """A week of synthetic calls over Azure regions: every policy, the LP per day, reductions."""
-    from .spec import StudySpec, load_spec
-    from .study import BASELINES, run_study, write_outputs
+    from agents.titan.spec import StudySpec, load_spec
+    from agents.titan.study import BASELINES, run_study, write_outputs
 
     try:
         s = load_spec(StudySpec, spec, {"days": days, "users": _split(users), "dcs": _split(dcs),
@@ -106,9 +106,9 @@ def emulate(
     as_json: bool = typer.Option(False, "--json", help="print the result (without per-slot arrays) as JSON"),
 ) -> None:
     """Build the dual-path network, play a day of real UDP calls under each policy, measure."""
-    from . import emulate as emu
-    from .plots import emulation_plots
-    from .spec import EmulationSpec, load_spec
+    from agents.titan import emulate as emu
+    from agents.titan.plots import emulation_plots
+    from agents.titan.spec import EmulationSpec, load_spec
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -153,7 +153,7 @@ def backbone(
     as_json: bool = typer.Option(False, "--json", help="print the edges as JSON"),
 ) -> None:
     """The WAN backbone pruned from Azure's P95 RTT matrix."""
-    from .regions import Backbone, load_wan
+    from agents.titan.regions import Backbone, load_wan
 
     try:
         wan = load_wan()

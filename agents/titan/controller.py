@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .spec import Targets
+from agents.titan.spec import Targets
 
 GOOD, MARGINAL, BAD, SEVERE = "good", "marginal", "bad", "severe"
 

@@ -41,15 +41,15 @@ from typing import Callable
 
 import numpy as np
 
-from . import lp
-from . import workload as wl
-from .controller import Quality, TitanController
-from .emunet import DualPathNetwork, wait_ready
-from .media import INTERNET_TOS, PORT, ip_bytes_per_packet
-from .placement import (INTERNET, WAN, Evaluation, Options, Plan, Realisation, evaluate, incidence, realise,
+from agents.titan import lp
+from agents.titan import workload as wl
+from agents.titan.controller import Quality, TitanController
+from agents.titan.emunet import DualPathNetwork, wait_ready
+from agents.titan.media import INTERNET_TOS, PORT, ip_bytes_per_packet
+from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, Plan, Realisation, evaluate, incidence, realise,
                         realise_greedy, rule_plan)
-from .regions import World, build_world
-from .spec import EmulationSpec, TitanError
+from agents.titan.regions import World, build_world
+from agents.titan.spec import EmulationSpec, TitanError
 
 ETH_BYTES = 14
 _SAMPLE_S = 0.02
@@ -59,7 +59,7 @@ ALL_POLICIES = ("nearest-wan", "wan-lp", "titan", "greedy-internet", "titan-next
 
 def internet_model(spec: EmulationSpec):
     """The emulated Internet paths as the planners see them: (RTT, loss, jitter) per pair."""
-    from .regions import load_wan
+    from agents.titan.regions import load_wan
 
     wan = load_wan()
 

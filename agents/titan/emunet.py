@@ -1,6 +1,6 @@
 """The dual-path network: Azure regions as testbed DCs on a WAN backbone, plus Internet paths.
 
-How it fits: the WAN half is the testbed's own ``Network`` (``testbed/network.py``): every
+How it fits: the WAN half is the testbed's own ``Network`` (``testbed/net/network.py``): every
 region of a ``World`` (user regions and media-server DCs) is a testbed DC with participant
 hosts and, where it hosts a DC, one media-server host behind its gateway router; the
 backbone's edges are WAN links with half the edge's P95 RTT as one-way delay each way, a
@@ -12,7 +12,7 @@ The Internet half is built here, inside the same registry (so ``testbed clean`` 
 
 * a hub namespace ``gtbti`` ("the Internet"), joined to every gateway router by a veth pair
   (``gtbti<i>`` on the hub, ``gtbtr<i>`` on router i, 10.254.i.0/30);
-* a TUN delay line (``testbed.delayline``) in the hub with one lane per ordered (region,
+* a TUN delay line (``testbed.net.delayline``) in the hub with one lane per ordered (region,
   region) pair that has an Internet path: the pair's modelled one-way Internet delay,
   jitter and loss (``regions.AzureWan.internet_rtt``; the spec's overrides); policy routing
   in the hub sends packets from subnet a to subnet b through lane (a, b);
@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from testbed.network import HostInfo, Network, NetworkError
-from testbed.procs import DatagramClient, python_env, stop_all
-from testbed.spec import parse_topology
+from testbed.net.network import HostInfo, Network, NetworkError
+from testbed.run.procs import DatagramClient, python_env, stop_all
+from testbed.spec.topology import parse_topology
 
-from .media import INTERNET_TOS
-from .regions import World
-from .spec import EmulationSpec, TitanError
+from agents.titan.media import INTERNET_TOS
+from agents.titan.regions import World
+from agents.titan.spec import EmulationSpec, TitanError
 
 HUB_NS = "gtbti"
 MARK = 0x7A
@@ -210,7 +210,7 @@ class DualPathNetwork:
         self.net.registry.file(cfg_path)
         self.net.registry.file(control)
         cfg_path.write_text(json.dumps(cfg))
-        proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS, sys.executable, "-m", "testbed.delayline",
+        proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS, sys.executable, "-m", "testbed.net.delayline",
                                  str(cfg_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=python_env())
         self.net.registry.process(proc.pid, "titan:hub-delayline", own_netns=False)
@@ -268,7 +268,7 @@ class DualPathNetwork:
 
 
 class ControlClient(DatagramClient):
-    """``testbed.procs.DatagramClient`` to one agent's control socket (the delay line's and
+    """``testbed.run.procs.DatagramClient`` to one agent's control socket (the delay line's and
     the agents' protocol), with room for large replies (a window's per-stream statistics)
     and a refusal raised as ``NetworkError``."""
 

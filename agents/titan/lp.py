@@ -66,10 +66,10 @@ from typing import Callable
 
 import numpy as np
 
-from .placement import INTERNET, WAN, Options, Plan
-from .regions import World
-from .spec import TitanError
-from .workload import Demand
+from agents.titan.placement import INTERNET, WAN, Options, Plan
+from agents.titan.regions import World
+from agents.titan.spec import TitanError
+from agents.titan.workload import Demand
 
 _FRACTION_EPS = 1e-7
 

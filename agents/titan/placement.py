@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .regions import World
-from .spec import LatencyRule, TitanError
-from .workload import Calls, Configs, slot_overlaps
+from agents.titan.regions import World
+from agents.titan.spec import LatencyRule, TitanError
+from agents.titan.workload import Calls, Configs, slot_overlaps
 
 WAN, INTERNET = 0, 1
 ROUTE_NAMES = ("wan", "internet")

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from .spec import Targets, TitanError
+from agents.titan.spec import Targets, TitanError
 
 DATA = Path(__file__).resolve().parent / "data"
 GROUPS = ("Americas", "Europe", "APAC", "MEA")

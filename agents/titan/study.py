@@ -34,12 +34,12 @@ from typing import Callable
 
 import numpy as np
 
-from . import lp
-from . import workload as wl
-from .placement import (INTERNET, WAN, Evaluation, Options, Realisation, evaluate, incidence, realise,
+from agents.titan import lp
+from agents.titan import workload as wl
+from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, Realisation, evaluate, incidence, realise,
                         realise_greedy, rule_plan)
-from .regions import build_world
-from .spec import StudySpec
+from agents.titan.regions import build_world
+from agents.titan.spec import StudySpec
 
 POLICIES = ("nearest-wan", "wan-lp", "titan", "greedy-internet", "titan-next", "titan-next-oracle")
 BASELINES = ("nearest-wan", "wan-lp", "titan", "greedy-internet")
@@ -194,7 +194,7 @@ def write_outputs(summary: dict, out: Path) -> list[Path]:
                 for s, v in enumerate(ev.link_load[link]):
                     w.writerow([name, world.link_name(link), s, f"{v:.1f}"])
     written.append(out / "link_load_top.csv")
-    from .plots import study_plots
+    from agents.titan.plots import study_plots
 
     written += study_plots(js, evals, world, T, arrays["slot_minutes"], top, out)
     return written

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .regions import World
-from .spec import WorkloadSpec
+from agents.titan.regions import World
+from agents.titan.spec import WorkloadSpec
 
 MEDIA = ("audio", "video", "hd")
 DAY_S = 86_400.0

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import wire
+from testbed.cluster import wire
 
 PID_FILE = Path("/run/gtb-agent.pid")
 
@@ -151,10 +151,10 @@ class _Session:
 
     def op_build(self, topology: dict, dcs: list[str], tunnels: list[dict], mtu: int | None,
                  delay_backend: str = "auto", loss_backend: str = "auto", run_name: str = "run") -> dict:
-        from ..hub import TelemetryHub
-        from ..network import Network, Tunnel
-        from ..procs import CpuContainers, Launcher
-        from ..spec import parse_topology
+        from testbed.run.hub import TelemetryHub
+        from testbed.net.network import Network, Tunnel
+        from testbed.run.procs import CpuContainers, Launcher
+        from testbed.spec.topology import parse_topology
 
         topo = parse_topology(topology, "topology", strict=False)
         tun = {(t["local"], t["remote"]): Tunnel(t["local_ip"], t["remote_ip"], t["vni"], t["mtu"]) for t in tunnels}
@@ -213,7 +213,7 @@ class _Session:
         return self.containers.problem()
 
     def op_launch(self, name: str, module: str, config: dict, host: str, cpus: float, env: dict) -> dict:
-        from ..procs import python_env
+        from testbed.run.procs import python_env
 
         config = dict(config, telemetry=str(self.hub.path))
         cgroup = self.containers.make(name, cpus)

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..registry import PREFIX, _proc_start_time
+from testbed.registry import PREFIX, _proc_start_time
 
 FAKE_DIR = Path(os.environ.get("GTB_FAKE_CLUSTER_DIR", "/tmp/gtb-fakecluster"))
 UNDERLAY_PREFIX = "172.30.0"

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import Topology
+from testbed.spec.topology import Topology
 
 
 class ClusterError(RuntimeError):

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ..provision import REPO, ProvisionError, provision
-from .inventory import ClusterError
+from testbed.tools.provision import REPO, ProvisionError, provision
+from testbed.cluster.inventory import ClusterError
 
 PLAYBOOK = REPO / "playbooks" / "cluster.yml"
 

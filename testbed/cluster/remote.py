@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..network import HostIndex, HostInfo, NetworkError
-from ..spec import Topology
-from . import wire
-from .inventory import ClusterError, Machine
+from testbed.net.network import HostIndex, HostInfo, NetworkError
+from testbed.spec.topology import Topology
+from testbed.cluster import wire
+from testbed.cluster.inventory import ClusterError, Machine
 
 VXLAN_OVERHEAD = 50
 CLOCK_BOUND_MS = 1.0
@@ -442,7 +442,7 @@ class Cluster:
 
     # -- start and end ----------------------------------------------------------------
     def start(self) -> "Cluster":
-        from .plays import start_agents
+        from testbed.cluster.plays import start_agents
 
         used = sorted(set(self.placement.values()), key=[m.name for m in self.machines].index)
         token = secrets.token_hex(16)
@@ -683,7 +683,7 @@ def open_cluster(topo: Topology, inventory: Path, machines_flag: str | None = No
                  progress: Callable[[str], None] = lambda msg: None, lease_s: float = 15.0) -> Cluster:
     """Read the inventory, place the DCs, start and reach the agents, sample the clocks.
     The caller ends it with ``close()`` (the agents' leases end it too)."""
-    from .inventory import load_inventory, parse_machines_flag, place
+    from testbed.cluster.inventory import load_inventory, parse_machines_flag, place
 
     machines = load_inventory(inventory)
     placement = place(topo, machines, parse_machines_flag(machines_flag))
@@ -697,7 +697,7 @@ def correct_drift(records: dict, where: dict[str, str], sender_of: Callable[[str
     sample had its timestamps off by ``d`` times the fraction of that span elapsed.  A drift
     within what the two samples can tell (their uncertainties added) is noise and left
     alone.  True when something moved."""
-    from ..records import Interval, Transfer
+    from testbed.run.records import Interval, Transfer
 
     rate: dict[str, tuple[float, float]] = {}
     for m, s0 in start.items():

@@ -14,12 +14,12 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from .. import modelshape
-from .. import schedules as sch
-from ..experiment import Experiment
-from ..records import Interval, RunRecord, Transfer, WorkerRecord
-from ..spec import default_queue_bytes
-from .engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
+from testbed.spec import modelshape
+from testbed.spec import schedules as sch
+from testbed.spec.experiment import Experiment
+from testbed.run.records import Interval, RunRecord, Transfer, WorkerRecord
+from testbed.spec.topology import default_queue_bytes
+from testbed.sim.engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
 PAYLOAD_FRACTION = 1448 / (1448 + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)

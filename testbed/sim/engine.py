@@ -1,10 +1,10 @@
 """Discrete-event simulator of pipeline + data-parallel training over a WAN.
 
 How it fits: ``build.py`` turns an experiment (the same YAML ``testbed run`` takes) into
-``Worker`` programs (the op lists of ``testbed/schedules.py``, the very lists the trainer
+``Worker`` programs (the op lists of ``testbed/spec/schedules.py``, the very lists the trainer
 executes) and ``Link`` objects (bandwidth, one-way delay, per-connection TCP ceiling);
 ``Simulator.run`` plays them out; ``build.py`` returns the run's ``records.RunRecord`` and
-``testbed/metrics.py`` writes the same ``metrics.json`` and Chrome trace as the emulator.
+``testbed/run/metrics.py`` writes the same ``metrics.json`` and Chrome trace as the emulator.
 
 The network is a fluid model.  A transfer is a flow of ``size`` bytes on every link of its
 path; while flows share a link, a ``SharingPolicy`` (below) sets their rates, at
@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import schedules as sch
+from testbed.spec import schedules as sch
 
 
 @dataclass

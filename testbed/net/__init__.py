@@ -1,0 +1,5 @@
+"""The emulated WAN: DCs of hosts behind gateways joined by shaped links (``network``), the
+traffic control on a link (``shaping``), the userspace delay line where the kernel has no
+netem (``delayline``), what the kernel offers (``kernel``), and the instruments that measure a
+built network against its spec (``fidelity`` with ``owd`` and ``goodput``; ``tcpwindow`` clamps
+a connection's window).  It knows topologies (``testbed.spec``), never runs or workloads."""

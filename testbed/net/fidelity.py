@@ -1,0 +1,376 @@
+"""Measure a running network against its spec: RTT with ping, one-way delay and goodput
+with probes of its own (``owd.py``, ``goodput.py``), iperf3 for the tests' plain flows.
+
+How it fits: ``testbed fidelity`` builds a ``Network``, calls ``measure_all`` and prints
+configured against measured; every ``testbed run`` calls ``check_wan`` before training (a
+second or two) and records it in metrics.json; the tests call the single-measurement
+helpers on networks they build.  Measurements run one at a time (the machine has two
+cores) from the first host of the source DC to the first host of the destination DC, so
+each crosses exactly the WAN link under test.
+
+Per direction: the round trip (min of a ping series) against the configured round trip and,
+where the topology names a measured source (``source_rtt_ms``), against that; the one-way
+delay (``owd.py``: every namespace reads the same clock) against the direction's
+``delay_ms``; and a steady-state goodput.  Goodput leaves the flow's slow start out (12
+round trips, at least 1 s, cut from the receiver's own half-second intervals) and measures
+for at least 20 round trips, so a 262 ms link is measured as long as it needs; the flow's
+window is clamped by its receiver a little above the link's bandwidth-delay product
+(``measuring_window`` says why, ``goodput.py`` how), so it fills the link without
+overflowing its queue.  Tolerances
+(``within_tolerance``): RTT within max(0.5 ms, 2%), goodput 90-101% of the rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from testbed.net.network import HostInfo, Network, NetworkError
+from testbed.spec.topology import Direction, default_queue_bytes
+
+RTT_TOLERANCE_MS = 0.5
+RTT_TOLERANCE_FRAC = 0.02
+GOODPUT_RANGE = (0.90, 1.01)
+_PING_RTT = re.compile(r"time=([0-9.]+) ms")
+_IPERF_PORT = 5201
+_INTERVAL_S = 0.5
+
+
+def rtt_tolerance_ms(configured_ms: float) -> float:
+    return max(RTT_TOLERANCE_MS, RTT_TOLERANCE_FRAC * configured_ms)
+
+
+@dataclass
+class LinkReport:
+    """One WAN direction, configured against measured."""
+
+    src: str
+    dst: str
+    rtt_ms_configured: float
+    rtt_ms_measured: float
+    rtt_error_ms: float
+    rtt_ms_source: float | None  # the round trip the topology's source measured (AWS matrix)
+    owd_ms_configured: float
+    owd_ms_measured: float | None
+    rate_mbps_configured: float
+    goodput_mbps_measured: float
+    goodput_ratio: float
+    goodput_seconds: float  # measured for this long, after omitting slow start
+    retransmits: int
+    loss_configured: float
+    window_bytes: int | None = None  # the goodput flow's window clamp (``measuring_window``)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def within_tolerance(self) -> bool:
+        """RTT within max(0.5 ms, 2%) of the configured round trip, goodput 90-101% of the rate
+        (a lossy link's goodput is what TCP makes of the loss: not judged)."""
+        rtt_ok = abs(self.rtt_error_ms) <= rtt_tolerance_ms(self.rtt_ms_configured)
+        rate_ok = self.loss_configured > 0 or GOODPUT_RANGE[0] <= self.goodput_ratio <= GOODPUT_RANGE[1]
+        return rtt_ok and rate_ok
+
+
+def ping(src: HostInfo, dst_ip: str, count: int = 20, interval_s: float = 0.05) -> list[float]:
+    """RTTs in ms of the echo replies that came back (lost ones are absent)."""
+    out = src.node.cmd(f"ping -n -c {count} -i {interval_s} -W 2 {dst_ip}")
+    return [float(x) for x in _PING_RTT.findall(out)]
+
+
+def ping_loss(src: HostInfo, dst_ip: str, count: int = 2000, interval_s: float = 0.002) -> float:
+    """Fraction of echo requests without a reply (losses in either direction)."""
+    out = src.node.cmd(f"ping -n -q -c {count} -i {interval_s} -W 3 {dst_ip}")
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+    if not m:
+        raise NetworkError(f"ping {src.name} -> {dst_ip} printed no summary: {out.strip()[-200:]}")
+    sent, got = int(m.group(1)), int(m.group(2))
+    return 1.0 - got / sent
+
+
+def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, streams: int = 1,
+           port: int = _IPERF_PORT, omit_s: float = 0.0, congestion: str = "cubic") -> dict:
+    """One iperf3 TCP run src -> dst: ``omit_s`` left out, then at least ``seconds`` measured;
+    returns goodput (at the receiver), retransmits (while measured) and the seconds measured.
+
+    Goodput is what the receiver got in its own half-second intervals once ``omit_s`` had
+    passed: the client's end-of-test figure counts a long path's queue and in-flight data,
+    which arrive after the sender stopped, against the sender's duration (measured: 1.012 of
+    the rate on a 262 ms link, where the receiver's intervals give 0.956, the payload
+    fraction).  The omitted time is cut here, not by iperf3's ``-O``: iperf3 3.12's server
+    restarts its interval clock where omitting ends and, in about one run in three, reports
+    that interval once more as two seconds holding one second's bytes, or ends its omitted
+    period a second early (measured: 0.72 of the rate on a 67 ms link, 1.02 on a 148 ms link,
+    where the intervals themselves read 0.956)."""
+    server = net.popen(dst, ["iperf3", "-s", "-1", "-J", "-i", str(_INTERVAL_S), "-p", str(port)],
+                       stdout=subprocess.DEVNULL)
+    if omit_s:  # the cut falls on an interval's start
+        omit_s = math.ceil(omit_s / _INTERVAL_S - 1e-9) * _INTERVAL_S
+    # two intervals more: the server's clock starts a round trip or two after the client's
+    # (measured: 0.52 s on a 238 ms link), and its last interval is a partial one
+    total = omit_s + seconds + (2 * _INTERVAL_S if omit_s else 0.0)
+    try:
+        for attempt in range(20):
+            out = src.node.cmd(
+                f"iperf3 -c {dst.ip} -p {port} -t {total:.3f} -i {_INTERVAL_S} -P {streams} -J -C {congestion} "
+                "--get-server-output"
+            )
+            try:
+                data = json.loads(out[out.index("{"):])
+            except ValueError:
+                data = {"error": out.strip()[-200:]}
+            if "error" not in data:
+                break
+            if "connect" not in str(data["error"]) or attempt == 19:
+                raise NetworkError(f"iperf3 {src.name} -> {dst.name}: {data['error']}")
+            time.sleep(0.05)  # the server is not listening yet
+        end = data["end"]
+        steady = _after([i["sum"] for i in data.get("server_output_json", {}).get("intervals", [])], omit_s)
+        seconds_in = sum(i["seconds"] for i in steady)
+        goodput = (sum(i["bytes"] for i in steady) * 8 / seconds_in if seconds_in > 0
+                   else end["sum_received"]["bits_per_second"])
+        sent = _after([i["sum"] for i in data.get("intervals", [])], omit_s)
+        retransmits = (sum(i.get("retransmits", 0) for i in sent) if omit_s
+                       else end["sum_sent"].get("retransmits", 0))
+        return {
+            "goodput_mbps": goodput / 1e6,
+            "sent_mbps": end["sum_sent"]["bits_per_second"] / 1e6,
+            "retransmits": retransmits,
+            "seconds": seconds_in if seconds_in > 0 else total,
+        }
+    finally:
+        if server.poll() is None:
+            server.terminate()
+        server.wait(5)
+
+
+def measuring_window(params: Direction, rtt_ms: float) -> int:
+    """The window (bytes) ``measure_link`` clamps a direction's goodput flow to: its
+    bandwidth-delay product plus a quarter of its queue (at most a quarter BDP).
+
+    A flow whose window stays between one BDP and one BDP plus the queue keeps the link busy
+    and never overflows the queue: no loss, no recovery, no congestion-control artefact in
+    the figure.  Without the cap, cubic overshoots a one-BDP queue every few seconds and the
+    data held behind each hole reaches the receiver at once (half-second intervals read 0.65
+    and 1.26 of the rate in turn, a window of a few seconds 0.95-1.01 depending on where it
+    falls), and BBR drains the path for 200 ms plus a round trip every 10 s (ProbeRTT: 0.87
+    of the rate over a 6 s window on a 262 ms link, in about one direction in six, where
+    every other interval read 0.955).  Clamped at 1.25 BDP, every half-second interval read
+    0.952-0.957 from 1.5 s on at 148 ms, 0 retransmits (2026-12-05).  The clamp is the
+    receiver's ``TCP_WINDOW_CLAMP``, exact in bytes on every path (``goodput.py`` says why
+    socket buffers are not).  The training's own connections keep the hosts' settings."""
+    bdp = params.rate_mbps * 1e6 / 8 * rtt_ms / 1000.0
+    queue = default_queue_bytes(params, rtt_ms)
+    return max(int(bdp + min(queue, bdp) / 4), 4096)
+
+
+def steady_goodput(net: Network, src: HostInfo, dst: HostInfo, seconds: float, omit_s: float,
+                   clamp_bytes: int, port: int = 5303) -> dict:
+    """One bulk TCP flow src -> dst with its window clamped at ``clamp_bytes`` by the receiver
+    (``goodput.py``): ``omit_s`` left out, then at least ``seconds`` measured; returns the
+    goodput (Mbit/s, from the receiver's own intervals), the sender's retransmissions while
+    measured and the seconds measured, as ``iperf3`` does."""
+    total = omit_s + seconds + 2 * _INTERVAL_S  # the last interval is a partial one
+    timeout = total + 30.0
+    recv = net.popen(dst, [sys.executable, "-m", "testbed.net.goodput", "recv", str(port), str(int(clamp_bytes)),
+                           str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if recv.stdout.readline().strip() != "listening":
+            raise NetworkError(f"goodput receiver on {dst.name} did not start: {recv.stderr.read()[-200:]}")
+        out = src.node.cmd(f"{sys.executable} -m testbed.net.goodput send {dst.ip} {port} {total:.3f} 2>&1")
+        try:
+            sent = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise NetworkError(f"goodput flow {src.name} -> {dst.name}: {out.strip()[-200:]}") from None
+        stdout, stderr = recv.communicate(timeout=timeout + 5)
+        try:
+            intervals = json.loads(stdout.strip().splitlines()[-1])["intervals"]
+        except (ValueError, IndexError, KeyError):
+            raise NetworkError(f"goodput receiver on {dst.name}: {stderr.strip()[-200:]}") from None
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.communicate()
+    steady = _after([{"seconds": t, "bytes": n} for t, n in intervals[:-1]], omit_s)
+    seconds_in = sum(i["seconds"] for i in steady)
+    if seconds_in <= 0:
+        raise NetworkError(f"goodput flow {src.name} -> {dst.name}: nothing measured after {omit_s:.1f} s")
+    samples = sent["retransmits"]
+    at_omit = max((r for t, r in samples if t <= omit_s), default=0)
+    return {
+        "goodput_mbps": sum(i["bytes"] for i in steady) * 8 / seconds_in / 1e6,
+        "retransmits": samples[-1][1] - at_omit,
+        "seconds": seconds_in,
+    }
+
+
+def _after(intervals: list[dict], omit_s: float) -> list[dict]:
+    """Each interval (a dict with its ``seconds``) that began once ``omit_s`` had passed, by
+    the intervals' own lengths, added up: no interval clock of iperf3's is trusted."""
+    out, t = [], 0.0
+    for cur in intervals:
+        if t >= omit_s - 1e-3:
+            out.append(cur)
+        t += cur["seconds"]
+    return out
+
+
+def one_way_delays(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
+                   port: int = 5301) -> list[float]:
+    """One-way delays (ms) src -> dst, from the clock all namespaces share, in arrival order."""
+    return [d for d, _seq in one_way_probe(net, src, dst, count, interval_s, port)]
+
+
+def one_way_probe(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
+                  port: int = 5301) -> list[tuple[float, int]]:
+    """(one-way delay ms, sequence number) of each datagram that arrived, in arrival order:
+    the order shows whether the path reordered them."""
+    rows = _probe(net, src, dst, ["recv", str(port), str(count)],
+                  ["send", dst.ip, str(port), str(count), str(interval_s)], 2.0 + count * interval_s + 2.0)
+    return [(r[0], int(r[1])) for r in rows]
+
+
+def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
+           timeout: float) -> list[list]:
+    """Run ``testbed.net.owd``'s receiver on dst and its sender on src; the receiver's lines, split,
+    each led by its delay in ms on one timeline (``net.owd_correction_ms``: across machines the
+    sender's and the receiver's clocks differ)."""
+    recv = net.popen(dst, [sys.executable, "-m", "testbed.net.owd", *recv_args, str(timeout)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if recv.stdout.readline().strip() != "listening":
+        raise NetworkError(f"one-way delay receiver on {dst.name} did not start: {recv.stderr.read()[-200:]}")
+    src.node.cmd(" ".join([sys.executable, "-m", "testbed.net.owd", *send_args]))
+    try:
+        stdout, _ = recv.communicate(timeout=timeout + 2)
+    except subprocess.TimeoutExpired:
+        recv.kill()
+        stdout, _ = recv.communicate()
+    skew = net.owd_correction_ms(src, dst)
+    rows = [line.split() for line in stdout.splitlines() if line.strip()]
+    return [[float(r[0]) - skew, *r[1:]] for r in rows]
+
+
+def message_delays(net: Network, src: HostInfo, dst: HostInfo, size: int = 131072, count: int = 30,
+                   interval_s: float = 0.05, port: int = 5302) -> list[float]:
+    """One-way times (ms) of ``count`` TCP messages of ``size`` bytes src -> dst, each sent
+    after ``interval_s`` of idle: delay plus serialisation at the link's rate."""
+    rows = _probe(net, src, dst, ["msg-recv", str(port), str(count), str(size)],
+                  ["msg-send", dst.ip, str(port), str(count), str(size), str(interval_s)],
+                  2.0 + count * (interval_s + 0.5))
+    return [r[0] for r in rows]
+
+
+def configured_rtt_ms(net: Network, src: str, dst: str) -> float:
+    return net.topo.rtt_ms(src, dst)
+
+
+def steady_state_seconds(rtt_ms: float, seconds: float) -> tuple[float, float]:
+    """(omit, measure) for a goodput flow on a path of this round trip.  A flow clamped at
+    1.25 BDP (``measuring_window``) never overshoots the queue, so it is in steady state once
+    slow start has reached the clamp: about 8 round trips from 10 segments (measured: every
+    half-second interval 0.956 from 2.0 s on at 262 ms, 7.6 round trips).  So 12 round trips
+    (at least 1 s) are left out, then at least 20 measured.  (An unclamped cubic flow
+    overshoots a one-BDP queue in slow start and recovers for up to ~30 round trips.)"""
+    rtt = rtt_ms / 1000.0
+    return max(1.0, 12 * rtt), max(seconds, 20 * rtt)
+
+
+def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: int = 20,
+                 rtt_ms: float | None = None) -> LinkReport:
+    a, b = net.host(src), net.host(dst)
+    params = net.link(src, dst).params
+    if rtt_ms is None:
+        rtts = ping(a, b.ip, count=pings)
+        if not rtts:
+            raise NetworkError(f"{src} -> {dst}: no ping reply")
+        rtt_ms = min(rtts)
+    conf = configured_rtt_ms(net, src, dst)
+    owds = one_way_delays(net, a, b, count=20, interval_s=0.01)
+    omit, measure = steady_state_seconds(conf, seconds)
+    window = measuring_window(params, conf)
+    perf = steady_goodput(net, a, b, seconds=measure, omit_s=omit, clamp_bytes=window)
+    return LinkReport(
+        src=src,
+        dst=dst,
+        rtt_ms_configured=round(conf, 3),
+        rtt_ms_measured=round(rtt_ms, 3),
+        rtt_error_ms=round(rtt_ms - conf, 3),
+        rtt_ms_source=net.topo.source_rtt_ms(src, dst),
+        owd_ms_configured=round(net.topo.one_way_delay_ms(src, dst), 3),
+        owd_ms_measured=round(min(owds), 3) if owds else None,
+        rate_mbps_configured=params.rate_mbps,
+        goodput_mbps_measured=round(perf["goodput_mbps"], 2),
+        goodput_ratio=round(perf["goodput_mbps"] / params.rate_mbps, 4),
+        goodput_seconds=round(perf["seconds"], 2),
+        retransmits=perf["retransmits"],
+        loss_configured=params.loss,
+        window_bytes=window,
+    )
+
+
+def measure_all(net: Network, seconds: float = 3.0, pings: int = 20,
+                progress: Callable[[str], None] | None = None) -> list[LinkReport]:
+    """Every WAN direction: min RTT of its link (one ping series per link), one-way delay and
+    steady-state goodput."""
+    reports = []
+    rtt_of_pair: dict[frozenset, float] = {}
+    for wd in net.links():
+        if progress:
+            progress(f"{wd.src} -> {wd.dst}")
+        pair = frozenset((wd.src, wd.dst))
+        if pair not in rtt_of_pair:
+            rtts = ping(net.host(wd.src), net.host(wd.dst).ip, count=pings)
+            if not rtts:
+                raise NetworkError(f"{wd.src} -> {wd.dst}: no ping reply")
+            rtt_of_pair[pair] = min(rtts)
+        reports.append(measure_link(net, wd.src, wd.dst, seconds=seconds, rtt_ms=rtt_of_pair[pair]))
+    return reports
+
+
+@dataclass
+class DirectionCheck:
+    """The quick check of one WAN direction that every run makes before training."""
+
+    src: str
+    dst: str
+    rtt_ms_configured: float
+    rtt_ms_measured: float | None
+    owd_ms_configured: float
+    owd_ms_measured: float | None
+    rtt_ms_source: float | None
+    ok: bool
+    problem: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_wan(net: Network, pings: int = 5) -> list[DirectionCheck]:
+    """Per WAN direction: a short ping series from the source DC (min RTT) and a one-way probe
+    (min of 10), against the configuration.  A direction outside max(0.5 ms, 2%) on the round
+    trip, or without replies, is not ``ok``; the caller warns.  About 0.2 s + 2 RTT a direction."""
+    out = []
+    for wd in net.links():
+        a, b = net.host(wd.src), net.host(wd.dst)
+        conf = configured_rtt_ms(net, wd.src, wd.dst)
+        owd_conf = net.topo.one_way_delay_ms(wd.src, wd.dst)
+        rtts = ping(a, b.ip, count=pings, interval_s=0.01)
+        owds = one_way_delays(net, a, b, count=10, interval_s=0.005)
+        rtt = min(rtts) if rtts else None
+        owd = min(owds) if owds else None
+        problems = []
+        if rtt is None:
+            problems.append("no ping reply")
+        elif abs(rtt - conf) > rtt_tolerance_ms(conf):
+            problems.append(f"RTT {rtt:.2f} ms against {conf:.2f} configured")
+        if owd is not None and abs(owd - owd_conf) > rtt_tolerance_ms(owd_conf):
+            problems.append(f"one-way {owd:.2f} ms against {owd_conf:.2f} configured")
+        out.append(DirectionCheck(wd.src, wd.dst, round(conf, 3), None if rtt is None else round(rtt, 3),
+                                  round(owd_conf, 3), None if owd is None else round(owd, 3),
+                                  net.topo.source_rtt_ms(wd.src, wd.dst), not problems, "; ".join(problems)))
+    return out

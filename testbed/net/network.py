@@ -1,0 +1,825 @@
+"""The emulated network: DCs of hosts behind gateway routers, joined by shaped WAN links.
+
+How it fits: hosts and routers are Mininet nodes (unnamed network namespaces, one bash
+each), each DC's hosts hang off a Linux bridge (``LinuxBridge``, no controller), and each
+DC has one gateway router.  WAN links are veth pairs between gateways with static routes
+(shortest delay), so traffic between two DCs crosses exactly their link.  Each direction of
+a WAN link is shaped at the sending gateway:
+
+* delay and jitter: netem (``kernel.py`` finds it) or, without netem, the userspace TUN
+  delay line (``delayline.py``) that policy routing puts in the path;
+* rate and queue: HTB with a byte-limited leaf, through pyroute2 (``shaping.py``);
+* loss: netem, or an iptables ``statistic`` rule in the gateway, or the delay line.
+
+``Network`` builds all of it, records every piece in the ``Registry`` as it appears, and
+removes it on ``stop()`` (also on Ctrl-C through the context manager; after SIGKILL,
+``testbed clean`` does it from the registry).  ``WanDirection`` is the handle callers use
+at run time: change parameters in place (all or nothing: a step the kernel or the delay line
+refuses rolls back the steps before it), sample counters, define traffic classes.
+Faults: ``set_link_up`` cuts a WAN link (both ends down, as a cut fibre) and restores it
+with its routes, ``link_state`` says whether a direction is up, and ``check`` raises when a
+delay line has died (its links would otherwise carry traffic without their delay, silently:
+policy routing falls through to the direct route).
+
+Addresses: DC ``i`` (1-based, in file order) is ``10.i.0.0/24``; host ``j`` is ``10.i.0.j``;
+the gateway is ``10.i.0.254``; WAN link ``n`` uses ``10.255.x.y/30``.  These exist only inside
+the testbed's namespaces; no route leads out of them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import ValidationError
+
+from testbed.net.kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
+from testbed.run.procs import DatagramClient, stop_all
+from testbed.registry import PREFIX, Registry
+from testbed.net.shaping import Counters, EgressShaper, NetemParams
+from testbed.spec.topology import Direction, Topology, default_queue_bytes, validation_error
+
+DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)
+_TCP_MEM = "4096 131072 67108864"
+_DELAYLINE_START_TIMEOUT_S = 20.0
+
+
+class NetworkError(RuntimeError):
+    """The network could not be built or driven; the message is one line."""
+
+
+def _import_mininet():
+    mininet_on_path()
+    from mininet.log import setLogLevel
+    from mininet.net import Mininet
+    from mininet.node import Host
+    from mininet.nodelib import LinuxBridge
+
+    setLogLevel("error")
+    return Mininet, Host, LinuxBridge
+
+
+@dataclass
+class Tunnel:
+    """The VXLAN that carries one WAN link between two machines, seen from one end."""
+
+    local_ip: str  # this machine's underlay address
+    remote_ip: str  # the other machine's
+    vni: int  # the same at both ends: one per WAN link
+    mtu: int = 1450  # the underlay's MTU less 50 (outer IPv4, UDP, VXLAN, inner Ethernet)
+    port: int = 4789
+
+
+@dataclass
+class HostInfo:
+    dc: str
+    index: int  # 0-based within its DC
+    name: str
+    ip: str
+    node: Any  # mininet.node.Host
+
+
+class HostIndex:
+    """The hosts of a network by DC (``_hosts``): what ``Network`` and, across machines,
+    ``cluster.remote.ClusterNetwork`` answer alike."""
+
+    _hosts: dict[str, list[HostInfo]]
+
+    def hosts(self, dc: str | None = None) -> list[HostInfo]:
+        if dc is not None:
+            return self._hosts[dc]
+        return [h for dc_hosts in self._hosts.values() for h in dc_hosts]
+
+    def host(self, dc: str, index: int = 0) -> HostInfo:
+        try:
+            return self._hosts[dc][index]
+        except (KeyError, IndexError):
+            raise NetworkError(f"no host {index} in DC {dc!r}") from None
+
+    def owd_correction_ms(self, src: HostInfo, dst: HostInfo) -> float:
+        """What a one-way probe src -> dst reads too much by: on one machine nothing (every
+        namespace reads the same clock)."""
+        return 0.0
+
+
+class _DelayLineClient:
+    """Talks to one delay-line process over its Unix datagram socket."""
+
+    def __init__(self, control_path: Path, client_path: Path):
+        self._client = DatagramClient(client_path, timeout=2.0)
+        self._control = str(control_path)
+
+    @property
+    def control_path(self) -> str:
+        return self._control
+
+    def request(self, msg: dict) -> dict:
+        try:
+            return self._client.request(self._control, msg)
+        except RuntimeError as exc:
+            raise NetworkError(f"delay line {self._control}: {exc}") from None
+        except OSError as exc:  # gone (no socket), or no answer within the timeout
+            raise NetworkError(f"delay line {self._control} does not answer: {exc.strerror or exc}") from None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+@dataclass
+class WanDirection:
+    """One shaped direction of a WAN link: ``src`` DC -> ``dst`` DC."""
+
+    src: str
+    dst: str
+    params: Direction
+    ifname: str
+    router: Any
+    shaper: EgressShaper
+    backends: Backends
+    lane: str | None = None
+    delay_client: _DelayLineClient | None = None
+    _loss_chain: str | None = None
+    _loss_installed: bool = field(default=False, repr=False)
+
+    def set(self, **changes: float) -> Direction:
+        """Change delay_ms, jitter_ms, loss, rate_mbps or queue_bytes in place, now.
+
+        All or nothing: the change is applied step by step (rate, the delay line's rate,
+        queue, delay, loss), and when a step fails the steps before it are undone, so
+        ``params`` stays what the kernel and the delay line have.  A step that cannot be
+        undone either is named in the error, and ``params`` then holds its new value."""
+        merged = self.params.model_dump() | changes
+        try:
+            new = Direction(**merged)
+        except ValidationError as exc:
+            raise NetworkError(str(validation_error(exc, f"{self.src}->{self.dst}"))) from None
+        old = self.params
+        done: list[tuple[str, tuple[str, ...], Callable[[], None]]] = []
+        for name, fields, apply, undo in self._steps(old, new):
+            try:
+                apply()
+            except Exception as exc:
+                stuck = []
+                for done_name, done_fields, done_undo in reversed(done):
+                    try:
+                        done_undo()
+                    except Exception:
+                        stuck.append((done_name, done_fields))
+                why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                if not stuck:
+                    raise NetworkError(f"{self.src}->{self.dst}: setting {name} failed ({why}); nothing was "
+                                       f"changed") from None
+                kept = {f: getattr(new, f) for _, fs in stuck for f in fs}
+                self.params = Direction(**(old.model_dump() | kept))
+                raise NetworkError(f"{self.src}->{self.dst}: setting {name} failed ({why}), and "
+                                   f"{', '.join(n for n, _ in stuck)} could not be undone: now {kept}") from None
+            done.append((name, fields, undo))
+        self.params = new
+        return new
+
+    def _steps(self, old: Direction, new: Direction) -> list[tuple[str, tuple[str, ...], Callable[[], None],
+                                                                    Callable[[], None]]]:
+        """(what, fields, apply, undo) for every part of the change, in the order applied."""
+        steps = []
+        sh = self.shaper
+        if new.rate_mbps != old.rate_mbps:
+            steps.append(("rate", ("rate_mbps",), lambda: sh.set_rate(new.rate_mbps), lambda: sh.set_rate(old.rate_mbps)))
+            if self.delay_client is not None:  # the line knows its link's rate (Atlas's scheduler paces to it)
+                def line_rate(rate: float) -> None:
+                    self.delay_client.request({"lane": self.lane, "rate_mbps": rate})
+                steps.append(("the delay line's rate", (), lambda: line_rate(new.rate_mbps),
+                              lambda: line_rate(old.rate_mbps)))
+        if new.queue_bytes != old.queue_bytes and new.queue_bytes is not None:
+            prev_queue = sh.queue_bytes
+            steps.append(("queue", ("queue_bytes",), lambda: sh.set_queue(new.queue_bytes),
+                          lambda: sh.set_queue(prev_queue)))
+            if self.delay_client is not None:
+                def line_queue(queue: int) -> None:
+                    self.delay_client.request({"lane": self.lane, "link_queue_bytes": queue})
+                steps.append(("the delay line's queue", (), lambda: line_queue(new.queue_bytes),
+                              lambda: line_queue(prev_queue)))
+        delay_changed = (new.delay_ms, new.jitter_ms) != (old.delay_ms, old.jitter_ms)
+        if self.backends.delay == "netem":
+            if delay_changed or new.loss != old.loss:
+                prev_netem = sh.netem
+                steps.append(("delay and loss (netem)", ("delay_ms", "jitter_ms", "loss"),
+                              lambda: sh.set_netem(NetemParams(new.delay_ms, new.jitter_ms, new.loss)),
+                              lambda: sh.set_netem(prev_netem)))
+        elif delay_changed and self.delay_client is not None:
+            def delay(p: Direction) -> None:
+                self.delay_client.request({"lane": self.lane, "delay_ms": p.delay_ms, "jitter_ms": p.jitter_ms})
+            steps.append(("delay", ("delay_ms", "jitter_ms"), lambda: delay(new), lambda: delay(old)))
+        if new.loss != old.loss:
+            if self.backends.loss == "delayline":
+                def loss(value: float) -> None:
+                    self.delay_client.request({"lane": self.lane, "loss": value})
+                steps.append(("loss", ("loss",), lambda: loss(new.loss), lambda: loss(old.loss)))
+            elif self.backends.loss == "iptables":
+                steps.append(("loss", ("loss",), lambda: self._set_iptables_loss(new.loss),
+                              lambda: self._set_iptables_loss(old.loss)))
+        return steps
+
+    def _set_iptables_loss(self, loss: float) -> None:
+        chain = self._loss_chain
+        cmds = []
+        if not self._loss_installed:  # idempotent: a failed attempt may be repeated
+            cmds.append(f"(iptables -w -N {chain} 2>/dev/null || true) && "
+                        f"(iptables -w -C FORWARD -o {self.ifname} -j {chain} 2>/dev/null || "
+                        f"iptables -w -A FORWARD -o {self.ifname} -j {chain})")
+        cmds.append(f"iptables -w -F {chain}")
+        if loss > 0:
+            cmds.append(
+                f"iptables -w -A {chain} -m statistic --mode random --probability {loss:.6f} -j DROP"
+            )
+        out = self.router.cmd(" && ".join(cmds) + " && echo gtb-ok")
+        if "gtb-ok" not in out:
+            raise NetworkError(f"{self.src}->{self.dst}: setting loss failed: {out.strip().splitlines()[-1:]}")
+        self._loss_installed = True
+
+    def counters(self) -> Counters:
+        """Bytes and packets sent on the link so far, drops, backlog, per traffic class."""
+        return self.shaper.counters()
+
+    def add_class(self, name: str, matches: list[tuple[str | None, str | None]], share: float = 0.0) -> None:
+        """Classify packets by (src, dst) host address into a class with a guaranteed share."""
+        self.shaper.add_class(name, matches, share)
+
+    def set_shares(self, shares: dict[str, float]) -> None:
+        self.shaper.set_shares(shares)
+
+    def delay_line_stats(self, turns_since: int | None = None) -> dict | None:
+        if self.delay_client is None:
+            return None
+        msg = {"cmd": "stats", "lane": self.lane}
+        if turns_since is not None:
+            msg["turns_since"] = turns_since
+        return self.delay_client.request(msg)["lanes"][self.lane]
+
+    # -- temporal sharing: the strict-priority scheduler inside the delay line --------------
+    def schedule_classes(self, classes: dict[str, list[tuple[str | None, str | None]]],
+                         queue_bytes: int | None = None) -> None:
+        """Put per-class (per-pipeline) queues served owner-first in front of this link.
+        ``classes``: name -> (src, dst) address pairs (None = any).  See ``delayline.py``."""
+        self._sched({"classes": {n: [list(m) for m in ms] for n, ms in classes.items()},
+                     "rate_mbps": self.params.rate_mbps, "queue_bytes": queue_bytes})  # None: the line sizes it
+
+    def set_order(self, order: list[str]) -> None:
+        """Strict priority: the first class with data owns the link."""
+        self._sched({"order": list(order), "turns": None})
+
+    def set_turns(self, t0: float, period_s: float, slots: list[tuple[str, float, float]]) -> None:
+        """The owner from the clock: ``slots`` (class, start, end) repeat every ``period_s``
+        from ``t0`` (CLOCK_MONOTONIC, which every namespace shares)."""
+        self._sched({"turns": {"t0": t0, "period_s": period_s, "slots": [list(x) for x in slots]}})
+
+    @property
+    def control_path(self) -> str | None:
+        """The delay line's control socket (agents talk to it directly), if it is in the path."""
+        return self.delay_client.control_path if self.delay_client is not None else None
+
+    def clear_schedule(self) -> None:
+        """Back to one FIFO: fair sharing by TCP.  Nothing queued is lost."""
+        if self.delay_client is not None:
+            self._sched({"classes": None})
+
+    def _sched(self, msg: dict) -> None:
+        if self.delay_client is None:
+            raise NetworkError(f"{self.src}->{self.dst}: temporal sharing needs the delay line in the path "
+                               "(Network(..., scheduling=True) puts it there on a netem kernel)")
+        self.delay_client.request({"lane": self.lane, **msg})
+
+
+class Network(HostIndex):
+    """Build, run and tear down one topology.  Use as a context manager."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        delay_backend: str = "auto",
+        loss_backend: str = "auto",
+        compensation_ms: float = DEFAULT_COMPENSATION_MS,
+        realtime: bool = True,
+        caps: Capabilities | None = None,
+        progress: Callable[[str], None] | None = None,
+        scheduling: bool = False,
+        dcs: list[str] | None = None,
+        tunnels: dict[tuple[str, str], "Tunnel"] | None = None,
+        mtu: int | None = None,
+    ):
+        """``dcs``: the DCs built here (default all: one machine); a WAN link with one end
+        elsewhere must have a ``tunnels[(local, remote)]``.  ``mtu``: every emulated
+        interface's MTU (across machines: the underlay's less the VXLAN header)."""
+        self.topo = topo
+        names = [dc.name for dc in topo.dcs]
+        self.local = [d for d in names if dcs is None or d in dcs]
+        self.tunnels = dict(tunnels or {})
+        for link in topo.wan:
+            for a, b in ((link.a, link.b), (link.b, link.a)):
+                if a in self.local and b not in self.local and (a, b) not in self.tunnels:
+                    raise NetworkError(f"WAN link {a} - {b}: {b} is on another machine and no tunnel leads there")
+        self.mtu = mtu
+        self.caps = caps or probe()
+        require_runtime(self.caps)
+        self.backends = choose_backends(self.caps, delay_backend, loss_backend)
+        self.compensation_ms = compensation_ms
+        self.realtime = realtime
+        # the delay line is in every WAN path when it emulates delay (no netem), or when asked
+        # for its per-pipeline scheduler (temporal sharing) on a kernel that delays with netem
+        self._lanes = self.backends.delay == "tun" or scheduling
+        self.registry = Registry()
+        self._progress = progress or (lambda msg: None)
+        self._net = None
+        self._hosts: dict[str, list[HostInfo]] = {}
+        self._routers: dict[str, Any] = {}
+        self._iprs: dict[str, Any] = {}
+        self._links: dict[tuple[str, str], WanDirection] = {}
+        self._delay_procs: dict[str, subprocess.Popen] = {}
+        self._clients: list[_DelayLineClient] = []
+        self._popened: list[subprocess.Popen] = []
+        self._index = {dc.name: i + 1 for i, dc in enumerate(topo.dcs)}  # global: every machine agrees
+        self._wan_addr: dict[tuple[str, str], str] = {}
+        self._tunnel_addr: dict[tuple[str, str], str] = {}  # (local, remote): the local end's address
+        self.started = False
+        self.startup_s = 0.0
+        self._owner_pid: int | None = None
+
+    # -- names and addresses ----------------------------------------------------------
+    def _node_name(self, dc: str, kind: str, j: int | None = None) -> str:
+        return f"{PREFIX}{self._index[dc]}{kind}{'' if j is None else j}"
+
+    def _wan_ifname(self, src: str, dst: str) -> str:
+        return f"{PREFIX}{self._index[src]}r-w{self._index[dst]}"
+
+    def _lane_name(self, src: str, dst: str) -> str:
+        return f"{PREFIX}{self._index[src]}t{self._index[dst]}"
+
+    def subnet(self, dc: str) -> str:
+        return f"10.{self._index[dc]}.0.0/24"
+
+    def gateway_ip(self, dc: str) -> str:
+        return f"10.{self._index[dc]}.0.254"
+
+    # -- public queries -------------------------------------------------------------
+    def router(self, dc: str) -> Any:
+        return self._routers[dc]
+
+    def link(self, src: str, dst: str) -> WanDirection:
+        try:
+            return self._links[(src, dst)]
+        except KeyError:
+            raise NetworkError(f"no WAN link {src} -> {dst}") from None
+
+    def links(self) -> list[WanDirection]:
+        return list(self._links.values())
+
+    def delay_line_pids(self) -> dict[str, int]:
+        """The delay-line process of each DC gateway that has one (its CPU can be measured)."""
+        return {dc: p.pid for dc, p in self._delay_procs.items()}
+
+    # -- faults -----------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise NetworkError naming the links when a delay line has died: without it policy
+        routing falls through to the direct route, and its links would carry traffic
+        without their delay (and without Atlas's scheduler), silently."""
+        for dc, proc in self._delay_procs.items():
+            code = proc.poll()
+            if code is None:
+                continue
+            links = [f"{dc} -> {nb}" for nb in self._neighbours(dc)]
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise NetworkError(f"WAN link{'s' if len(links) > 1 else ''} {', '.join(links)}: the delay line in "
+                               f"{dc}'s gateway died ({how}); the link{'s' if len(links) > 1 else ''} would carry "
+                               f"traffic without {'their' if len(links) > 1 else 'its'} delay")
+
+    def _ip(self, dc: str, *args: str) -> subprocess.CompletedProcess:
+        """``ip ARGS`` inside DC ``dc``'s gateway (safe from any thread: its own process)."""
+        return subprocess.run(["nsenter", "-t", str(self._routers[dc].pid), "-n", "ip", *args],
+                              capture_output=True, text=True, timeout=10)
+
+    def link_state(self, src: str, dst: str) -> str:
+        """"up", "down" (the interface, or its peer, is down) or "delay line dead" for the
+        WAN direction src -> dst."""
+        self.link(src, dst)
+        proc = self._delay_procs.get(src)
+        if proc is not None and proc.poll() is not None:
+            return "delay line dead"
+        out = self._ip(src, "-j", "link", "show", "dev", self._wan_ifname(src, dst))
+        try:
+            flags = json.loads(out.stdout)[0]["flags"]
+        except (ValueError, IndexError, KeyError):
+            return "down"
+        return "up" if "UP" in flags and "LOWER_UP" in flags else "down"
+
+    def set_link_up(self, a: str, b: str, up: bool) -> None:
+        """Take the WAN link between ``a`` and ``b`` down, both directions (both gateways'
+        interfaces: a cut fibre), or bring it back.  Going down, the kernel drops every route
+        through the link; coming back, they are put back, so traffic flows again (TCP
+        resumes at its next retransmission)."""
+        self.link(a, b)
+        for src, dst in ((a, b), (b, a)):
+            res = self._ip(src, "link", "set", "dev", self._wan_ifname(src, dst), "up" if up else "down")
+            if res.returncode:
+                raise NetworkError(f"WAN link {src} -> {dst}: cannot set it {'up' if up else 'down'}: "
+                                   f"{res.stderr.strip() or res.returncode}")
+        if up:
+            deadline = time.monotonic() + 5.0
+            while any(self.link_state(x, y) == "down" for x, y in ((a, b), (b, a))) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the carrier follows both ends up
+            for dc in (a, b):
+                self._restore_routes(dc)
+
+    def _restore_routes(self, dc: str) -> None:
+        hops = self.topo.next_hops(dc)
+        for other in self.topo.dcs:
+            if other.name == dc:
+                continue
+            via = self._wan_addr[(dc, hops[other.name])]
+            res = self._ip(dc, "route", "replace", self.subnet(other.name), "via", via)
+            if res.returncode:
+                raise NetworkError(f"{dc}: cannot restore the route to {other.name} via {via}: {res.stderr.strip()}")
+
+    def popen(self, host: HostInfo | Any, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """Start a process inside a host; it is recorded and ended by stop()/clean."""
+        node = host.node if isinstance(host, HostInfo) else host
+        proc = node.popen(cmd, **kwargs)
+        self.registry.process(proc.pid, f"popen:{node.name}", own_netns=False)
+        self._popened.append(proc)
+        return proc
+
+    def tcp_counters(self) -> dict[str, dict[str, int]]:
+        """Each host's TCP counters (its namespace's own ``/proc/net/snmp`` and ``netstat``):
+        segments sent and retransmitted, retransmission timeouts, tail-loss probes and fast
+        retransmits.  What a run's transfers cost in loss recovery, which no simulator models."""
+        out = {}
+        for h in self.hosts():
+            res = subprocess.run(["nsenter", "-t", str(h.node.pid), "-n", "cat", "/proc/net/snmp",
+                                  "/proc/net/netstat"], capture_output=True, text=True, timeout=10)
+            if res.returncode == 0:
+                out[h.name] = _tcp_counters(res.stdout)
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------
+    def __enter__(self) -> "Network":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "Network":
+        t0 = time.monotonic()
+        self._owner_pid = os.getpid()
+        self.registry.acquire()
+        try:
+            self._build()
+        except BaseException:
+            self.stop()
+            raise
+        self.started = True
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _build(self) -> None:
+        Mininet, Host, LinuxBridge = _import_mininet()
+        topo = self.topo
+        self._progress("creating hosts")
+        net = Mininet(
+            topo=None, switch=LinuxBridge, controller=None, build=False,
+            autoSetMacs=False, autoStaticArp=False, waitConnected=False,
+        )
+        self._net = net
+        for dc in topo.dcs:
+            if dc.name not in self.local:
+                continue
+            i = self._index[dc.name]
+            sw_name = self._node_name(dc.name, "s")
+            self.registry.link(sw_name)
+            net.addSwitch(sw_name, dpid=f"{i:016x}")
+            router = net.addHost(self._node_name(dc.name, "r"), ip=f"10.{i}.0.254/24")
+            self.registry.process(router.pid, f"router:{dc.name}")
+            self._routers[dc.name] = router
+            self._hosts[dc.name] = []
+            for j in range(1, dc.hosts + 1):
+                name = self._node_name(dc.name, "h", j)
+                node = net.addHost(name, ip=f"10.{i}.0.{j}/24")
+                self.registry.process(node.pid, f"host:{dc.name}")
+                self._hosts[dc.name].append(HostInfo(dc.name, j - 1, name, f"10.{i}.0.{j}", node))
+        self._progress("creating links")
+        for dc in topo.dcs:
+            if dc.name not in self.local:
+                continue
+            sw = net[self._node_name(dc.name, "s")]
+            net.addLink(self._routers[dc.name], sw)
+            for h in self._hosts[dc.name]:
+                net.addLink(h.node, sw)
+        for n, link in enumerate(topo.wan):
+            base = ipaddress.ip_address("10.255.0.0") + 4 * n
+            a_ip, b_ip = f"{base + 1}", f"{base + 2}"
+            here = [d for d in (link.a, link.b) if d in self.local]
+            if link.a in here:
+                self._wan_addr[(link.a, link.b)] = b_ip  # next-hop address seen from a
+            if link.b in here:
+                self._wan_addr[(link.b, link.a)] = a_ip
+            if len(here) < 2:  # one end elsewhere: a VXLAN, made once the gateway exists
+                if here:
+                    self._tunnel_addr[(here[0], link.b if here[0] == link.a else link.a)] = \
+                        a_ip if here[0] == link.a else b_ip
+                continue
+            net.addLink(
+                self._routers[link.a], self._routers[link.b],
+                intfName1=self._wan_ifname(link.a, link.b), intfName2=self._wan_ifname(link.b, link.a),
+                params1={"ip": f"{a_ip}/30"}, params2={"ip": f"{b_ip}/30"},
+            )
+        net.build()
+        net.start()
+        self._quiet_root_side()
+        self._progress("configuring hosts")
+        self._configure_hosts()
+        self._progress("configuring gateways")
+        self._configure_routers()
+        self._progress("shaping WAN links")
+        self._shape_links()
+
+    def _quiet_root_side(self) -> None:
+        """Our interfaces in the root namespace carry no IP: switch off IPv6 there too."""
+        for name in os.listdir("/sys/class/net"):
+            if name.startswith(PREFIX):
+                try:
+                    with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as fh:
+                        fh.write("1")
+                except OSError:
+                    pass
+
+    def _configure_hosts(self) -> None:
+        cmds = []
+        for dc in self.topo.dcs:
+            if dc.name not in self.local:
+                continue
+            gw = self.gateway_ip(dc.name)
+            rate = self.topo.intra_dc.rate_mbps
+            for h in self._hosts[dc.name]:
+                cmd = (
+                    "sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 "
+                    "net.ipv4.tcp_congestion_control=cubic net.ipv4.tcp_no_metrics_save=1 "
+                    f"'net.ipv4.tcp_rmem={_TCP_MEM}' 'net.ipv4.tcp_wmem={_TCP_MEM}'; "
+                    f"ip route add default via {gw}"
+                )
+                if self.mtu:
+                    cmd += f"; ip link set dev {h.name}-eth0 mtu {self.mtu}"
+                if rate > 0:
+                    burst = max(32000, int(rate * 1e6 / 8 * 0.002))
+                    cmd += f"; tc qdisc add dev {h.name}-eth0 root tbf rate {rate}mbit burst {burst} latency 20ms"
+                cmds.append((h.node, cmd))
+        for node, cmd in cmds:  # in parallel: every shell works at once
+            node.sendCmd(cmd)
+        for node, _ in cmds:
+            node.waitOutput()
+
+    def _configure_routers(self) -> None:
+        from pyroute2 import IPRoute
+
+        for dc, router in self._routers.items():
+            router.sendCmd(
+                "sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0 "
+                "net.ipv4.conf.default.rp_filter=0 net.ipv6.conf.all.disable_ipv6=1 "
+                "net.ipv6.conf.default.disable_ipv6=1 net.ipv4.conf.all.send_redirects=0 "
+                "net.ipv4.conf.default.send_redirects=0; "
+                "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done"
+            )
+        for router in self._routers.values():
+            router.waitOutput()
+        for dc, router in self._routers.items():
+            self._iprs[dc] = IPRoute(netns=f"/proc/{router.pid}/ns/net", flags=0)
+        self._make_tunnels()
+        if self.mtu:
+            for dc, ipr in self._iprs.items():
+                for link in ipr.get_links():
+                    if link.get_attr("IFLA_IFNAME") != "lo":
+                        ipr.link("set", index=link["index"], mtu=self.mtu)
+        if self._lanes:
+            self._start_delay_lines()
+        for dc in self._routers:
+            self._install_routes(dc)
+
+    def _make_tunnels(self) -> None:
+        """Each WAN link to a DC on another machine: a unicast VXLAN made in this machine's
+        own namespace on its underlay (its UDP socket stays there), then moved into the
+        gateway's namespace and named as the veth would have been: shaping, delay and loss
+        stay at the sending gateway, as on one machine."""
+        if not self.tunnels:
+            return
+        from pyroute2 import IPRoute
+
+        with IPRoute() as ipr:
+            for (dc, other), t in self.tunnels.items():
+                if dc not in self.local:
+                    continue
+                found = ipr.get_addr(address=t.local_ip)
+                if not found:
+                    raise NetworkError(f"underlay address {t.local_ip} is on no interface of this machine")
+                tmp = f"{PREFIX}{self._index[dc]}v{self._index[other]}"
+                self.registry.link(tmp)
+                ipr.link("add", ifname=tmp, kind="vxlan", vxlan_id=t.vni, vxlan_group=t.remote_ip,
+                         vxlan_local=t.local_ip, vxlan_link=found[0]["index"], vxlan_port=t.port,
+                         vxlan_learning=0)
+                idx = ipr.link_lookup(ifname=tmp)[0]
+                ipr.link("set", index=idx, net_ns_fd=f"/proc/{self._routers[dc].pid}/ns/net")
+                rip = self._iprs[dc]
+                idx = rip.link_lookup(ifname=tmp)[0]
+                rip.link("set", index=idx, ifname=self._wan_ifname(dc, other), mtu=t.mtu)
+                rip.addr("add", index=idx, address=self._tunnel_addr[(dc, other)], prefixlen=30)
+                rip.link("set", index=idx, state="up")
+
+    def _neighbours(self, dc: str) -> list[str]:
+        return [d for (s, d) in self._wan_addr if s == dc]
+
+    def _start_delay_lines(self) -> None:
+        state = self.registry.dir
+        for dc, router in self._routers.items():
+            lanes = []
+            for nb in self._neighbours(dc):
+                p = self.topo.direction(dc, nb)
+                delays = self.backends.delay == "tun"  # else netem delays and the line only schedules
+                lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms if delays else 0.0,
+                              "jitter_ms": p.jitter_ms if delays else 0.0,
+                              "loss": p.loss if self.backends.loss == "delayline" else 0.0,
+                              "rate_mbps": p.rate_mbps,
+                              "link_queue_bytes": default_queue_bytes(p, self.topo.rtt_ms(dc, nb))})
+            if not lanes:
+                continue
+            cfg = {
+                "lanes": lanes,
+                "control_path": str(state / f"{router.name}.sock"),
+                "compensation_ms": self.compensation_ms,
+                "seed": self._index[dc],
+                "realtime": self.realtime,
+            }
+            cfg_path = state / f"{router.name}.json"
+            cfg_path.write_text(json.dumps(cfg))
+            self.registry.file(cfg_path)
+            self.registry.file(cfg["control_path"])
+            proc = router.popen(
+                [sys.executable, "-m", "testbed.net.delayline", str(cfg_path)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
+            )
+            self.registry.process(proc.pid, f"delayline:{dc}", own_netns=False)
+            self._delay_procs[dc] = proc
+        deadline = time.monotonic() + _DELAYLINE_START_TIMEOUT_S
+        for dc, proc in self._delay_procs.items():
+            line = _readline_until(proc, deadline)
+            if line.strip() != "ready":
+                err = (proc.stderr.read() if proc.poll() is not None else "") or line or "no answer"
+                raise NetworkError(f"delay line in {dc} failed to start: {err.strip().splitlines()[-1]}")
+
+    def _install_routes(self, dc: str) -> None:
+        ipr = self._iprs[dc]
+        hops = self.topo.next_hops(dc)
+        tun = self._lanes
+        if tun:
+            for n, nb in enumerate(self._neighbours(dc)):
+                lane = self._lane_name(dc, nb)
+                idx = ipr.link_lookup(ifname=lane)[0]
+                ipr.link("set", index=idx, state="up", txqlen=10000)
+                table = 1000 + n
+                ipr.route("add", dst="0.0.0.0/0", oif=idx, table=table)
+                ipr.rule("add", iifname=lane, table=254, priority=100)
+        for other in self.topo.dcs:
+            if other.name == dc:
+                continue
+            nh = hops[other.name]
+            ipr.route("add", dst=self.subnet(other.name), gateway=self._wan_addr[(dc, nh)])
+            if tun:
+                table = 1000 + self._neighbours(dc).index(nh)
+                net, plen = self.subnet(other.name).split("/")
+                ipr.rule("add", dst=net, dst_len=int(plen), table=table, priority=200)
+
+    def _shape_links(self) -> None:
+        for src, dst, params in self.topo.directions():
+            if src not in self.local:
+                continue
+            rtt = params.delay_ms + self.topo.direction(dst, src).delay_ms
+            queue = default_queue_bytes(params, rtt)
+            netem = (
+                NetemParams(params.delay_ms, params.jitter_ms, params.loss) if self.backends.delay == "netem" else None
+            )
+            shaper = EgressShaper(self._iprs[src], self._wan_ifname(src, dst), params.rate_mbps, queue, netem)
+            shaper.install()
+            wd = WanDirection(
+                src, dst, params, self._wan_ifname(src, dst), self._routers[src], shaper, self.backends,
+                _loss_chain=f"GTB-LOSS-{self._index[dst]}",
+            )
+            if self._lanes:
+                wd.lane = self._lane_name(src, dst)
+            if params.loss > 0 and self.backends.loss == "iptables":
+                wd._set_iptables_loss(params.loss)
+            self._links[(src, dst)] = wd
+        if self._lanes:
+            for dc in self._delay_procs:
+                client_path = self.registry.dir / f"client-{os.getpid()}-{self._index[dc]}.sock"
+                client = _DelayLineClient(self.registry.dir / f"{self._routers[dc].name}.sock", client_path)
+                self.registry.file(client_path)
+                self._clients.append(client)
+                for nb in self._neighbours(dc):
+                    self._links[(dc, nb)].delay_client = client
+
+    def stop(self) -> None:
+        """Remove everything this network made.  Safe to call twice.
+
+        Ctrl-C and SIGTERM are held back while it runs: an interrupted clean-up is
+        what leaves things behind.
+        """
+        if self._owner_pid not in (None, os.getpid()):
+            return  # a forked helper (pyroute2 forks to enter namespaces) must not tear down
+        with _signals_deferred():
+            self._stop()
+
+    def _stop(self) -> None:
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
+        stop_all(self._popened + list(self._delay_procs.values()))
+        self._popened.clear()
+        self._delay_procs.clear()
+        for ipr in self._iprs.values():
+            try:
+                ipr.close()
+            except Exception:
+                pass
+        self._iprs.clear()
+        if self._net is not None:
+            # Not Mininet's net.stop(): it drives every shell to delete interfaces one by
+            # one, and hangs on a shell whose command was interrupted.  Ending the shells
+            # removes their namespaces and veth pairs; clean() removes the bridges.
+            for node in self._net.hosts:
+                try:
+                    node.terminate()
+                except Exception:
+                    pass
+            self._net = None
+        from testbed.registry import clean
+
+        clean(self.registry.dir, holding_lock=True)
+        self.registry.release()
+        self.started = False
+
+
+class _signals_deferred:
+    """Hold SIGINT/SIGTERM until the block ends (main thread only), then re-deliver."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._saved = {}
+        self._pending = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, lambda s, f: self._pending.append(s))
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        for sig in self._pending[:1]:
+            signal.raise_signal(sig)
+
+
+_TCP_COUNTERS = {("Tcp", "OutSegs"): "out_segments", ("Tcp", "RetransSegs"): "retransmitted_segments",
+                 ("TcpExt", "TCPTimeouts"): "timeouts", ("TcpExt", "TCPLossProbes"): "loss_probes",
+                 ("TcpExt", "TCPFastRetrans"): "fast_retransmits"}
+
+
+def _tcp_counters(text: str) -> dict[str, int]:
+    """The counters ``_TCP_COUNTERS`` names, from /proc/net/snmp + netstat text (header line, value line)."""
+    lines = [ln.split() for ln in text.splitlines() if ln.strip()]
+    out = {}
+    for head, vals in zip(lines, lines[1:]):
+        if not head or head[0] != vals[0] or head[1:] == vals[1:]:
+            continue
+        proto = head[0].rstrip(":")
+        for key, value in zip(head[1:], vals[1:]):
+            name = _TCP_COUNTERS.get((proto, key))
+            if name:
+                out[name] = int(value)
+    return out
+
+
+def _readline_until(proc: subprocess.Popen, deadline: float) -> str:
+    import select
+
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if r:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            return ""
+    return ""

@@ -1,0 +1,100 @@
+"""Comparisons: several variants of one experiment, run back to back, measured and predicted.
+
+How it fits: an experiment with a ``compare:`` section (e.g. ``experiments/atlas-vs-baseline.yaml``:
+(a) one connection and fair sharing, (b) N connections, (c) Atlas) is run once per variant
+by ``TrainingRun`` (each in ``OUT/<variant>/`` with its own metrics, trace and plots); the
+simulator then predicts each variant from the compute times profiled in that variant's own
+run, with the same sharing policy (fair, or Atlas's strict priority with the stagger the
+controller published).  ``OUT/comparison.json`` holds, per variant, ``measured_s`` and
+``predicted_s`` (mean steady-state iteration time), and the speedups over the first variant;
+``OUT/comparison.png`` draws them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from testbed.spec.experiment import Experiment
+
+
+def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
+    """The simulator's mean steady-state iteration time for ``exp``, profiled from ``run_dir``."""
+    from testbed.run import metrics
+    from testbed.sim.build import profiled_stage_times, simulate
+    from testbed.sim.engine import PriorityPolicy
+
+    times, overhead = profiled_stage_times(run_dir / "timeline.json", exp)
+    offsets, policy = None, None
+    plans_file = run_dir / "atlas-plans.json"
+    if exp.atlas.sharing != "fair" and plans_file.exists():
+        plans = json.loads(plans_file.read_text())
+        if plans:
+            offsets = {int(r): v for r, v in plans[-1]["offsets"].items()}
+            if exp.atlas.sharing == "temporal":
+                policy = PriorityPolicy(plans[-1]["order"])
+    result = simulate(exp, policy=policy, iterations=iterations, stage_times=times, message_overhead_s=overhead,
+                      start_offsets=offsets)
+    return metrics.summarise(result)["summary"]["mean_iteration_time_s"]
+
+
+def run_comparison(exp: Experiment, out: Path, delay_backend: str = "auto",
+                   progress: Callable[[str, int, int], None] | None = None,
+                   log: Callable[[str], None] | None = None) -> dict:
+    from testbed.run.runner import TrainingRun
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict] = {}
+    for name in exp.compare or {}:
+        v = exp.variant(name)
+        run_dir = out / name
+        if log:
+            log(f"variant {name}: {exp.compare[name].description or ''} ({v.parallel.connections} connection(s), "
+                f"{v.atlas.sharing} sharing)")
+        runner = TrainingRun(v, run_dir, delay_backend=delay_backend,
+                             progress=(lambda d, t, n=name: progress(n, d, t)) if progress else None, log=log)
+        summary = runner.run()
+        s = summary["summary"]
+        rows[name] = {
+            "description": exp.compare[name].description,
+            "connections": v.parallel.connections, "sharing": v.atlas.sharing,
+            "measured_s": s["mean_iteration_time_s"], "predicted_s": round(predict(v, run_dir), 6),
+            "steady_state_iterations": s["steady_state_iterations"],
+            "mean_busy_fraction": s["mean_busy_fraction"],
+            "losses": [it["loss"] for it in summary["iterations"]],
+        }
+    names = list(rows)
+    result: dict = dict(rows)
+    if names:
+        base = rows[names[0]]
+        result["speedup_over_" + names[0]] = {
+            n: {"measured": round(base["measured_s"] / r["measured_s"], 4),
+                "predicted": round(base["predicted_s"] / r["predicted_s"], 4)} for n, r in rows.items()}
+        result["same_losses"] = all(r["losses"] == base["losses"] for r in rows.values())
+    (out / "comparison.json").write_text(json.dumps(result, indent=1))
+    _plot(rows, out / "comparison.png", exp.name)
+    return result
+
+
+def _plot(rows: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.6))
+    x = range(len(names))
+    ax.bar([i - 0.18 for i in x], [rows[n]["measured_s"] for n in names], 0.36, label="measured (emulator)",
+           color="#4C72B0")
+    ax.bar([i + 0.18 for i in x], [rows[n]["predicted_s"] for n in names], 0.36, label="predicted (simulator)",
+           color="#DD8452")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([f"{n}\n{rows[n]['connections']} conn, {rows[n]['sharing']}" for n in names])
+    ax.set_ylabel("mean iteration time (s)")
+    ax.set_title(title)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

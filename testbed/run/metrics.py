@@ -1,0 +1,251 @@
+"""From worker timelines to figures: per-iteration metrics, a Chrome trace, plots.
+
+How it fits: ``runner.py`` and the simulator (``sim/build.py``) both produce a
+``records.RunRecord``: each worker's typed intervals (contiguous, on the monotonic clock
+every namespace shares), transfers and iteration ends.  ``summarise`` turns a record into
+the ``metrics.json`` content; ``write_outputs`` writes ``metrics.json``, ``timeline.json``
+(Chrome trace format: open it in Perfetto or chrome://tracing), ``loss.png`` and
+``gantt.png``.  Run extensions add their own figures to the summary (``extension.py``).
+
+Definitions (per iteration k):
+* iteration time: the moment the last worker finished iteration k minus the moment the
+  last finished k-1 (the go signal for k = 0);
+* a worker's window: from its own end of k-1 (its go, for k = 0) to its end of k; its
+  intervals tile it;
+* busy fraction ("device utilization"): forward + backward + optimizer time / window;
+* bubbles: maximal runs of non-busy intervals (recv, send, allreduce, idle) >= 1 ms;
+* bubble fraction: 1 - busy fraction.  Summary figures average the steady-state
+  iterations: all but the first ``training.warmup_iterations`` (default 2: the first
+  ones pay for memory allocation and TCP slow start).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from testbed.spec import modelshape
+from testbed.run.records import BUSY_KINDS as BUSY
+from testbed.run.records import RunRecord
+MIN_BUBBLE_S = 0.001
+_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "allreduce": "#8172B3",
+           "recv": "#EEEEEE", "send": "#CCCCCC", "idle": "#FFFFFF", "prefill": "#C44E52",
+           "xfer_act": "#64B5CD", "xfer_grad": "#E5AE38"}
+
+
+def worker_iteration(events: list, start: float, end: float) -> dict:
+    """Busy time, covered time and bubbles of one worker inside [start, end]."""
+    busy = covered = 0.0
+    bubbles: list[list[float]] = []
+    run_start = None
+    for kind, _mb, s, e, *_ in events:
+        s, e = max(s, start), min(e, end)
+        if e <= s:
+            continue
+        covered += e - s
+        if kind in BUSY:
+            busy += e - s
+            if run_start is not None and s - run_start >= MIN_BUBBLE_S:
+                bubbles.append([run_start, s - run_start])
+            run_start = None
+        elif run_start is None:
+            run_start = s
+    if run_start is not None and end - run_start >= MIN_BUBBLE_S:
+        bubbles.append([run_start, end - run_start])
+    return {"busy_s": busy, "covered_s": covered, "bubbles": bubbles}
+
+
+def summarise(run: RunRecord) -> dict:
+    exp = run.exp
+    workers = run.workers
+    n_it = exp.training.iterations
+    t0 = run.go_time
+    tokens = exp.parallel.replicas * exp.training.microbatches * exp.training.microbatch_size * exp.model.seq_len
+    iterations = []
+    prev_job_end = t0
+    # a worker's first window starts when it got the go (its first interval's start)
+    prev_end = {name: min((e.start for e in w.events if e.iteration == 0), default=t0)
+                for name, w in workers.items()}
+    for k in range(n_it):
+        job_end = max(w.iteration_end[k] for w in workers.values())
+        time_s = job_end - prev_job_end
+        per_worker = {}
+        for name, w in workers.items():
+            end = w.iteration_end[k]
+            window = end - prev_end[name]
+            stats = worker_iteration([e for e in w.events if e.iteration == k], prev_end[name], end)
+            per_worker[name] = {
+                "window_s": round(window, 6),
+                "busy_fraction": round(stats["busy_s"] / window, 6) if window > 0 else 0.0,
+                "covered_fraction": round(stats["covered_s"] / window, 6) if window > 0 else 0.0,
+                "bubbles": [[round(s - t0, 6), round(d, 6)] for s, d in stats["bubbles"]],
+            }
+            prev_end[name] = end
+        losses = [w.losses[k] for w in workers.values() if k in w.losses]
+        iterations.append({
+            "iteration": k,
+            "time_s": round(time_s, 6),
+            "loss": sum(losses) if losses else None,
+            "tokens_per_s": round(tokens / time_s, 2) if time_s > 0 else None,
+            "mean_busy_fraction": round(sum(p["busy_fraction"] for p in per_worker.values()) / len(per_worker), 6),
+            "workers": per_worker,
+        })
+        prev_job_end = job_end
+    # a run may start its steady state later (Atlas: once the plan is in force)
+    skip = min(max(exp.training.warmup_iterations, run.steady_from), len(iterations) - 1)
+    steady = iterations[skip:]
+    mean_time = sum(it["time_s"] for it in steady) / len(steady)
+    mean_busy = sum(it["mean_busy_fraction"] for it in steady) / len(steady)
+    per_worker_busy = {
+        name: round(sum(it["workers"][name]["busy_fraction"] for it in steady) / len(steady), 6) for name in workers
+    }
+    return {
+        "experiment": exp.name,
+        "topology": exp.topo.name,
+        "parallel": exp.parallel.model_dump(),
+        "model": exp.model.model_dump() | {"params": _params(exp)},
+        "training": exp.training.model_dump(),
+        "workers": {name: w.describe() for name, w in workers.items()},
+        "device": run.device or None,
+        "iterations": iterations,
+        "summary": {
+            "iterations": n_it,
+            "steady_state_iterations": [it["iteration"] for it in steady],
+            "mean_iteration_time_s": round(mean_time, 6),
+            "mean_busy_fraction": round(mean_busy, 6),
+            "bubble_fraction": round(1.0 - mean_busy, 6),
+            "busy_fraction_per_worker": per_worker_busy,
+            "tokens_per_s": round(tokens / mean_time, 2) if mean_time > 0 else None,
+            "final_loss": iterations[-1]["loss"],
+            **({"loss_note": "no loss: the devices are emulated (device time from a profile, no model is "
+                             "computed)"} if run.device.get("kind") == "emulated" else {}),
+            **_tcp_summary(run.tcp),
+            "warnings": list(run.warnings),
+        },
+        "wan_check": list(run.wan_check),
+        "tcp_per_host": dict(run.tcp) or None,
+        "log": run.log_lines,
+    }
+
+
+def _tcp_summary(tcp: dict) -> dict:
+    """The whole run's TCP loss recovery: retransmission timeouts (each stalls its connection
+    for at least 200 ms on Linux), tail-loss probes, retransmitted segments over those sent."""
+    if not tcp:
+        return {}
+    total = {k: sum(c.get(k, 0) for c in tcp.values()) for k in ("out_segments", "retransmitted_segments",
+                                                                  "timeouts", "loss_probes")}
+    return {"tcp_timeouts": total["timeouts"], "tcp_loss_probes": total["loss_probes"],
+            "tcp_retransmitted_fraction": round(total["retransmitted_segments"] / total["out_segments"], 6)
+            if total["out_segments"] else None}
+
+
+def _params(exp) -> int:
+    m = exp.model
+    return sum(modelshape.stage_params(m.layers, m.hidden, m.seq_len, 1))
+
+
+def timeline_to_chrome(workers: dict[str, dict], t0: float) -> dict:
+    """``workers``: name -> {"dc", "events": [[kind, mb, start, end, it], ...], "transfers": [...]}."""
+    trace = []
+    pids = {}
+    for name, w in sorted(workers.items()):
+        pid = pids.setdefault(w["dc"], len(pids) + 1)
+        trace.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"DC {w['dc']}"}})
+        trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": name, "args": {"name": name}})
+        for kind, mb, s, e, *rest in w["events"]:
+            label = kind if mb is None or mb < 0 else f"{kind} {mb}"
+            trace.append({"name": label, "cat": kind, "ph": "X", "pid": pid, "tid": name,
+                          "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1),
+                          "args": {"iteration": rest[0] if rest else None, "microbatch": mb}})
+        for s, e in w.get("prefill", []):
+            trace.append({"name": "prefill", "cat": "prefill", "ph": "X", "pid": pid, "tid": f"{name} prefill",
+                          "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1), "args": {}})
+        for kind, mb, s, e, nbytes, it in w.get("transfers", []):
+            trace.append({"name": f"{kind} {mb}", "cat": kind, "ph": "X", "pid": pid, "tid": f"{name} wan",
+                          "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1),
+                          "args": {"bytes": nbytes, "iteration": it, "microbatch": mb}})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def gantt(workers: dict[str, dict], t0: float, path: Path, title: str, window: tuple[float, float] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = sorted(workers, key=lambda n: (workers[n]["stage"], workers[n]["replica"]))
+    fig, ax = plt.subplots(figsize=(12, 0.55 * len(names) + 1.6))
+    for y, name in enumerate(names):
+        w = workers[name]
+        for kind, _mb, s, e, *_ in w["events"]:
+            if window and (e < window[0] or s > window[1]):
+                continue
+            ax.barh(y, e - s, left=s - t0, height=0.7, color=_COLORS.get(kind, "#999999"),
+                    edgecolor="#999999" if kind in ("recv", "idle", "send") else None, linewidth=0.3)
+        for kind, _mb, s, e, *_ in w.get("transfers", []):
+            if window and (e < window[0] or s > window[1]):
+                continue
+            ax.barh(y + 0.42, e - s, left=s - t0, height=0.14, color=_COLORS.get(kind, "#999999"))
+        for s, e in w.get("prefill", []):  # BubbleTea's prefills, drawn inside the bubbles
+            if window and (e < window[0] or s > window[1]):
+                continue
+            ax.barh(y, e - s, left=s - t0, height=0.45, color=_COLORS["prefill"])
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([f"{n} ({workers[n]['dc']})" for n in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since start (s)")
+    if window:
+        ax.set_xlim(window[0] - t0, window[1] - t0)
+    ax.set_title(title)
+    kinds = ["forward", "backward", "optimizer", "allreduce", "recv", "xfer_act", "xfer_grad"]
+    if any(w.get("prefill") for w in workers.values()):
+        kinds.append("prefill")
+    ax.legend(handles=[Patch(color=_COLORS[k], label=k if k != "recv" else "recv (bubble)") for k in kinds],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(kinds), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def loss_plot(iterations: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if all(it["loss"] is None for it in iterations):
+        ax.text(0.5, 0.5, "no loss: emulated devices compute no model", ha="center", va="center",
+                transform=ax.transAxes)
+    else:
+        ax.plot([it["iteration"] for it in iterations], [it["loss"] for it in iterations], marker="o")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss (bytes, nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(run: RunRecord, result: dict, out: Path | None = None) -> None:
+    out = Path(out or run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    workers = {
+        name: {"dc": w.dc, "stage": w.stage, "replica": w.replica,
+               "events": w.events, "transfers": w.transfers, "prefill": w.cotenant}
+        for name, w in run.workers.items()
+    }
+    (out / "metrics.json").write_text(json.dumps(result, indent=1))
+    (out / "timeline.json").write_text(json.dumps(timeline_to_chrome(workers, run.go_time)))
+    loss_plot(result["iterations"], out / "loss.png", f"{run.exp.name}: loss")
+    ends = run.iteration_ends()
+    k0 = max(0, len(ends) - 3)
+    start = ends[k0 - 1] if k0 > 0 else run.go_time
+    s = result["summary"]
+    gantt(workers, run.go_time, out / "gantt.png",
+          f"{run.exp.name}: last iterations (mean {s['mean_iteration_time_s']:.3f} s/it, "
+          f"busy {s['mean_busy_fraction']:.0%}, bubbles {s['bubble_fraction']:.0%})",
+          window=(start, ends[-1]))

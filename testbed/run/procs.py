@@ -1,0 +1,336 @@
+"""Processes of a run: CPU containers, starting a process in a host (or beside the network),
+stopping them all, reading their state, and the JSON datagram client they talk through.
+
+How it fits: ``runner.TrainingRun`` owns one ``Launcher``; it starts the training workers
+through it, and every run extension (``extension.py``: Atlas, BubbleTea, ...) starts its
+own processes through the same launcher, so there is one way to start a process with a
+JSON config and a log, one way to put it into a CPU container before it starts a thread,
+and one way to end them all (terminate, wait, kill).  Every process, config, log and
+cgroup is recorded in the network's ``Registry`` as it is made, so ``testbed clean``
+removes it after a crash.
+
+CPU containers: a cgroup CPU quota per device stand-in (v1 ``cpu`` controller or v2
+``cpu.max``) with a 5 ms CFS period (the brief measured 92% of computes within 15% of the
+ideal at 5 ms, 31% at the 100 ms default).  Mininet hosts remount /sys, so a process cannot
+move itself into a cgroup from inside its host: the launcher starts ``sh -c "kill -STOP $$;
+exec ..."``, waits for the shell to stop, moves it into its container from here, and lets
+it continue into the real program, which so inherits the container before any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from testbed.registry import PREFIX, Registry
+
+REPO = Path(__file__).resolve().parents[2]
+CFS_PERIOD_US = 5000
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_TORCH_WARNING = re.compile(r"\[W\d{4} [\d:.]+ [^\]]*\]")  # a torch C++ warning line
+
+
+class ProcessError(RuntimeError):
+    """A process could not be started as asked; the message is one line."""
+
+
+# -- reading a process's state ------------------------------------------------------------
+def proc_state(pid: int) -> str:
+    """The one-letter state of a process (R, S, T, Z, ...), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc; 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment our Python processes run with: this checkout (or install) importable,
+    one math thread (a worker stands for one device), few page faults per step.  A
+    PYTHONPATH already set stays behind this checkout (packages installed beside it)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               GLIBC_TUNABLES="glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824")
+    env.update(extra)
+    return env
+
+
+# -- CPU containers -----------------------------------------------------------------------
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+class CpuContainers:
+    """One cgroup CPU quota per device stand-in, under ``<cgroup root>/gtb-<run>-<pid>``."""
+
+    def __init__(self, registry: Registry, run_name: str):
+        self.registry = registry
+        if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            self.version, root = 2, Path("/sys/fs/cgroup")
+        else:
+            self.version, root = 1, Path("/sys/fs/cgroup/cpu")
+            if not root.exists():
+                root = Path("/sys/fs/cgroup/cpu,cpuacct")
+        self.root = root
+        machine = os.environ.get("GTB_MACHINE")  # fake machines share this cgroup tree (and PIDs repeat)
+        self.base = root / f"{PREFIX}-{machine + '-' if machine else ''}{run_name.replace('/', '-')[:20]}-{os.getpid()}"
+        self.available = root.exists() and os.access(root, os.W_OK)
+        self._problem: str | None = None
+        self._probed = False
+
+    def problem(self) -> str | None:
+        """Why CPU quotas cannot be had here (None when they can): no cpu controller, a tree
+        that is not writable, or one that refuses a quota.  Probed once, by making the run's
+        container and a quota in it; afterwards ``make`` gives no quota when there is a
+        problem."""
+        if self._probed:
+            return self._problem
+        self._probed = True
+        if not self.root.exists():
+            self._problem = f"there is no cgroup CPU controller at {self.root}"
+        elif not os.access(self.root, os.W_OK):
+            self._problem = f"the cgroup tree {self.root} is not writable" + (
+                " (a read-only file system)" if _read_only(self.root) else "")
+        else:
+            try:
+                probe = self.make("gtb-probe", 0.5)
+                if probe is not None:
+                    probe.rmdir()
+            except OSError as exc:
+                self._problem = f"the cgroup tree {self.root} refuses a CPU quota ({exc.strerror})"
+        if self._problem:
+            self.available = False
+        return self._problem
+
+    def make(self, name: str, cpus: float) -> Path | None:
+        """A container with ``cpus`` cores of quota; None without cgroups or for ``cpus`` 0."""
+        if not self.available or cpus <= 0:
+            return None
+        if not self.base.exists():
+            self.base.mkdir()
+            self.registry.cgroup(self.base)
+            if self.version == 2:
+                try:
+                    (self.base / "cgroup.subtree_control").write_text("+cpu")
+                except OSError:
+                    pass
+        path = self.base / name
+        path.mkdir(exist_ok=True)
+        self.registry.cgroup(path)
+        quota = max(1000, int(cpus * CFS_PERIOD_US))
+        if self.version == 1:
+            (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+            burst = path / "cpu.cfs_burst_us"
+            if burst.exists():
+                burst.write_text("0")
+        else:
+            (path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
+        return path
+
+    def idle_child(self, parent: Path, name: str) -> Path:
+        """A child of ``parent`` at idle priority (``cpu.idle = 1``, else the lowest weight): it
+        runs only when the parent's own processes leave the quota unused."""
+        child = parent / name
+        child.mkdir(exist_ok=True)
+        self.registry.cgroup(child)
+        idle = child / "cpu.idle"
+        if idle.exists():
+            idle.write_text("1")
+        else:
+            (child / ("cpu.shares" if self.version == 1 else "cpu.weight")).write_text("2" if self.version == 1 else "1")
+        return child
+
+    @staticmethod
+    def lower_weight(cgroup: Path, fraction: float = 1 / 8) -> None:
+        """Give a container ``fraction`` of a device's CPU weight when cores are contended."""
+        for name, full in (("cpu.shares", 1024), ("cpu.weight", 100)):
+            if (cgroup / name).exists():
+                (cgroup / name).write_text(str(max(2 if name == "cpu.shares" else 1, int(full * fraction))))
+                return
+
+
+def enter_container(proc: subprocess.Popen, cgroup: Path, timeout: float = 10.0) -> None:
+    """Move a process started stopped (``kill -STOP $$``) into ``cgroup``, then continue it."""
+    deadline = time.monotonic() + timeout
+    while proc_state(proc.pid) != "T":
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise ProcessError(f"process {proc.pid} did not reach its start point (state {proc_state(proc.pid)})")
+        time.sleep(0.002)
+    (cgroup / "cgroup.procs").write_text(str(proc.pid))
+    os.kill(proc.pid, signal.SIGCONT)
+
+
+# -- starting and stopping ----------------------------------------------------------------
+@dataclass
+class Process:
+    """One process a run started: its name, Popen, config file and log."""
+
+    name: str
+    popen: subprocess.Popen
+    config: Path
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def last_log_line(self) -> str:
+        """The log's last line that is not a warning of torch's C++ core (``[W...]``, such as
+        c10d's "hostname of the client socket cannot be retrieved"): they say nothing of why a
+        process ended, and would stand in for the cause in the error."""
+        try:
+            lines = [ln for ln in self.log.read_text().splitlines() if ln.strip() and not _TORCH_WARNING.match(ln)]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+
+class Launcher:
+    """Starts a run's processes (``python -m MODULE CONFIG.json``), records them, ends them."""
+
+    def __init__(self, registry: Registry, net: Any = None):
+        self.registry = registry
+        self.net = net  # a ``network.Network`` for processes inside hosts
+        self.dir = registry.dir / "procs"  # configs, logs and per-process files (boards, devices)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.processes: dict[str, Process] = {}
+
+    def start(self, name: str, module: str, config: dict, host: Any = None, cgroup: Path | None = None,
+              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None) -> Process:
+        """Start ``python -m module CONFIG`` with ``config`` written as JSON.
+
+        ``host``: a ``network.HostInfo`` to run inside (its network namespace); None runs it
+        beside the network (the root namespace, in a session of its own).  ``cgroup``: a CPU
+        container it enters before it starts.  ``cpu``: pin it to that core.  ``sched_idle``:
+        SCHED_IDLE (any waking task preempts it).  Its log is stdout and stderr together."""
+        if name in self.processes:
+            raise ProcessError(f"a process named {name!r} was already started in this run")
+        cfg_path, log_path = self.dir / f"{name}.json", self.dir / f"{name}.log"
+        cfg_path.write_text(json.dumps(config))
+        self.registry.file(cfg_path)
+        self.registry.file(log_path)
+        env = env if env is not None else python_env()
+        argv = [sys.executable, "-m", module, str(cfg_path)]
+        with open(log_path, "w") as log:
+            if host is not None:
+                launch = "exec " + " ".join(argv)
+                if cgroup is not None:
+                    launch = f"kill -STOP $$; {launch}"
+                popen = self.net.popen(host, ["sh", "-c", launch], env=env, stdout=log, stderr=subprocess.STDOUT)
+            else:
+                popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.dir),
+                                         start_new_session=True)
+                self.registry.process(popen.pid, name, own_netns=False)
+        proc = Process(name, popen, cfg_path, log_path)
+        self.processes[name] = proc
+        try:
+            if cpu is not None:
+                os.sched_setaffinity(popen.pid, {cpu})
+            if sched_idle:
+                os.sched_setscheduler(popen.pid, os.SCHED_IDLE, os.sched_param(0))
+            if cgroup is not None:
+                if host is None:
+                    (cgroup / "cgroup.procs").write_text(str(popen.pid))
+                else:
+                    enter_container(popen, cgroup)
+        except (OSError, ProcessError) as exc:
+            raise ProcessError(f"{name}: could not be placed on its core or in its container: {exc}") from None
+        return proc
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.processes.items()}
+
+    def stop(self, names: list[str] | None = None, timeout: float = 5.0) -> None:
+        """SIGTERM, wait up to ``timeout`` for all together, SIGKILL what is left."""
+        stop_all([p.popen for n, p in self.processes.items() if names is None or n in names], timeout)
+
+    def copy_logs(self, dst: Path, names: list[str], rename=lambda name: name) -> None:
+        """Copy the non-empty logs of these processes into ``dst`` (results folder)."""
+        for name in names:
+            p = self.processes.get(name)
+            if p is None or not p.log.exists() or not p.log.stat().st_size:
+                continue
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p.log, dst / f"{rename(name)}.log")
+
+
+def stop_all(procs: list[subprocess.Popen], timeout: float = 3.0) -> None:
+    """SIGTERM all, wait up to ``timeout`` together, then SIGKILL what is left."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        try:
+            proc.terminate()
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for proc in alive:
+        try:
+            proc.wait(max(0.01, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+# -- talking to a process -----------------------------------------------------------------
+class DatagramClient:
+    """JSON messages to processes' Unix datagram sockets (filesystem paths: reachable from
+    every namespace), from a socket of our own at ``path`` (so they can answer)."""
+
+    def __init__(self, path: str | Path | None = None, timeout: float = 2.0):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.path = str(path) if path is not None else None
+        if self.path is not None:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            self.sock.bind(self.path)
+        self.sock.settimeout(timeout)
+
+    def send(self, to: str, msg: dict) -> bool:
+        """Fire and forget; False when nobody listens there."""
+        try:
+            self.sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), to)
+            return True
+        except OSError:
+            return False
+
+    def request(self, to: str, msg: dict) -> dict:
+        """Send and wait for the answer; raises OSError (no answer) or RuntimeError (refused)."""
+        self.sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), to)
+        reply = json.loads(self.sock.recv(65536))
+        if not reply.get("ok", True):
+            raise RuntimeError(reply.get("error"))
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass

@@ -1,0 +1,100 @@
+"""What a run leaves behind, typed: the records a real run and a simulated one both produce.
+
+How it fits: a worker (``testbed/train/worker.py``) streams its timeline as JSON lists; the
+runner (``runner.py``) turns them into ``Interval`` and ``Transfer`` tuples on a
+``WorkerRecord`` per worker, and the whole run into a ``RunRecord``; the simulator
+(``sim/build.py``) builds the same ``RunRecord`` from its engine; ``metrics.py`` reads only
+these types to write metrics.json, the Chrome trace and the plots.  The tuples are
+NamedTuples, so they serialise to the same JSON lists the files have always held.
+
+Clock: every timestamp is on CLOCK_MONOTONIC, which every namespace on the machine shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from testbed.spec.experiment import Experiment
+
+BUSY_KINDS = ("forward", "backward", "optimizer")
+
+
+class Interval(NamedTuple):
+    """One typed interval of a worker's timeline.  ``kind``: forward, backward, optimizer
+    (the device is busy), recv (waiting for a peer), send (handing a tensor over), allreduce,
+    idle.  ``mb``: the microbatch, -1 for none."""
+
+    kind: str
+    mb: int
+    start: float
+    end: float
+    iteration: int
+
+    @property
+    def busy(self) -> bool:
+        return self.kind in BUSY_KINDS
+
+
+class Transfer(NamedTuple):
+    """One cross-worker message: sent at ``start`` (by the sender), fully received at ``end``."""
+
+    kind: str  # xfer_act or xfer_grad
+    mb: int
+    start: float
+    end: float
+    nbytes: int
+    iteration: int
+
+
+@dataclass
+class WorkerRecord:
+    """Everything one worker (stage ``stage`` of replica ``replica``) reported."""
+
+    name: str
+    stage: int
+    replica: int
+    dc: str
+    host: str = ""
+    ip: str = ""
+    device: str = "cpu"
+    events: list[Interval] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+    iteration_end: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    # another client of the same device (BubbleTea's prefills): (start, end) intervals
+    cotenant: list[tuple[float, float]] = field(default_factory=list)
+
+    def add_events(self, events: list) -> None:
+        self.events.extend(Interval(*e) for e in events)
+
+    def add_transfers(self, transfers: list) -> None:
+        self.transfers.extend(Transfer(*t) for t in transfers)
+
+    def describe(self) -> dict:
+        return {"stage": self.stage, "replica": self.replica, "dc": self.dc, "host": self.host, "ip": self.ip,
+                "device": self.device}
+
+
+@dataclass
+class RunRecord:
+    """One run, real or simulated: the experiment as run, every worker's record, and what the
+    orchestrator noted.  ``go_time`` is when training started (the go signal)."""
+
+    exp: "Experiment"
+    workers: dict[str, WorkerRecord]
+    go_time: float = 0.0
+    log_lines: list[str] = field(default_factory=list)
+    steady_from: int = 0  # the first iteration the summary may count (e.g. once a plan is in force)
+    warnings: list[str] = field(default_factory=list)
+    wan_check: list[dict] = field(default_factory=list)
+    device: dict = field(default_factory=dict)  # what the devices were and where their times came from
+    tcp: dict = field(default_factory=dict)  # per host: TCP counters over the training (Network.tcp_counters)
+    out_dir: Path | None = None
+
+    def iteration_ends(self) -> list[float]:
+        """When the last worker finished each iteration."""
+        return [max(w.iteration_end[k] for w in self.workers.values())
+                for k in range(self.exp.training.iterations)]

@@ -1,0 +1,383 @@
+"""Experiment specs: which model to train, how it is parallelised, where stages run.
+
+How it fits: ``load_experiment`` reads ``experiments/*.yaml`` into an ``Experiment`` and
+resolves its topology; ``Experiment.workers()`` maps every (stage, replica) onto a host of
+the topology.  ``testbed run`` (``runner.py``) launches those workers; the simulator reads
+the same file.  A placement that does not fit the topology, or a schedule that cannot run,
+fails here with one line before anything is created.
+
+Placement: ``placement: {dc: [stages...]}`` lists which DC holds which pipeline stages;
+each stage is replicated ``replicas`` times inside its DC (data parallelism), on distinct
+hosts.  Without it, stages are spread over the DCs in file order, contiguously.
+
+Files are read strictly, as topology files are (``spec.py``): wrong types, infinities, keys
+given twice are one-line errors.  Names become folder and cgroup names, so they are plain
+(letters, digits, ``.``, ``_``, ``-``); sizes that would make the schedule check itself run
+for minutes (microbatches, warm-up) are bounded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from testbed.spec.schedules import ScheduleError, check
+from testbed.spec.topology import (SpecError, Topology, key_text, load_topology, one_line, path_exists, read_yaml, resolve_topology,
+                   validation_error)
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a results folder and a cgroup are named after it
+MAX_MICROBATCHES = 4096
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ModelSpec(_Strict):
+    layers: int = Field(6, ge=1, le=512)
+    hidden: int = Field(128, ge=8, le=65536)
+    heads: int = Field(4, ge=1, le=512)
+    seq_len: int = Field(64, ge=2, le=65536)
+
+
+class TrainingSpec(_Strict):
+    iterations: int = Field(10, ge=1, le=10**9)
+    microbatches: int = Field(4, ge=1, le=MAX_MICROBATCHES)
+    microbatch_size: int = Field(4, ge=1, le=65536)
+    lr: float = Field(1e-3, gt=0, le=10)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    warmup_iterations: int = Field(2, ge=0, description="left out of summary figures (allocator, TCP warm-up)")
+    recv_timeout_s: float = Field(300.0, gt=0, le=86400, description="a pipeline peer silent this long ends the run "
+                                  "with an error naming the WAN link between them (a link down for less stalls "
+                                  "training, which then resumes)")
+
+
+class ParallelSpec(_Strict):
+    stages: int = Field(2, ge=1, le=512)
+    replicas: int = Field(1, ge=1, le=100_000)
+    schedule: str = "1f1b"
+    extra_warmup: int = Field(0, ge=0, le=MAX_MICROBATCHES)
+    connections: int = Field(1, ge=1, le=64, description="TCP connections per cross-DC transfer")
+    dp_across_dcs: bool = Field(
+        False, description="baseline (d): every DC holds whole pipelines (replica r in DC r mod #DCs) and "
+                           "gradients are all-reduced over the WAN; excludes placement")
+    slow_start_after_idle: bool = Field(
+        True, description="Linux's default; false = WAN-tuned hosts (net.ipv4.tcp_slow_start_after_idle=0): "
+                          "TCP keeps its window across the idle gaps between microbatches")
+    tcp_window_bytes: int | None = Field(
+        None, ge=16384, description="every WAN connection's window, to the byte (the transport's receivers clamp "
+                                    "it; the worker hosts' other connections are held by their rmem/wmem maximum): "
+                                    "a window-bound connection, as a default Linux host's across a long round trip; "
+                                    "None: socket buffers of 2 x BDP per connection, 64 MiB at most")
+
+
+class AtlasSpec(_Strict):
+    """How DP pipelines share the WAN (``agents/atlas``)."""
+
+    sharing: Literal["fair", "temporal", "paced"] = Field(
+        "fair", description="fair: TCP fair-shares each link (lockstep pipelines); temporal: the Atlas "
+                            "controller staggers the pipelines and gateway agents give each link to one "
+                            "pipeline at a time; paced: only the senders act (the stagger, no agents)")
+    lease_s: float = Field(2.0, gt=0, le=60, description="an agent's or controller's silence after which "
+                                                            "its links fall back to fair sharing")
+    replan_threshold: float = Field(0.1, gt=0, description="republish the plan when it moves by this fraction")
+    class_queue: Literal["deep", "share"] = Field(
+        "deep", description="the pipelines' queues at an enforcing gateway: deep = 4 x the path's BDP each "
+                            "(a waiting pipeline loses nothing); share = the link's own queue split among them "
+                            "(the same buffering as a FIFO link: compare at equal buffer depth)")
+    plan: Literal["telemetry", "fixed"] = Field(
+        "telemetry", description="telemetry: the turn order follows the pipelines' measured compute (the slowest "
+                                 "first) and readiness; fixed: r0, r1, ... whatever the workload (the ablation)")
+
+
+class BubbleModelSpec(_Strict):
+    layers: int = Field(2, ge=1, le=64)
+    hidden: int = Field(64, ge=8, le=4096)
+    heads: int = Field(4, ge=1, le=64)
+    max_context: int = Field(512, ge=16, le=8192)
+
+
+class BubbleTeaSpec(_Strict):
+    """Prefill-as-a-service in the pipeline's bubbles (``agents/bubbletea``)."""
+
+    enabled: bool = False
+    source: Literal["conv", "code", "poisson"] = Field("conv", description="Azure trace or a Poisson source")
+    rate_scale: float = Field(1.0, gt=0, description="trace arrival rate x this")
+    token_scale: float = Field(0.1, gt=0, description="trace prompt and output lengths x this")
+    rate_per_s: float = Field(5.0, gt=0, description="Poisson arrivals per second")
+    duration_s: float = Field(600.0, gt=0, description="workload length (the run ends it earlier)")
+    max_prompt_tokens: int = Field(256, ge=1)
+    max_output_tokens: int = Field(16, ge=1)
+    slo_ttft_s: float = Field(2.0, gt=0, description="a request not prefilled within this is rejected")
+    slo_tbt_s: float | None = Field(None, gt=0, description="goodput also asks a request's mean time between "
+                                                            "tokens to be within this (None: TTFT only)")
+    margin_s: float = Field(0.006, ge=0, description="kept free before a predicted bubble's end (>= one "
+                                                        "5 ms CFS period: the quota a prefill used is gone)")
+    margin_frac: float = Field(0.03, ge=0, lt=1, description="... or this fraction of the bubble, the larger")
+    chunk_tokens: int = Field(32, ge=1, description="prefill chunk: the points where a prefill can stop")
+    interleave: bool = Field(True, description="serve every other steady iteration only: the same run "
+                                               "measures training with and without prefills")
+    decode_dc: str | None = Field(None, description="one decode worker, in this DC, for all prefills "
+                                                    "(default: one per DC, so KV caches stay off the WAN)")
+    model: BubbleModelSpec = BubbleModelSpec()
+    serving_profile: str | None = Field(
+        None, description="device: emulated: prefill and decode times of the model above "
+                          "(agents/bubbletea/profile.py's JSON); default the one shipped for this machine's CPU")
+
+
+class EmulationSpec(_Strict):
+    """Where an emulated device's op times come from (``device: emulated``)."""
+
+    profile: str | None = Field(None, description="timeline.json of an earlier real run of this model and "
+                                                  "parallelism; without it, the model's FLOPs at sim.device_tflops "
+                                                  "x sim.efficiency (the simulator's model)")
+    speedup: float = Field(1.0, gt=0, description="a device this many times faster than the profiled one: every "
+                                                  "device time is divided by it")
+    message_latency: bool = Field(True, description="with a profile: add the profiled hosts' own per-message "
+                                                    "transport latency at the receiver")
+    slowdown: dict[int, float] = Field(
+        default_factory=dict, description="replica -> factor: that pipeline's devices take this many times "
+                                          "longer (an older GPU generation; a heterogeneous job)")
+    replay: Literal["draw", "sequence"] = Field(
+        "draw", description="draw: each op draws a duration from the profile (seeded); sequence: a worker the "
+                            "profile has by name takes its own durations in the order they were measured "
+                            "(a replay of that run, correlations included)")
+
+
+class VariantSpec(_Strict):
+    """One arm of a comparison: what it changes in the experiment."""
+
+    connections: int | None = Field(None, ge=1, le=64)
+    dp_across_dcs: bool | None = None
+    sharing: Literal["fair", "temporal", "paced"] | None = None
+    description: str = ""
+
+
+class StageTimeSpec(_Strict):
+    forward_s: float = Field(ge=0)
+    backward_s: float = Field(ge=0)
+    optimizer_s: float = Field(0.0, ge=0)
+
+
+class SimSpec(_Strict):
+    """Only the simulator reads these: how fast a device is, how the network behaves."""
+
+    device_tflops: float = Field(1.0, gt=0, description="peak dense FLOP/s of one device, in TFLOP/s")
+    efficiency: float = Field(0.5, gt=0, le=1, description="fraction of peak a training step reaches")
+    memory_gbps: float = Field(100.0, gt=0, description="device memory bandwidth, GB/s (optimizer step)")
+    tensor_parallel: int = Field(1, ge=1, description="devices per pipeline stage replica (one simulated worker)")
+    dtype_bytes: int = Field(4, ge=1, le=8, description="bytes per activation element on the wire")
+    intra_dc_gbps: float = Field(100.0, gt=0, description="bandwidth of transfers and all-reduce inside a DC")
+    allreduce_latency_s: float = Field(0.0, ge=0)
+    tcp_window_bytes: int = Field(64 << 20, gt=0, description="per-connection TCP window: caps a flow at window/RTT")
+    wan_link_gbps: float | None = Field(
+        None, gt=0, description="WAN link capacity; then the topology's rate is one connection's ceiling "
+                                "(as in the measured AWS matrix) instead of the link's capacity")
+    message_overhead_s: float = Field(0.0, ge=0, description="per-message transport latency: a tensor is usable "
+                                      "this long after its last byte is in (`--profile` measures it)")
+    stage_times: list[StageTimeSpec] | None = None
+    tcp_window_model: bool = Field(
+        False, description="model each channel's TCP window: slow start from 10 segments, doubling per round "
+                           "trip, restarted after an idle RTO (Linux's default): where round trips are long "
+                           "(docs/benchmarks.md says how far it gets)")
+
+
+class Experiment(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    topology: str = Field(min_length=1, max_length=4096)
+    description: str = ""
+    model: ModelSpec = ModelSpec()
+    training: TrainingSpec = TrainingSpec()
+    parallel: ParallelSpec = ParallelSpec()
+    placement: dict[str, list[int]] | None = None
+    device: Literal["auto", "cpu", "cuda", "emulated"] = Field(
+        "auto", description="auto: a GPU per worker where there are GPUs, else a CPU container; emulated: the "
+                            "network is real, device time comes from a profile (emulation)")
+    emulation: EmulationSpec = EmulationSpec()
+    sim: SimSpec = SimSpec()
+    atlas: AtlasSpec = AtlasSpec()
+    bubbletea: BubbleTeaSpec = BubbleTeaSpec()
+    compare: dict[str, VariantSpec] | None = Field(
+        None, description="run these variants back to back (each a full run) and write comparison.json")
+    # filled in by parse_experiment
+    _origin: str = PrivateAttr("")
+    _topo: Topology | None = PrivateAttr(None)
+    _topo_file: str = PrivateAttr("")
+    _slots: list = PrivateAttr(default_factory=list)
+
+    @property
+    def origin(self) -> str:
+        return self._origin
+
+    @property
+    def topo(self) -> Topology:
+        assert self._topo is not None, "use parse_experiment/load_experiment"
+        return self._topo
+
+    def workers(self) -> list["WorkerSlot"]:
+        return list(self._slots)
+
+    @property
+    def topology_file(self) -> str:
+        """The topology file this experiment resolved to (absolute where it was found)."""
+        return self._topo_file or self.topology
+
+    def variant(self, name: str) -> "Experiment":
+        """This experiment with one ``compare`` arm applied (and no ``compare`` of its own)."""
+        v = (self.compare or {})[name]
+        data = self.model_dump()
+        data["name"] = f"{self.name}-{name}"
+        data["compare"] = None
+        if v.connections is not None:
+            data["parallel"]["connections"] = v.connections
+        if v.sharing is not None:
+            data["atlas"]["sharing"] = v.sharing
+        if v.dp_across_dcs is not None:
+            data["parallel"]["dp_across_dcs"] = v.dp_across_dcs
+            if v.dp_across_dcs:
+                data["placement"] = None
+        e = Experiment.model_validate(data)
+        e._origin, e._topo, e._topo_file = self._origin, self._topo, self._topo_file
+        e._slots = _place(e, self._topo, f"{self._origin}: compare.{name}")
+        return e
+
+    def with_iterations(self, iterations: int) -> "Experiment":
+        """This experiment trained for ``iterations`` (its warm-up at most all but one)."""
+        e = self.model_copy(deep=True)
+        e._origin, e._topo, e._topo_file, e._slots = self._origin, self._topo, self._topo_file, self._slots
+        e.training.iterations = iterations
+        e.training.warmup_iterations = min(e.training.warmup_iterations, iterations - 1)
+        return e
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    stage: int
+    replica: int
+    dc: str
+    host_index: int  # within the DC
+
+    @property
+    def name(self) -> str:
+        return f"s{self.stage}r{self.replica}"
+
+
+def _default_placement(topo: Topology, stages: int) -> dict[str, list[int]]:
+    dcs = [dc.name for dc in topo.dcs]
+    per = [stages // len(dcs) + (1 if i < stages % len(dcs) else 0) for i in range(len(dcs))]
+    out, s = {}, 0
+    for dc, n in zip(dcs, per):
+        if n:
+            out[dc] = list(range(s, s + n))
+            s += n
+    return out
+
+
+def _place_dp_across_dcs(exp: Experiment, topo: Topology, origin: str) -> list[WorkerSlot]:
+    """Baseline (d): whole pipelines inside DCs, replica r in DC r mod #DCs."""
+    p = exp.parallel
+    if exp.placement is not None:
+        raise SpecError(f"{origin}: parallel.dp_across_dcs: whole pipelines go to every DC; drop placement")
+    dcs = [dc.name for dc in topo.dcs]
+    slots = []
+    for r in range(p.replicas):
+        dc, j = dcs[r % len(dcs)], r // len(dcs)
+        need = (j + 1) * p.stages
+        if need > topo.dc(dc).hosts:
+            raise SpecError(f"{origin}: parallel.dp_across_dcs: DC {dc!r} needs {need} hosts for its pipelines "
+                            f"({p.stages} stages each), it has {topo.dc(dc).hosts}")
+        slots += [WorkerSlot(s, r, dc, j * p.stages + s) for s in range(p.stages)]
+    return sorted(slots, key=lambda w: (w.stage, w.replica))
+
+
+def _place(exp: Experiment, topo: Topology, origin: str) -> list[WorkerSlot]:
+    p = exp.parallel
+    if p.dp_across_dcs:
+        return _place_dp_across_dcs(exp, topo, origin)
+    placement = exp.placement or _default_placement(topo, p.stages)
+    names = {dc.name for dc in topo.dcs}
+    seen: dict[int, str] = {}
+    for dc, stages in placement.items():
+        if dc not in names:
+            raise SpecError(f"{origin}: placement.{key_text(dc)}: no DC {dc!r} in topology {topo.name} ({', '.join(sorted(names))})")
+        for s in stages:
+            if not 0 <= s < p.stages:
+                raise SpecError(f"{origin}: placement.{dc}: stage {s} is outside 0..{p.stages - 1}")
+            if s in seen:
+                raise SpecError(f"{origin}: placement.{dc}: stage {s} is already placed in {seen[s]!r}")
+            seen[s] = dc
+        need = len(stages) * p.replicas
+        have = topo.dc(dc).hosts
+        if need > have:
+            raise SpecError(
+                f"{origin}: placement.{dc}: {len(stages)} stage(s) x {p.replicas} replica(s) = {need} workers, "
+                f"but DC {dc!r} has {have} host(s)"
+            )
+    missing = sorted(set(range(p.stages)) - set(seen))
+    if missing:
+        raise SpecError(f"{origin}: placement: stage {missing[0]} is not placed in any DC")
+    slots = []
+    for dc, stages in placement.items():
+        for k, s in enumerate(sorted(stages)):
+            for r in range(p.replicas):
+                slots.append(WorkerSlot(s, r, dc, k * p.replicas + r))
+    return sorted(slots, key=lambda w: (w.stage, w.replica))
+
+
+def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | None = None,
+                     strict: bool = False) -> Experiment:
+    """Validate already-parsed YAML (and read the topology it names); raise SpecError with a
+    one-line message.  ``strict``: no coercion of types (what a file gets)."""
+    try:
+        return _parse_experiment(data, origin, base_dir, strict)
+    except SpecError as exc:
+        raise SpecError(one_line(str(exc))) from None
+
+
+def _parse_experiment(data: Any, origin: str, base_dir: Path | None, strict: bool) -> Experiment:
+    if not isinstance(data, dict):
+        raise SpecError(one_line(f"{origin}: expected a mapping at the top level, got {type(data).__name__}"))
+    try:
+        exp = Experiment.model_validate(data, strict=strict)
+    except ValidationError as exc:
+        raise validation_error(exc, origin) from None
+    exp._origin = origin
+    for variant in exp.compare or {}:
+        if not re.match(NAME_PATTERN, f"{exp.name}-{variant}"):
+            raise SpecError(f"{origin}: compare.{key_text(variant)}: a variant's name must be letters, digits, "
+                            f"'.', '_' or '-', at most {63 - len(exp.name)} characters (it names a results folder)")
+    m = exp.model
+    if m.hidden % m.heads:
+        raise SpecError(f"{origin}: model.heads: hidden ({m.hidden}) must be a multiple of heads ({m.heads})")
+    if exp.parallel.stages > m.layers:
+        raise SpecError(f"{origin}: parallel.stages: {exp.parallel.stages} stages need at least as many layers "
+                        f"(model.layers = {m.layers})")
+    try:
+        check(exp.parallel.schedule, exp.parallel.stages, exp.training.microbatches, exp.parallel.extra_warmup)
+    except ScheduleError as exc:
+        raise SpecError(f"{origin}: parallel.schedule: {exc}") from None
+    topo_path = Path(exp.topology)
+    if base_dir is not None and not topo_path.is_absolute() and path_exists(base_dir / topo_path):
+        topo_path = base_dir / topo_path
+    try:
+        topo_file = resolve_topology(str(topo_path), near=base_dir)
+        topo = load_topology(topo_file)
+    except SpecError as exc:
+        raise SpecError(f"{origin}: topology: {exc}") from None
+    exp._topo = topo
+    exp._topo_file = str(Path(topo_file).resolve())
+    exp._slots = _place(exp, topo, origin)
+    decode_dc = exp.bubbletea.decode_dc
+    if decode_dc is not None and decode_dc not in {dc.name for dc in topo.dcs}:
+        raise SpecError(one_line(f"{origin}: bubbletea.decode_dc: no DC {decode_dc!r} in topology {topo.name} "
+                                 f"({', '.join(dc.name for dc in topo.dcs)})"))
+    return exp
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment YAML file (and the topology it names)."""
+    return parse_experiment(read_yaml(path), str(path), Path(path).parent, strict=True)

@@ -1,0 +1,241 @@
+"""One pipeline-parallel worker: stage s of DP replica r, on one emulated host.
+
+How it fits: ``testbed run`` (``testbed/run/runner.py``) starts one worker per (stage, replica)
+inside its host's namespace (and CPU container, for a CPU device), with a JSON config
+(``config.py``).  The worker opens its pipeline channels (``transport.py``; N TCP
+connections across a DC boundary), joins its stage's DP group, reports ready, waits for the
+go, then runs the schedule's op list (``testbed/spec/schedules.py``) every iteration,
+all-reduces gradients inside its DC, steps the optimizer, and streams a timeline of typed
+intervals to the orchestrator (``telemetry.py``) as it goes.
+
+What an op does is the ``compute``'s business: ``TorchCompute`` (``torch_compute.py``)
+runs the real model on a CPU or a GPU; ``EmulatedCompute`` (``emulated.py``, ``device:
+emulated``) occupies an emulated device for a profiled duration and sends buffers of the
+real tensors' size.  Everything else (channels, telemetry, waits, Atlas's offsets) is this
+one loop, so the two kinds of worker cannot drift apart.
+
+Timeline: intervals are contiguous on the shared monotonic clock (each starts where the
+previous ended), so per iteration they add up to the worker's iteration time exactly.
+Kinds: forward, backward, optimizer (the device is busy); recv (waiting for a peer),
+send (handing a tensor to the transport), allreduce, idle (the device is free).
+
+    python -m testbed.train.worker CONFIG.json
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from typing import Protocol
+
+from testbed.train.config import WorkerConfig
+from testbed.train.telemetry import Telemetry
+from testbed.train.transport import Endpoint
+from testbed.train.waitboard import WaitBoard, wait_id
+from testbed.spec import schedules as sch
+
+ACT, GRAD = 0, 1
+
+
+class PeerSilent(RuntimeError):
+    """A pipeline peer sent nothing for ``recv_timeout_s``; the orchestrator names the WAN
+    link between the two."""
+
+    def __init__(self, peer: str, what: str, seconds: float):
+        super().__init__(f"no {what} from {peer} for {seconds:g} s")
+        self.peer, self.seconds = peer, seconds
+
+
+def _recv(channel, peer: str, what: str, timeout: float) -> bytearray:
+    try:
+        return channel.recv(timeout=timeout)
+    except TimeoutError:
+        raise PeerSilent(peer, what, timeout) from None
+
+
+class Compute(Protocol):
+    """What a worker's device does for each op of the schedule."""
+
+    busy_kinds: tuple[str, ...]
+
+    def start_iteration(self, it: int) -> None: ...
+    def forward(self, it: int, mb: int) -> None: ...
+    def backward(self, it: int, mb: int) -> None: ...
+    def activation(self, mb: int) -> bytes | memoryview: ...  # to send to the next stage
+    def gradient(self, mb: int) -> bytes | memoryview: ...  # to send to the previous stage
+    def take_activation(self, mb: int, buf: bytearray, arrived: float) -> None: ...  # from the previous stage
+    def take_gradient(self, mb: int, buf: bytearray, arrived: float) -> None: ...  # from the next stage
+    def allreduce(self) -> None: ...
+    def optimizer_step(self) -> float | None: ...  # the iteration's loss (last stage), or None
+    def synchronize(self) -> None: ...  # the device's queued work is done (CUDA)
+    def report(self) -> dict: ...  # extra figures for the orchestrator, once at the end
+    def close(self) -> None: ...
+
+
+def run(cfg: WorkerConfig, compute_factory) -> None:
+    me = cfg.worker
+    stage, stages = me.stage, cfg.stages
+    tel = Telemetry(cfg.telemetry, me.name)
+    M = cfg.training["microbatches"]
+    program = sch.ops(cfg.schedule, stage, stages, M, cfg.extra_warmup)
+
+    # -- channels: connect outgoing first (the kernel completes handshakes), then accept
+    transfers: list[list] = []
+    tlock = threading.Lock()
+
+    def on_transfer(kind):
+        def record(rec):
+            with tlock:
+                transfers.append([kind, rec.seq % M, rec.start, rec.end, rec.nbytes, rec.seq // M])
+        return record
+
+    ep = Endpoint(me.name, me.ip, cfg.port)
+    nxt, prv = cfg.next, cfg.prev
+    act_out = grad_out = act_in = grad_in = None
+    # transfers are recorded where they end: the receiver sees the last byte arrive
+    if nxt:
+        act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf, window_bytes=nxt.window)
+    if prv:
+        grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf, window_bytes=prv.window)
+    if prv:
+        act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"),
+                           window_bytes=prv.window)
+    if nxt:
+        grad_in = ep.accept(nxt.name, GRAD, nxt.connections, nxt.buf, on_receive=on_transfer("xfer_grad"),
+                            window_bytes=nxt.window)
+    compute: Compute = compute_factory(cfg, ep)  # it joins the stage's DP group
+
+    tel.send({"type": "ready"})
+    go = tel.receive()
+    assert go["type"] == "go", go
+    # after the go the orchestrator may send a temporal plan (Atlas: this pipeline's start
+    # offset) at any time, and finally "bye"; a thread keeps the latest plan
+    plan = {"offset_s": 0.0}
+    bye = threading.Event()
+
+    def listen() -> None:
+        try:
+            while True:
+                msg = tel.receive()
+                if msg.get("type") == "plan":
+                    plan["offset_s"] = max(0.0, float(msg.get("offset_s", 0.0)))
+                elif msg.get("type") == "bye":
+                    break
+        except (ConnectionError, OSError, ValueError):
+            pass
+        bye.set()
+
+    threading.Thread(target=listen, daemon=True).start()
+
+    events: list[list] = []
+    cursor = time.monotonic()
+    busy = compute.busy_kinds
+
+    def mark(kind: str, mb: int, it: int) -> None:
+        nonlocal cursor
+        if kind in busy:
+            compute.synchronize()
+        now = time.monotonic()
+        events.append([kind, mb, cursor, now, it])
+        cursor = now
+
+    def flush(it: int, extra: dict | None = None) -> None:
+        nonlocal events
+        with tlock:
+            xf, transfers[:] = list(transfers), []
+        msg = {"type": "events", "it": it, "events": events, "transfers": xf}
+        if extra:
+            msg.update(extra)
+        tel.send(msg)
+        events = []
+
+    announce = cfg.announce_waits  # BubbleTea: say when a wait for a peer begins
+    board = WaitBoard(cfg.wait_board) if cfg.wait_board else None  # ... and show while it lasts
+    for it in range(cfg.training["iterations"]):
+        compute.start_iteration(it)
+        waits = 0
+        offset = plan["offset_s"] if stage == 0 else 0.0
+        if offset > 0:  # Atlas's stagger: this pipeline enters the WAN after the ones before it
+            time.sleep(offset)
+            mark("idle", -1, it)
+        for op in program:
+            k, i = op.kind, op.mb
+            if announce and k in (sch.RECV_ACT, sch.RECV_GRAD):
+                tel.send({"type": "wait", "it": it, "n": waits, "t": time.monotonic()})
+                if board is not None:
+                    board.show(wait_id(it, waits))
+                waits += 1
+            if k == sch.RECV_ACT:
+                buf = _recv(act_in, prv.name, "activation", cfg.recv_timeout_s)
+                if board is not None:
+                    board.show(0)
+                compute.take_activation(i, buf, act_in.last_arrival)
+                mark("recv", i, it)
+            elif k == sch.FORWARD:
+                compute.forward(it, i)
+                mark("forward", i, it)
+            elif k == sch.SEND_ACT:
+                act_out.send(compute.activation(i))
+                mark("send", i, it)
+            elif k == sch.RECV_GRAD:
+                buf = _recv(grad_in, nxt.name, "gradient", cfg.recv_timeout_s)
+                if board is not None:
+                    board.show(0)
+                compute.take_gradient(i, buf, grad_in.last_arrival)
+                mark("recv", i, it)
+            elif k == sch.BACKWARD:
+                compute.backward(it, i)
+                mark("backward", i, it)
+            elif k == sch.SEND_GRAD:
+                grad_out.send(compute.gradient(i))
+                mark("send", i, it)
+            if len(events) >= 8:
+                flush(it)
+        if cfg.replicas > 1:
+            compute.allreduce()
+            mark("allreduce", -1, it)
+        loss = compute.optimizer_step()
+        mark("optimizer", -1, it)
+        flush(it, {"end": cursor, "loss": loss, "iteration_done": True})
+
+    for ch in (act_out, grad_out):  # let the last sends leave before saying done
+        if ch is not None:
+            ch.flush()
+    with tlock:
+        tail = list(transfers)
+    tel.send({"type": "done", "transfers": tail, "report": compute.report()})
+    bye.wait()  # the orchestrator says when everyone is done (peers may still read)
+    for ch in (act_out, grad_out, act_in, grad_in):
+        if ch is not None:
+            ch.close()
+    compute.close()
+    ep.close()
+
+
+def main() -> int:
+    cfg = WorkerConfig.load(sys.argv[1])
+    try:
+        if cfg.device == "emulated":
+            from testbed.train.emulated import EmulatedCompute as factory
+        else:
+            from testbed.train.torch_compute import TorchCompute as factory
+        run(cfg, factory)
+    except Exception as exc:  # report, then fail: the orchestrator ends the run
+        msg = f"{type(exc).__name__}: {exc}"
+        try:
+            tel = Telemetry(cfg.telemetry, cfg.worker.name)
+            err = {"type": "error", "msg": msg, "trace": traceback.format_exc()[-2000:]}
+            if isinstance(exc, PeerSilent):
+                err.update(peer=exc.peer, silent_s=exc.seconds)
+            tel.send(err)
+        except OSError:
+            pass
+        print(traceback.format_exc(), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
