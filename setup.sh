@@ -32,7 +32,8 @@ apt_install ca-certificates python3 python3-venv python3-apt
 if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import testbed, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis" 2>/dev/null; then
+# (extensions are found through the package's entry points: an install older than them has none)
+if ! .venv/bin/python -c "import testbed.extension as e, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis; assert e.extensions()" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
   .venv/bin/python -c "import testbed, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis"
 fi

@@ -2,14 +2,15 @@
 
 How the pieces fit, bottom up (each package imports only those listed before it):
 
+* ``extension``: the one registry through which extensions (``agents/``, a third party's
+  package) plug in, found by the ``testbed.extensions`` entry points: their experiment
+  sections, run hooks, commands, faults and predictions;
 * ``spec``: what a user writes, validated (topologies, experiments, the AWS matrix, the
   model's shape, pipeline schedules);
 * ``registry``: everything the testbed makes, written down as it is made, so ``testbed
   clean`` can always remove it;
 * ``net``: the emulated WAN (Mininet hosts behind gateways, links shaped by tc and the
   delay line) and the instruments that measure it against its spec;
-* ``extension``: the one registry through which extensions (``agents/``: Atlas, BubbleTea,
-  Titan, a third party's) plug in, found by the ``testbed.extensions`` entry points;
 * ``train``: the training workload, a GPT cut into pipeline stages (what each worker
   process runs);
 * ``run``: a workload on the WAN: processes in hosts, their telemetry, records, metrics,

@@ -26,16 +26,12 @@ from testbed import __version__
 from testbed.cliutil import fail as _fail
 from testbed.cliutil import fail_interrupted
 from testbed.cliutil import on_sigterm as _on_sigterm
+from testbed.extension import commands as _extension_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
 topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
 app.add_typer(topology_app, name="topology")
 
-# command groups of agents (``extension.COMMANDS``): ``testbed titan ...``
-from testbed.extension import command_groups  # noqa: E402
-
-for _name, _group in command_groups().items():
-    app.add_typer(_group, name=_name)
 console = Console(stderr=True)
 out = Console()
 
@@ -175,10 +171,10 @@ def run(
         site = None
         if inventory is not None:
             from testbed.cluster.inventory import ClusterError
-            from testbed.extension import extensions_for
+            from testbed.extension import in_use
 
             refused = ("compare:" if exp.compare else "device: emulated" if exp.device == "emulated" else
-                       ", ".join(e.name for e in extensions_for(exp)))
+                       ", ".join(e.name for e in in_use(exp)))
             if refused:
                 raise ClusterError(f"--inventory: {refused} runs on one machine only, for now")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -240,12 +236,11 @@ def _run_comparison(exp, out: Path, delay_backend: str) -> None:
     names = list(exp.compare)
     speed = result.get(f"speedup_over_{names[0]}", {})
     table = Table(title=f"{exp.name} on {exp.topo.name}: {len(names)} variants")
-    for col in ("variant", "connections", "sharing", "measured s", "predicted s", "speedup measured",
-                "speedup predicted"):
-        table.add_column(col, justify="right" if col not in ("variant", "sharing") else "left")
+    for col in ("variant", "sets", "measured s", "predicted s", "speedup measured", "speedup predicted"):
+        table.add_column(col, justify="right" if col not in ("variant", "sets") else "left")
     for n in names:
         r = result[n]
-        table.add_row(n, str(r["connections"]), r["sharing"], f"{r['measured_s']:.3f}", f"{r['predicted_s']:.3f}",
+        table.add_row(n, r["settings"], f"{r['measured_s']:.3f}", f"{r['predicted_s']:.3f}",
                       f"{speed[n]['measured']:.3f}x", f"{speed[n]['predicted']:.3f}x")
     console.print(table)
     console.print(f"same losses in every variant: {result['same_losses']}; results: {out}/comparison.json")
@@ -280,79 +275,6 @@ def sim(
     for r in rows:
         table.add_row(*[f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys])
     out.print(table)
-
-
-@app.command()
-def plan(
-    experiment: Path = typer.Argument(..., help="experiment file: its model, global batch and topology"),
-    top: int = typer.Option(8, help="show this many plans"),
-    max_dcs: Optional[int] = typer.Option(None, help="consider DC subsets up to this size"),
-    out_file: Optional[Path] = typer.Option(None, "--out", help="write the best plan as an experiment file"),
-    as_json: bool = typer.Option(False, "--json", help="print the ranking as JSON"),
-    profile: Optional[Path] = typer.Option(None, help="timeline.json of a run of this experiment on its real "
-                                                      "devices: take device time from it"),
-) -> None:
-    """Atlas's planner: DC selection and stage assignment (Algorithm 1) for every pipeline depth,
-    DP degree (global batch fixed) and DC subset, ranked by simulated iteration time, with
-    device time from where the run gets it (emulated devices' profile, or --profile)."""
-    import json
-
-    import yaml
-
-    from testbed.spec.experiment import load_experiment
-    from testbed.extension import tool
-
-    planner = tool("plan")
-    PlanError, search = planner.PlanError, planner.search
-
-    try:
-        exp = load_experiment(experiment)
-        if profile is not None and not profile.is_file():
-            raise PlanError(f"--profile: {profile} is not a file (a run's timeline.json)")
-        device = planner.DeviceTimes.of(exp, profile)
-        with console.status("simulating candidate plans") as status:
-            ranked = search(exp, max_dcs=max_dcs, device=device, progress=lambda done, total: status.update(
-                f"simulating candidate plans: {done}/{total}"))
-        if not ranked or ranked[0].iteration_time_s is None:
-            raise PlanError("no candidate placement fits: " + "; ".join(sorted({c.why_not for c in ranked}))[:300])
-    except _user_errors() + (PlanError,) as exc:
-        _fail(str(exc))
-    if as_json:
-        print(json.dumps([c.as_dict() for c in ranked[:top]] + [c.as_dict() for c in ranked if c.iteration_time_s
-                                                                  is None][:top], indent=1))
-    else:
-        table = Table(title=f"plans for {exp.name} on {exp.topo.name} (global batch "
-                            f"{exp.parallel.replicas * exp.training.microbatches} microbatches)")
-        for col in ("#", "plan", "placement", "iteration s", "tokens/s", "bubbles", "WAN busy", "why not first"):
-            table.add_column(col)
-        for i, c in enumerate(ranked[:top], 1):
-            if c.iteration_time_s is None:
-                break
-            table.add_row(str(i), c.label(), " ".join(f"{dc}:{s[0]}-{s[-1]}" for dc, s in c.placement.items()),
-                          f"{c.iteration_time_s:.3f}", f"{c.tokens_per_s:.0f}", f"{c.bubble_fraction:.0%}",
-                          f"{c.wan_utilization:.0%}", c.why_not or "best")
-        console.print(table)
-        console.print(f"device time: {device.source}")
-        infeasible = [c for c in ranked if c.iteration_time_s is None]
-        if infeasible:
-            console.print(f"{len(infeasible)} candidate(s) do not fit, e.g. {infeasible[0].label()}: "
-                          f"{infeasible[0].why_not}")
-    if out_file is not None:
-        best = ranked[0]
-        data = yaml.safe_load(Path(experiment).read_text())
-        data["topology"] = exp.topology_file
-        data.setdefault("parallel", {}).update(stages=best.stages, replicas=best.replicas)
-        data.setdefault("training", {})["microbatches"] = best.microbatches
-        data["placement"] = best.placement
-        data["name"] = f"{exp.name}-planned"
-        if exp.device == "emulated" and best.stages != exp.parallel.stages and best.stage_times:
-            # the emulated devices draw what the prediction assumed (a profile is of the old depth)
-            data.setdefault("sim", {})["stage_times"] = best.stage_times_spec(device.speedup)
-            data.get("emulation", {}).pop("profile", None)
-        out_file.write_text(f"# written by: testbed plan {experiment} --out {out_file}\n"
-                            f"# {best.label()}: predicted {best.iteration_time_s:.3f} s per iteration\n"
-                            + yaml.safe_dump(data, sort_keys=False))
-        console.print(f"best plan written to {out_file} (testbed run {out_file})")
 
 
 @app.command()
@@ -574,6 +496,16 @@ def fake_down() -> None:
     from testbed.cluster import fake
 
     out.print(f"fake cluster: ended {len(fake.destroy())} process(es)")
+
+
+# what extensions add (``testbed.extension``): a typer app is a command group (``testbed titan
+# ...``), a function one command (``testbed plan``)
+for _name, _load in _extension_commands().items():
+    _target = _load()
+    if isinstance(_target, typer.Typer):
+        app.add_typer(_target, name=_name)
+    else:
+        app.command(_name)(_target)
 
 
 def main() -> None:

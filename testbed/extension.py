@@ -1,180 +1,143 @@
-"""Run extensions: what plugs into a training run (Atlas, BubbleTea, what comes next).
+"""Extensions: the one registry through which everything outside the core plugs in.
 
-How it fits: ``runner.TrainingRun`` knows none of them by name.  ``extensions_for(exp)``
-looks in ``REGISTRY`` (name -> "module:Class", in the spirit of pyroute2's plugin table and
-torchtitan's ``TrainSpec``) and asks each class whether the experiment uses it; the run then
-drives every extension through the same hooks, in this order:
+How it fits: an extension is a package (``agents/atlas``, ``agents/bubbletea``,
+``agents/titan``, or a third party's) that declares one ``Extension`` under the
+``testbed.extensions`` entry-point group, as pytest's plugins and pyroute2's tc plugins are
+found::
 
-1. ``network_options()`` before the network is built (Atlas asks for the delay line's
-   scheduler), ``worker_options(ctx, slot)`` and ``pins_workers`` while the workers are
-   launched;
-2. ``start(ctx)`` once the workers are started: the extension starts its own processes
-   through ``ctx.launcher`` (they connect to the run's telemetry hub under one of its
-   ``peers`` names);
-3. during the run: ``on_worker_message`` for every telemetry message of every worker,
-   ``on_peer_message`` / ``on_peer_gone`` for its own processes, ``check()`` twice a
-   second (a dead process is logged, training goes on), ``ready()`` (training starts when
-   every extension is ready, e.g. BubbleTea's servers have profiled their model);
-4. after training: ``stop(out_dir)`` (end its processes, keep their logs and files),
-   ``steady_state_from()`` (the first iteration the summary may count), ``summarise``
-   (figures merged into metrics.json's summary) and ``write_outputs`` (its own plots).
+    [project.entry-points."testbed.extensions"]
+    myext = "mypkg.plugin:EXTENSION"
 
-A third-party extension registers under the ``testbed.extensions`` entry-point group.
-``TOOLS`` names what extensions offer the command besides a run (``testbed plan`` is
-Atlas's planner), loaded the same way; ``COMMANDS`` names whole command groups an agent
-adds (``testbed titan ...``: Titan / Titan-Next, which is no training run).
+The core never names an extension (``tests/test_structure.py`` checks it); it asks this
+registry, and each extension owns everything of its own:
+
+* ``section``: the model of its section of an experiment file (``myext: {...}``), a
+  ``Section`` (strict pydantic): ``testbed.spec.experiment`` gives the experiment schema one
+  field per registered section, so its errors name the file and the field as the core's do;
+  ``check(exp, origin)`` checks what needs the whole experiment (its topology, say);
+* ``variant_keys``: the shorthands a ``compare:`` arm may set in its section
+  (``sharing: temporal`` sets ``atlas.sharing``);
+* ``run``: ``"module:Class"`` of its ``testbed.run.hooks.RunExtension``, imported only
+  when an experiment uses it;
+* ``commands``: ``testbed`` sub-commands, name -> ``"module:attr"``: a typer app (a command
+  group, ``testbed titan ...``) or a function (one command, ``testbed plan``);
+* ``faults``: what ``testbed chaos`` may inject into a run that uses it (``ProcessFault``:
+  SIGKILL one of its processes; the run must end as documented);
+* ``predict``: ``"module:func"``, ``func(exp, run_dir) -> dict`` of keyword arguments for
+  the simulator (a sharing policy, start offsets) when ``compare:`` predicts a variant run
+  with it.
+
+Device kinds (cpu, cuda, emulated) are not extensions yet: they are the run's own
+(``testbed.run.runner``, ``testbed.run.emulation``).
+
+An ``Extension``'s module is imported whenever the command or an experiment is loaded, so it
+must import only light things at the top (pydantic, typer, this module).
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib.metadata import entry_points
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from testbed.spec.experiment import Experiment, WorkerSlot
-    from testbed.net.network import HostInfo, Network
-    from testbed.run.procs import CpuContainers, Launcher
-    from testbed.run.records import RunRecord, WorkerRecord
+from pydantic import BaseModel, ConfigDict
 
-REGISTRY: dict[str, str] = {
-    "atlas": "agents.atlas.extension:AtlasExtension",
-    "bubbletea": "agents.bubbletea.extension:BubbleTeaExtension",
-}
-# what an extension offers the ``testbed`` command besides a run (name -> module)
-TOOLS: dict[str, str] = {
-    "plan": "agents.atlas.planner",  # Atlas's DC selection and stage assignment: ``testbed plan``
-}
-# command groups agents add to ``testbed`` (name -> "module:typer app"); their modules may
-# import only light things at the top (typer, rich): the command loads them at start
-COMMANDS: dict[str, str] = {
-    "titan": "agents.titan.cli:app",  # Titan / Titan-Next: ``testbed titan study|emulate|backbone``
-}
+# "Experiment" below is ``testbed.spec.experiment.Experiment``, not imported: that module
+# builds its schema from this registry
+
+GROUP = "testbed.extensions"
 
 
 class ExtensionError(RuntimeError):
-    """An extension cannot run as the experiment asks; the message is one line."""
+    """An extension cannot run as the experiment asks, or cannot be loaded; the message is one line."""
 
 
-class WorkerView(Protocol):
-    """What an extension may read of a live worker."""
+class Section(BaseModel):
+    """Base of an extension's experiment-file section: unknown keys and NaN are errors."""
 
-    slot: "WorkerSlot"
-    host: "HostInfo"
-    record: "WorkerRecord"
-    cgroup: Path | None
-    cpu: int | None
-    device_file: Path | None  # device: emulated: its stream, which a co-tenant's ops may queue on
-    iterations_done: int
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    def in_use(self) -> bool:
+        """Whether an experiment with this section asks for the extension (default: never)."""
+        return False
 
 
-class RunContext(Protocol):
-    """What the run gives its extensions."""
+@dataclass(frozen=True)
+class ProcessFault:
+    """``testbed chaos``: SIGKILL of one of the extension's processes (``targets(exp)`` names
+    the candidates, as the extension named them when it started them).  Documented outcome:
+    ``documented``; judged by the run's log naming ``"<extension> <target>"`` and
+    ``log_says``."""
 
-    exp: "Experiment"
-    net: "Network"
-    launcher: "Launcher"
-    containers: "CpuContainers"
-    telemetry_path: Path
-    workers: dict[str, WorkerView]
-
-    def log(self, msg: str) -> None: ...
-    def warn(self, msg: str) -> None: ...
-    def send_to_worker(self, name: str, msg: dict) -> bool: ...
-    def send_to_peer(self, name: str, msg: dict) -> bool: ...
-    def iterations_done(self) -> int: ...
+    documented: str
+    targets: Callable[["Experiment"], list[str]]
+    log_says: str = "training continues"
 
 
-class RunExtension:
-    """Base class: every hook does nothing until an extension overrides it."""
+@dataclass(frozen=True)
+class Extension:
+    """What one extension adds to the testbed (see the module docstring)."""
 
-    name: ClassVar[str] = ""
-    peers: ClassVar[tuple[str, ...]] = ()  # hello names its processes use on the telemetry hub
-    pins_workers: ClassVar[bool] = False  # each worker on one core (a co-tenant must share it)
+    name: str
+    section: type[Section] | None = None
+    check: Callable[["Experiment", str], None] | None = None
+    variant_keys: dict[str, str] = field(default_factory=dict)
+    run: str | None = None
+    commands: dict[str, str] = field(default_factory=dict)
+    faults: dict[str, ProcessFault] = field(default_factory=dict)
+    predict: str | None = None
 
-    @classmethod
-    def for_experiment(cls, exp: "Experiment") -> "RunExtension | None":
-        """An instance when ``exp`` uses this extension, else None."""
-        raise NotImplementedError
-
-    def network_options(self) -> dict[str, Any]:
-        return {}
-
-    def worker_options(self, ctx: RunContext, slot: "WorkerSlot") -> dict[str, Any]:
-        """Fields of the worker's ``testbed.train.config.WorkerConfig`` to set."""
-        return {}
-
-    def start(self, ctx: RunContext) -> None:
-        pass
-
-    def on_worker_message(self, worker: str, msg: dict) -> None:
-        pass
-
-    def on_peer_message(self, peer: str, msg: dict) -> None:
-        pass
-
-    def on_peer_gone(self, peer: str) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return True
-
-    def waiting_for(self) -> str:
-        """What ``ready()`` waits for, in words (for the not-ready error)."""
-        return self.name
-
-    def check(self) -> None:
-        pass
-
-    def steady_state_from(self) -> int:
-        return 0
-
-    def training_done(self) -> None:
-        """Training has ended; the run is about to stop the extension."""
-
-    def stop(self, out_dir: Path) -> None:
-        pass
-
-    def summarise(self, record: "RunRecord", result: dict, out_dir: Path) -> dict:
-        return {}
-
-    def write_outputs(self, record: "RunRecord", result: dict, out_dir: Path) -> None:
-        pass
-
-
-def _load(target: str) -> type[RunExtension]:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def tool(name: str):
-    """The module behind one of the extensions' command-line tools (``TOOLS``)."""
-    return importlib.import_module(TOOLS[name])
-
-
-def command_groups() -> dict[str, Any]:
-    """The typer apps behind ``COMMANDS``, by group name."""
-    out = {}
-    for name, target in COMMANDS.items():
+    def load(self, target: str) -> Any:
+        """The object behind one of this extension's ``"module:attr"`` targets."""
         module, _, attr = target.partition(":")
-        out[name] = getattr(importlib.import_module(module), attr)
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ExtensionError(f"extension {self.name}: cannot load {target}: {exc}") from None
+
+
+@lru_cache(maxsize=1)
+def extensions() -> dict[str, Extension]:
+    """Every registered extension by name, in name order (the order hooks run in)."""
+    found: dict[str, Extension] = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        try:
+            ext = ep.load()
+        except Exception as exc:  # a broken third-party package: name it, in one line
+            raise ExtensionError(f"extension {ep.name} ({ep.value}): cannot load: "
+                                 f"{type(exc).__name__}: {exc}".replace("\n", " ")) from None
+        if not isinstance(ext, Extension) or ext.name != ep.name:
+            raise ExtensionError(f"extension {ep.name} ({ep.value}): not an Extension named {ep.name!r}")
+        found.setdefault(ep.name, ext)
+    return found
+
+
+def sections() -> dict[str, type[Section]]:
+    """The experiment-file sections extensions add, by section name."""
+    return {n: e.section for n, e in extensions().items() if e.section is not None}
+
+
+def commands() -> dict[str, Callable[[], Any]]:
+    """``testbed`` sub-commands extensions add: name -> a loader of the typer app or function."""
+    out: dict[str, Callable[[], Any]] = {}
+    for ext in extensions().values():
+        for name, target in ext.commands.items():
+            out[name] = lambda e=ext, t=target: e.load(t)
     return out
 
 
-def registered() -> dict[str, Callable[[], type[RunExtension]]]:
-    """Every known extension: the built-in table, then the ``testbed.extensions`` entry points."""
-    out: dict[str, Callable[[], type[RunExtension]]] = {n: (lambda t=t: _load(t)) for n, t in REGISTRY.items()}
-    for ep in entry_points(group="testbed.extensions"):
-        out.setdefault(ep.name, ep.load)
-    return out
+def faults() -> dict[str, tuple[Extension, ProcessFault]]:
+    """Chaos faults extensions add: fault name -> (its extension, the fault)."""
+    return {name: (ext, f) for ext in extensions().values() for name, f in ext.faults.items()}
 
 
-def extensions_for(exp: "Experiment") -> list[RunExtension]:
-    """The extensions ``exp`` uses, in registry order."""
+def in_use(exp: "Experiment") -> list[Extension]:
+    """The extensions ``exp`` asks for (its section says so), in registry order."""
     out = []
-    for loader in registered().values():
-        ext = loader().for_experiment(exp)
-        if ext is not None:
+    for name, ext in extensions().items():
+        section = getattr(exp, name, None) if ext.section is not None else None
+        if isinstance(section, Section) and section.in_use():
             out.append(ext)
     return out

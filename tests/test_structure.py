@@ -8,9 +8,11 @@ extension registry (``testbed/extension.py``: names in strings, loaded by import
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,18 +88,60 @@ def test_no_import_circle():
             assert cycle is None, " -> ".join(cycle)
 
 
-def test_the_core_reaches_extensions_only_through_the_registry():
+_EXTENSION_NAMES = re.compile(r"atlas|bubbletea|titan|prefill", re.IGNORECASE)
+
+
+def _code_tokens(path: Path):
+    """The names and string literals of a module's code: comments and docstrings left out."""
+    toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+    skip = (tokenize.NL, tokenize.COMMENT)
+    fstring_middle = getattr(tokenize, "FSTRING_MIDDLE", None)
+    for i, tok in enumerate(toks):
+        if tok.type == tokenize.STRING:
+            j = i - 1
+            while j >= 0 and toks[j].type in skip:
+                j -= 1
+            alone_before = j < 0 or toks[j].type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+            if alone_before and toks[i + 1].type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+                continue  # a docstring (or a bare string statement)
+        if tok.type in (tokenize.NAME, tokenize.STRING) or tok.type == fstring_middle:
+            yield tok
+
+
+def test_no_core_module_names_an_extension():
+    """Outside an extension's own package, no code names atlas, bubbletea, titan or prefill:
+    the core reaches extensions only through the registry (entry points)."""
+    named = [f"{p.relative_to(REPO)}:{tok.start[0]}: {tok.string[:60]}"
+             for p in sorted((REPO / "testbed").rglob("*.py")) for tok in _code_tokens(p)
+             if _EXTENSION_NAMES.search(tok.string)]
+    assert not named, "\n".join(named)
     graph = _graph()
     for name, deps in graph.items():
         if name.startswith("testbed"):
-            bad = sorted(d for d in deps if d.startswith(("agents.atlas", "agents.bubbletea", "agents.titan")))
+            bad = sorted(d for d in deps if d.startswith("agents"))
             assert not bad, f"{name} imports {bad}"
-    runner = (REPO / "testbed" / "run" / "runner.py").read_text()
-    assert not re.search(r"atlas|bubbletea", runner, re.IGNORECASE)
-    from testbed.extension import COMMANDS, REGISTRY
 
-    assert set(REGISTRY) >= {"atlas", "bubbletea"}
-    assert "titan" in COMMANDS
+
+def test_the_name_check_catches_a_name(tmp_path):
+    """The check above sees names and strings in code, and passes over docstrings and comments."""
+    mod = tmp_path / "m.py"
+    mod.write_text('"""Atlas in a docstring."""\n# bubbletea in a comment\ndef f():\n    """Titan."""\n'
+                   '    return "kill-atlas-agent"\n')
+    assert [t.string for t in _code_tokens(mod) if _EXTENSION_NAMES.search(t.string)] == ['"kill-atlas-agent"']
+
+
+def test_extensions_are_found_through_entry_points_only():
+    from importlib.metadata import entry_points
+
+    import testbed.extension as registry
+
+    assert not hasattr(registry, "REGISTRY") and not hasattr(registry, "COMMANDS")
+    declared = {ep.name for ep in entry_points(group=registry.GROUP)}
+    assert {"atlas", "bubbletea", "titan"} <= declared
+    assert set(registry.extensions()) == declared
+    from testbed.spec.experiment import Experiment
+
+    assert {"atlas", "bubbletea"} <= set(Experiment.model_fields)  # their sections, from the registry
 
 
 def test_every_package_is_installed():

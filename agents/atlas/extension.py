@@ -1,7 +1,7 @@
 """Atlas's side of a training run: its controller and gateway agents, and their plans.
 
-How it fits: ``testbed.extension`` finds this class when the experiment says ``atlas:
-{sharing: temporal | paced}``.  With temporal sharing it asks the network for the delay
+How it fits: the run makes this class (``plugin.py`` names it) when the experiment says
+``atlas: {sharing: temporal | paced}``.  With temporal sharing it asks the network for the delay
 line's per-pipeline scheduler on every WAN path and starts one agent per gateway that has
 pipelines to schedule (``agent.py``); it always starts the controller (``controller.py``),
 which connects to the run's telemetry hub as ``atlas-controller``.  The extension forwards
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from agents.atlas.config import AgentConfig, AgentLink, ControllerConfig, LinkPlan
-from testbed.extension import RunContext, RunExtension
+from testbed.run.hooks import RunContext, RunExtension
 
 
 class AtlasExtension(RunExtension):
@@ -33,10 +33,6 @@ class AtlasExtension(RunExtension):
         self._controller_up = False
         self._dead: set[str] = set()
         self._names: list[str] = []
-
-    @classmethod
-    def for_experiment(cls, exp) -> "AtlasExtension | None":
-        return cls(exp) if exp.atlas.sharing != "fair" else None
 
     def network_options(self) -> dict:
         return {"scheduling": True} if self.exp.atlas.sharing == "temporal" else {}
@@ -172,3 +168,21 @@ class AtlasExtension(RunExtension):
         return {"atlas": {"sharing": self.exp.atlas.sharing, "plans_published": len(self.plans),
                           "order": last["order"] if last else None,
                           "steady_state_from_iteration": self._steady_from}}
+
+
+def predict_options(exp, run_dir: Path) -> dict:
+    """The simulator's arguments for predicting a variant run with Atlas (``compare:``): the
+    start offsets of the last plan its controller published, and under temporal sharing
+    strict priority in that plan's order."""
+    from testbed.sim.engine import PriorityPolicy
+
+    plans_file = run_dir / "atlas-plans.json"
+    if exp.atlas.sharing == "fair" or not plans_file.exists():
+        return {}
+    plans = json.loads(plans_file.read_text())
+    if not plans:
+        return {}
+    out: dict = {"start_offsets": {int(r): v for r, v in plans[-1]["offsets"].items()}}
+    if exp.atlas.sharing == "temporal":
+        out["policy"] = PriorityPolicy(plans[-1]["order"])
+    return out

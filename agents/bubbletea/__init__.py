@@ -1,6 +1,7 @@
 """BubbleTea: prefill-as-a-service in the bubbles of pipeline training.
 
-How the pieces fit: ``extension`` plugs BubbleTea into a training run (it starts the
+How the pieces fit: ``plugin`` declares BubbleTea to the testbed (its experiment section and
+its run); ``extension`` plugs BubbleTea into a training run (it starts the
 processes and folds their results into the run's summary); ``controller`` (a process) admits
 requests from the ``workload`` (Azure LLM traces or Poisson) and places them in the bubbles
 ``predictor`` foresees from the workers' live telemetry; one prefill ``server`` per training

@@ -1,6 +1,6 @@
 """BubbleTea's side of a training run: start its processes, watch them, and fold its results in.
 
-How it fits: ``testbed.extension`` finds this class when the experiment says
+How it fits: the run makes this class (``plugin.py`` names it) when the experiment says
 ``bubbletea: {enabled: true}``.  It asks the run to announce each wait for a peer on the
 worker's wait board (and, on CPUs, to pin each worker to one core: its prefill server must
 share it).  ``start`` then starts, through the run's launcher: one prefill server per
@@ -34,7 +34,7 @@ from pathlib import Path
 from agents.bubbletea.config import ControllerConfig, DecodeConfig, InferenceModel, ServerConfig, Workload
 from testbed.train.device import create_device
 from testbed.train.waitboard import create_board
-from testbed.extension import ExtensionError, RunContext, RunExtension
+from testbed.run.hooks import ExtensionError, RunContext, RunExtension
 from testbed.run.procs import CpuContainers, python_env
 from testbed.run.records import BUSY_KINDS, RunRecord
 from testbed.spec.topology import SpecError
@@ -81,10 +81,6 @@ class BubbleTeaExtension(RunExtension):
         self.dead = False  # the controller has died (and the run's log says so)
         self._connected = False
         self._results: Path | None = None
-
-    @classmethod
-    def for_experiment(cls, exp) -> "BubbleTeaExtension | None":
-        return cls(exp) if exp.bubbletea.enabled else None
 
     def worker_options(self, ctx: RunContext, slot) -> dict:
         """Each worker says when a wait for a peer begins and shows the wait under way on its
@@ -339,7 +335,7 @@ def summarise(run: RunRecord, result: dict, out_dir: Path) -> dict:
     util_with, util_without, prefill_share = [], [], []
     for name, w in run.workers.items():
         prefills = [(s, e) for s, e, _ in data["prefill_intervals"].get(name, [])]
-        w.cotenant = prefills
+        w.cotenant, w.cotenant_kind = prefills, "prefill"
         for k in steady:
             start = w.iteration_end[k - 1] if k > 0 else run.go_time
             end = w.iteration_end[k]

@@ -20,5 +20,6 @@ the formulation is ours and stated where it is made).  How the pieces fit:
 * ``emunet.py``, ``media.py``, ``routecheck.py``, ``emulate.py``: the emulated dual-path
   network (testbed WAN + an Internet hub, DSCP marks and policy routing), real UDP calls
   measured at the receivers, per-link load from counters, per-stream route checks.
-* ``cli.py``: ``testbed titan study | emulate | backbone``.
+* ``cli.py``: ``testbed titan study | emulate | backbone``; ``plugin.py`` declares it to the
+  testbed (the ``testbed.extensions`` entry point).
 """

@@ -631,7 +631,7 @@ class ClusterSite:
     def network(self, topo: Topology, delay_backend: str, options: dict) -> ClusterNetwork:
         if options:
             raise ClusterError(f"a run across machines does not take {', '.join(sorted(options))} yet "
-                               f"(Atlas's scheduler and BubbleTea run on one machine)")
+                               "(extensions' processes run on one machine, for now)")
         self.cluster.check_clocks(topo)
         self.net = ClusterNetwork(self.cluster, topo)
         self.net.delay_backend = delay_backend

@@ -2,15 +2,16 @@
 
 How it fits: ``testbed chaos`` (``cli.py``) and tests/test_faults.py drive this module.
 Each injection runs ``experiments/chaos.yaml`` (two DCs of two hosts, two pipeline stages
-across the WAN link, two replicas, Atlas's temporal sharing so that its agents exist) with
-the faults the issue names, one at a time, at an iteration drawn from a seeded RNG:
+across the WAN link, two replicas, and an extension whose processes exist: Atlas's temporal
+sharing) with the faults below, one at a time, at an iteration drawn from a seeded RNG:
 
 * ``kill-orchestrator``: SIGKILL of ``testbed run`` itself (a subprocess here), and
   ``interrupt-orchestrator``: Ctrl-C (SIGINT to its process group, as a terminal sends it);
   both at a random iteration, or at a random moment after the command starts (while the
   network is being built, say);
-* ``kill-worker``, ``kill-delayline``, ``kill-atlas-agent``, ``kill-atlas-controller``:
-  SIGKILL of one of the run's processes;
+* ``kill-worker``, ``kill-delayline``: SIGKILL of one of the run's processes;
+* what extensions add (``testbed.extension.ProcessFault``, e.g. ``kill-atlas-agent``):
+  SIGKILL of one of an extension's processes, after which training must go on;
 * ``link-down-short`` / ``link-down-long``: the WAN link cut (``Network.set_link_up``) for
   less than the experiment's ``training.recv_timeout_s``, or for longer;
 * ``rate-drop``: both directions of the link at a tenth of their rate
@@ -50,6 +51,8 @@ from typing import Callable
 
 import yaml
 
+from testbed.extension import ProcessFault
+from testbed.extension import faults as _extension_faults
 from testbed.registry import leftovers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,16 +68,15 @@ DOCUMENTED: dict[str, tuple[str, str]] = {
                                "silently: nothing was made)", "30 s"),
     "kill-worker": ("error naming the worker: 'died (killed by signal 9)'", "15 s"),
     "kill-delayline": ("error naming the delay line's WAN links", "15 s"),
-    "kill-atlas-agent": ("completes with every iteration and the same losses; the log says training continues "
-                         "under fair sharing", "the run's own length + 30 s"),
-    "kill-atlas-controller": ("completes with every iteration and the same losses; the log says training "
-                              "continues under fair sharing", "the run's own length + 30 s"),
     "link-down-short": ("training stalls for at least the outage, resumes, completes with every iteration and "
                         "the same losses", "outage + 15 s of stall"),
     "link-down-long": ("error naming the WAN link and that it is down", "recv_timeout_s + 10 s"),
     "rate-drop": ("completes with every iteration and the same losses (slower)", "the run's own length x 10 + 30 s"),
     "disk-full": ("error naming the results folder and 'No space left on device'", "15 s"),
 }
+# an extension's process killed (``testbed.extension``): name -> (extension, fault)
+_PROCESS_FAULTS: dict[str, tuple[str, ProcessFault]] = {n: (e.name, f) for n, (e, f) in _extension_faults().items()}
+DOCUMENTED.update({n: (f.documented, "the run's own length + 30 s") for n, (_, f) in _PROCESS_FAULTS.items()})
 FAULTS = tuple(DOCUMENTED)
 _ORCHESTRATOR = ("kill-orchestrator", "interrupt-orchestrator")  # the `testbed run` command, signalled
 # The bounds judged (seconds from the injection to the run's end, teardown included; None: the
@@ -153,10 +155,10 @@ def plan(runs: int, seed: int, exp, faults: tuple[str, ...] = FAULTS) -> list[In
             inj.at_iteration, inj.delay_s = 0, round(rng.uniform(0.2, 8.0), 2)
         if fault == "kill-worker":
             inj.target = rng.choice(workers)
-        elif fault in ("kill-delayline", "kill-atlas-agent"):
+        elif fault == "kill-delayline":
             inj.target = rng.choice(dcs)
-        elif fault == "kill-atlas-controller":
-            inj.target = "controller"
+        elif fault in _PROCESS_FAULTS:
+            inj.target = rng.choice(_PROCESS_FAULTS[fault][1].targets(exp))
         elif fault in ("link-down-short", "link-down-long", "rate-drop"):
             inj.target = rng.choice(links)
             if fault == "link-down-short":
@@ -205,9 +207,8 @@ class _Injector:
                 os.kill(run.workers[inj.target].proc.pid, signal.SIGKILL)
             elif inj.fault == "kill-delayline":
                 os.kill(run.net.delay_line_pids()[inj.target], signal.SIGKILL)
-            elif inj.fault in ("kill-atlas-agent", "kill-atlas-controller"):
-                name = "atlas-controller" if inj.target == "controller" else f"atlas-agent-{inj.target}"
-                os.kill(run.pids()[name], signal.SIGKILL)
+            elif inj.fault in _PROCESS_FAULTS:
+                os.kill(run.pids()[f"{_PROCESS_FAULTS[inj.fault][0]}-{inj.target}"], signal.SIGKILL)
             elif inj.fault in ("link-down-short", "link-down-long"):
                 a, b = inj.target.split("-", 1)
                 run.net.set_link_up(a, b, False)
@@ -328,7 +329,8 @@ def _run_in_process(exp, inj: Injection, work: Path, out: Outcome, say: Callable
         if result and inj.fault == "link-down-short":
             out.stall_s = max(it["time_s"] for it in iterations)
         if out.ended == "completed":
-            out.message = " | ".join(ln for ln in result["log"] if "atlas" in ln and "continues" in ln)[:300]
+            says = {f.log_says for _, f in _PROCESS_FAULTS.values()}  # what an extension logs as it degrades
+            out.message = " | ".join(ln for ln in result["log"] if any(s in ln for s in says))[:300]
     finally:
         if disk is not None:
             _unmount(disk)
@@ -476,9 +478,9 @@ def judge(out: Outcome, exp, inj: Injection, ref: list[float] | None, losses: di
         ended("error", inj.target, "died (killed by signal 9)", within=BOUND_S[f])
     elif f == "kill-delayline":
         ended("error", "delay line", "WAN link", f"{inj.target} ->", within=BOUND_S[f])
-    elif f in ("kill-atlas-agent", "kill-atlas-controller"):
-        who = "controller" if inj.target == "controller" else f"agent-{inj.target}"
-        ended("completed", f"atlas {who}", "training continues")
+    elif f in _PROCESS_FAULTS:
+        ext, fault = _PROCESS_FAULTS[f]
+        ended("completed", f"{ext} {inj.target}", fault.log_says)
     elif f == "link-down-short":
         ended("completed")
         if out.stall_s is not None and not (0.8 * inj.seconds <= out.stall_s <= inj.seconds + 15):

@@ -4,8 +4,9 @@ How it fits: an experiment with a ``compare:`` section (e.g. ``experiments/atlas
 (a) one connection and fair sharing, (b) N connections, (c) Atlas) is run once per variant
 by ``TrainingRun`` (each in ``OUT/<variant>/`` with its own metrics, trace and plots); the
 simulator then predicts each variant from the compute times profiled in that variant's own
-run, with the same sharing policy (fair, or Atlas's strict priority with the stagger the
-controller published).  ``OUT/comparison.json`` holds, per variant, ``measured_s`` and
+run; an extension the variant uses may pass the simulator more (its ``predict`` hook in
+``testbed.extension``: a sharing policy and start offsets from what its run recorded).
+``OUT/comparison.json`` holds, per variant, what it sets, ``measured_s`` and
 ``predicted_s`` (mean steady-state iteration time), and the speedups over the first variant;
 ``OUT/comparison.png`` draws them.
 """
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from testbed.extension import in_use
 from testbed.spec.experiment import Experiment
 
 
@@ -23,20 +25,20 @@ def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
     """The simulator's mean steady-state iteration time for ``exp``, profiled from ``run_dir``."""
     from testbed.run import metrics
     from testbed.sim.build import profiled_stage_times, simulate
-    from testbed.sim.engine import PriorityPolicy
 
     times, overhead = profiled_stage_times(run_dir / "timeline.json", exp)
-    offsets, policy = None, None
-    plans_file = run_dir / "atlas-plans.json"
-    if exp.atlas.sharing != "fair" and plans_file.exists():
-        plans = json.loads(plans_file.read_text())
-        if plans:
-            offsets = {int(r): v for r, v in plans[-1]["offsets"].items()}
-            if exp.atlas.sharing == "temporal":
-                policy = PriorityPolicy(plans[-1]["order"])
-    result = simulate(exp, policy=policy, iterations=iterations, stage_times=times, message_overhead_s=overhead,
-                      start_offsets=offsets)
+    options: dict = {}
+    for ext in in_use(exp):
+        if ext.predict is not None:
+            options.update(ext.load(ext.predict)(exp, run_dir))
+    result = simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=overhead, **options)
     return metrics.summarise(result)["summary"]["mean_iteration_time_s"]
+
+
+def _settings(exp: Experiment, name: str) -> str:
+    """What a variant sets, in words (``connections=4, sharing=temporal``)."""
+    arm = exp.compare[name].model_dump(exclude={"description"}, exclude_none=True)
+    return ", ".join(f"{k}={v}" for k, v in arm.items()) or "as the experiment"
 
 
 def run_comparison(exp: Experiment, out: Path, delay_backend: str = "auto",
@@ -50,15 +52,14 @@ def run_comparison(exp: Experiment, out: Path, delay_backend: str = "auto",
         v = exp.variant(name)
         run_dir = out / name
         if log:
-            log(f"variant {name}: {exp.compare[name].description or ''} ({v.parallel.connections} connection(s), "
-                f"{v.atlas.sharing} sharing)")
+            log(f"variant {name}: {exp.compare[name].description or ''} ({_settings(exp, name)})")
         runner = TrainingRun(v, run_dir, delay_backend=delay_backend,
                              progress=(lambda d, t, n=name: progress(n, d, t)) if progress else None, log=log)
         summary = runner.run()
         s = summary["summary"]
         rows[name] = {
             "description": exp.compare[name].description,
-            "connections": v.parallel.connections, "sharing": v.atlas.sharing,
+            "connections": v.parallel.connections, "settings": _settings(exp, name),
             "measured_s": s["mean_iteration_time_s"], "predicted_s": round(predict(v, run_dir), 6),
             "steady_state_iterations": s["steady_state_iterations"],
             "mean_busy_fraction": s["mean_busy_fraction"],
@@ -91,7 +92,7 @@ def _plot(rows: dict, path: Path, title: str) -> None:
     ax.bar([i + 0.18 for i in x], [rows[n]["predicted_s"] for n in names], 0.36, label="predicted (simulator)",
            color="#DD8452")
     ax.set_xticks(list(x))
-    ax.set_xticklabels([f"{n}\n{rows[n]['connections']} conn, {rows[n]['sharing']}" for n in names])
+    ax.set_xticklabels([f"{n}\n{rows[n]['settings']}".replace(", ", "\n") for n in names])
     ax.set_ylabel("mean iteration time (s)")
     ax.set_title(title)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)

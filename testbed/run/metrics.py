@@ -29,7 +29,7 @@ from testbed.run.records import BUSY_KINDS as BUSY
 from testbed.run.records import RunRecord
 MIN_BUBBLE_S = 0.001
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "allreduce": "#8172B3",
-           "recv": "#EEEEEE", "send": "#CCCCCC", "idle": "#FFFFFF", "prefill": "#C44E52",
+           "recv": "#EEEEEE", "send": "#CCCCCC", "idle": "#FFFFFF", "cotenant": "#C44E52",
            "xfer_act": "#64B5CD", "xfer_grad": "#E5AE38"}
 
 
@@ -158,8 +158,9 @@ def timeline_to_chrome(workers: dict[str, dict], t0: float) -> dict:
             trace.append({"name": label, "cat": kind, "ph": "X", "pid": pid, "tid": name,
                           "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1),
                           "args": {"iteration": rest[0] if rest else None, "microbatch": mb}})
-        for s, e in w.get("prefill", []):
-            trace.append({"name": "prefill", "cat": "prefill", "ph": "X", "pid": pid, "tid": f"{name} prefill",
+        kind = w.get("cotenant_kind", "co-tenant")
+        for s, e in w.get("cotenant", []):
+            trace.append({"name": kind, "cat": "cotenant", "ph": "X", "pid": pid, "tid": f"{name} {kind}",
                           "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1), "args": {}})
         for kind, mb, s, e, nbytes, it in w.get("transfers", []):
             trace.append({"name": f"{kind} {mb}", "cat": kind, "ph": "X", "pid": pid, "tid": f"{name} wan",
@@ -188,10 +189,10 @@ def gantt(workers: dict[str, dict], t0: float, path: Path, title: str, window: t
             if window and (e < window[0] or s > window[1]):
                 continue
             ax.barh(y + 0.42, e - s, left=s - t0, height=0.14, color=_COLORS.get(kind, "#999999"))
-        for s, e in w.get("prefill", []):  # BubbleTea's prefills, drawn inside the bubbles
+        for s, e in w.get("cotenant", []):  # a co-tenant's work on the device, drawn inside the bubbles
             if window and (e < window[0] or s > window[1]):
                 continue
-            ax.barh(y, e - s, left=s - t0, height=0.45, color=_COLORS["prefill"])
+            ax.barh(y, e - s, left=s - t0, height=0.45, color=_COLORS["cotenant"])
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels([f"{n} ({workers[n]['dc']})" for n in names])
     ax.invert_yaxis()
@@ -200,9 +201,11 @@ def gantt(workers: dict[str, dict], t0: float, path: Path, title: str, window: t
         ax.set_xlim(window[0] - t0, window[1] - t0)
     ax.set_title(title)
     kinds = ["forward", "backward", "optimizer", "allreduce", "recv", "xfer_act", "xfer_grad"]
-    if any(w.get("prefill") for w in workers.values()):
-        kinds.append("prefill")
-    ax.legend(handles=[Patch(color=_COLORS[k], label=k if k != "recv" else "recv (bubble)") for k in kinds],
+    labels = {"recv": "recv (bubble)"}
+    if any(w.get("cotenant") for w in workers.values()):
+        kinds.append("cotenant")
+        labels["cotenant"] = next(w["cotenant_kind"] for w in workers.values() if w.get("cotenant"))
+    ax.legend(handles=[Patch(color=_COLORS[k], label=labels.get(k, k)) for k in kinds],
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(kinds), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -235,7 +238,8 @@ def write_outputs(run: RunRecord, result: dict, out: Path | None = None) -> None
     out.mkdir(parents=True, exist_ok=True)
     workers = {
         name: {"dc": w.dc, "stage": w.stage, "replica": w.replica,
-               "events": w.events, "transfers": w.transfers, "prefill": w.cotenant}
+               "events": w.events, "transfers": w.transfers,
+               "cotenant": w.cotenant, "cotenant_kind": w.cotenant_kind}
         for name, w in run.workers.items()
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=1))

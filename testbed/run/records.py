@@ -64,8 +64,10 @@ class WorkerRecord:
     transfers: list[Transfer] = field(default_factory=list)
     iteration_end: dict[int, float] = field(default_factory=dict)
     losses: dict[int, float] = field(default_factory=dict)
-    # another client of the same device (BubbleTea's prefills): (start, end) intervals
+    # another client of the same device (BubbleTea's prefills): (start, end) intervals, and
+    # what the extension that ran them calls them (the label in the trace and the plots)
     cotenant: list[tuple[float, float]] = field(default_factory=list)
+    cotenant_kind: str = "co-tenant"
 
     def add_events(self, events: list) -> None:
         self.events.extend(Interval(*e) for e in events)

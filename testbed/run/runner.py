@@ -39,7 +39,7 @@ from testbed.train.config import DataParallel, Emulation, Me, Peer, WorkerConfig
 from testbed.train.device import create_device
 
 from testbed.spec.experiment import Experiment, WorkerSlot
-from testbed.extension import ExtensionError, RunExtension, extensions_for
+from testbed.run.hooks import ExtensionError, RunExtension, extensions_for
 from testbed.run.hub import TelemetryHub
 from testbed.net.network import HostInfo, Network, NetworkError
 from testbed.run.procs import CpuContainers, Launcher, Process, ProcessError, python_env

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model
 
+from testbed.extension import extensions
 from testbed.spec.schedules import ScheduleError, check
 from testbed.spec.topology import (SpecError, Topology, key_text, load_topology, one_line, path_exists, read_yaml, resolve_topology,
                    validation_error)
@@ -75,60 +76,6 @@ class ParallelSpec(_Strict):
                                     "None: socket buffers of 2 x BDP per connection, 64 MiB at most")
 
 
-class AtlasSpec(_Strict):
-    """How DP pipelines share the WAN (``agents/atlas``)."""
-
-    sharing: Literal["fair", "temporal", "paced"] = Field(
-        "fair", description="fair: TCP fair-shares each link (lockstep pipelines); temporal: the Atlas "
-                            "controller staggers the pipelines and gateway agents give each link to one "
-                            "pipeline at a time; paced: only the senders act (the stagger, no agents)")
-    lease_s: float = Field(2.0, gt=0, le=60, description="an agent's or controller's silence after which "
-                                                            "its links fall back to fair sharing")
-    replan_threshold: float = Field(0.1, gt=0, description="republish the plan when it moves by this fraction")
-    class_queue: Literal["deep", "share"] = Field(
-        "deep", description="the pipelines' queues at an enforcing gateway: deep = 4 x the path's BDP each "
-                            "(a waiting pipeline loses nothing); share = the link's own queue split among them "
-                            "(the same buffering as a FIFO link: compare at equal buffer depth)")
-    plan: Literal["telemetry", "fixed"] = Field(
-        "telemetry", description="telemetry: the turn order follows the pipelines' measured compute (the slowest "
-                                 "first) and readiness; fixed: r0, r1, ... whatever the workload (the ablation)")
-
-
-class BubbleModelSpec(_Strict):
-    layers: int = Field(2, ge=1, le=64)
-    hidden: int = Field(64, ge=8, le=4096)
-    heads: int = Field(4, ge=1, le=64)
-    max_context: int = Field(512, ge=16, le=8192)
-
-
-class BubbleTeaSpec(_Strict):
-    """Prefill-as-a-service in the pipeline's bubbles (``agents/bubbletea``)."""
-
-    enabled: bool = False
-    source: Literal["conv", "code", "poisson"] = Field("conv", description="Azure trace or a Poisson source")
-    rate_scale: float = Field(1.0, gt=0, description="trace arrival rate x this")
-    token_scale: float = Field(0.1, gt=0, description="trace prompt and output lengths x this")
-    rate_per_s: float = Field(5.0, gt=0, description="Poisson arrivals per second")
-    duration_s: float = Field(600.0, gt=0, description="workload length (the run ends it earlier)")
-    max_prompt_tokens: int = Field(256, ge=1)
-    max_output_tokens: int = Field(16, ge=1)
-    slo_ttft_s: float = Field(2.0, gt=0, description="a request not prefilled within this is rejected")
-    slo_tbt_s: float | None = Field(None, gt=0, description="goodput also asks a request's mean time between "
-                                                            "tokens to be within this (None: TTFT only)")
-    margin_s: float = Field(0.006, ge=0, description="kept free before a predicted bubble's end (>= one "
-                                                        "5 ms CFS period: the quota a prefill used is gone)")
-    margin_frac: float = Field(0.03, ge=0, lt=1, description="... or this fraction of the bubble, the larger")
-    chunk_tokens: int = Field(32, ge=1, description="prefill chunk: the points where a prefill can stop")
-    interleave: bool = Field(True, description="serve every other steady iteration only: the same run "
-                                               "measures training with and without prefills")
-    decode_dc: str | None = Field(None, description="one decode worker, in this DC, for all prefills "
-                                                    "(default: one per DC, so KV caches stay off the WAN)")
-    model: BubbleModelSpec = BubbleModelSpec()
-    serving_profile: str | None = Field(
-        None, description="device: emulated: prefill and decode times of the model above "
-                          "(agents/bubbletea/profile.py's JSON); default the one shipped for this machine's CPU")
-
-
 class EmulationSpec(_Strict):
     """Where an emulated device's op times come from (``device: emulated``)."""
 
@@ -148,13 +95,13 @@ class EmulationSpec(_Strict):
                             "(a replay of that run, correlations included)")
 
 
-class VariantSpec(_Strict):
+class _CoreVariantSpec(_Strict):
     """One arm of a comparison: what it changes in the experiment."""
 
     connections: int | None = Field(None, ge=1, le=64)
     dp_across_dcs: bool | None = None
-    sharing: Literal["fair", "temporal", "paced"] | None = None
     description: str = ""
+    # + each extension's ``variant_keys`` (``_with_extensions`` below)
 
 
 class StageTimeSpec(_Strict):
@@ -186,7 +133,9 @@ class SimSpec(_Strict):
                            "(docs/benchmarks.md says how far it gets)")
 
 
-class Experiment(_Strict):
+class _CoreExperiment(_Strict):
+    """The core's fields; ``Experiment`` adds every registered extension's section."""
+
     name: str = Field(pattern=NAME_PATTERN)
     topology: str = Field(min_length=1, max_length=4096)
     description: str = ""
@@ -199,9 +148,8 @@ class Experiment(_Strict):
                             "network is real, device time comes from a profile (emulation)")
     emulation: EmulationSpec = EmulationSpec()
     sim: SimSpec = SimSpec()
-    atlas: AtlasSpec = AtlasSpec()
-    bubbletea: BubbleTeaSpec = BubbleTeaSpec()
-    compare: dict[str, VariantSpec] | None = Field(
+    # + one section per registered extension (``_with_extensions`` below)
+    compare: dict[str, _CoreVariantSpec] | None = Field(
         None, description="run these variants back to back (each a full run) and write comparison.json")
     # filled in by parse_experiment
     _origin: str = PrivateAttr("")
@@ -234,13 +182,14 @@ class Experiment(_Strict):
         data["compare"] = None
         if v.connections is not None:
             data["parallel"]["connections"] = v.connections
-        if v.sharing is not None:
-            data["atlas"]["sharing"] = v.sharing
+        for key, (section, field) in _VARIANT_KEYS.items():
+            if getattr(v, key) is not None:
+                data[section][field] = getattr(v, key)
         if v.dp_across_dcs is not None:
             data["parallel"]["dp_across_dcs"] = v.dp_across_dcs
             if v.dp_across_dcs:
                 data["placement"] = None
-        e = Experiment.model_validate(data)
+        e = type(self).model_validate(data)
         e._origin, e._topo, e._topo_file = self._origin, self._topo, self._topo_file
         e._slots = _place(e, self._topo, f"{self._origin}: compare.{name}")
         return e
@@ -264,6 +213,33 @@ class WorkerSlot:
     @property
     def name(self) -> str:
         return f"s{self.stage}r{self.replica}"
+
+
+def _with_extensions() -> tuple[type[_CoreExperiment], type[VariantSpec], dict[str, tuple[str, str]]]:
+    """The experiment schema: the core's fields plus one section per registered extension
+    (absent: its defaults), and ``compare:`` arms that may set each extension's variant keys."""
+    fields: dict[str, Any] = {}
+    variant_fields: dict[str, Any] = {}
+    keys: dict[str, tuple[str, str]] = {}
+    for name, ext in extensions().items():
+        if ext.section is None:
+            continue
+        if name in _CoreExperiment.model_fields:
+            raise SpecError(f"extension {name}: its section would replace the experiment's own {name!r}")
+        fields[name] = (ext.section, Field(default_factory=ext.section))
+        for key, field in ext.variant_keys.items():
+            info = ext.section.model_fields[field]
+            variant_fields[key] = (info.annotation | None, None)
+            keys[key] = (name, field)
+    variant = create_model("VariantSpec", __base__=_CoreVariantSpec, __doc__=_CoreVariantSpec.__doc__,
+                           **variant_fields)
+    fields["compare"] = (dict[str, variant] | None, Field(
+        None, description="run these variants back to back (each a full run) and write comparison.json"))
+    return create_model("Experiment", __base__=_CoreExperiment, __doc__=_CoreExperiment.__doc__,
+                        __module__=__name__, **fields), variant, keys
+
+
+Experiment, VariantSpec, _VARIANT_KEYS = _with_extensions()
 
 
 def _default_placement(topo: Topology, stages: int) -> dict[str, list[int]]:
@@ -371,10 +347,9 @@ def _parse_experiment(data: Any, origin: str, base_dir: Path | None, strict: boo
     exp._topo = topo
     exp._topo_file = str(Path(topo_file).resolve())
     exp._slots = _place(exp, topo, origin)
-    decode_dc = exp.bubbletea.decode_dc
-    if decode_dc is not None and decode_dc not in {dc.name for dc in topo.dcs}:
-        raise SpecError(one_line(f"{origin}: bubbletea.decode_dc: no DC {decode_dc!r} in topology {topo.name} "
-                                 f"({', '.join(dc.name for dc in topo.dcs)})"))
+    for ext in extensions().values():
+        if ext.check is not None:
+            ext.check(exp, origin)
     return exp
 
 
