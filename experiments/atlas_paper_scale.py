@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agents.atlas.plan import make_plan  # noqa: E402
 from agents.atlas.planner import assign_stages  # noqa: E402
 from testbed.spec.experiment import load_experiment, parse_experiment  # noqa: E402
-from testbed.run.metrics import summarise  # noqa: E402
+from testbed.results.metrics import summarise  # noqa: E402
 from testbed.sim.build import flops_stage_times, simulate, stage_params  # noqa: E402
 from testbed.sim.engine import PriorityPolicy  # noqa: E402
 

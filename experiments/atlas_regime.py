@@ -41,9 +41,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testbed.run.emulation import stage_times as emulated_stage_times  # noqa: E402
+from testbed.sim.device import stage_times as emulated_stage_times  # noqa: E402
 from testbed.spec.experiment import load_experiment  # noqa: E402
-from testbed.run.metrics import summarise  # noqa: E402
+from testbed.results.metrics import summarise  # noqa: E402
 from testbed.run.runner import TrainingRun  # noqa: E402
 from testbed.sim.build import PAYLOAD_FRACTION, simulate  # noqa: E402
 from testbed.sim.engine import PriorityPolicy  # noqa: E402

@@ -30,7 +30,7 @@ import yaml  # noqa: E402
 
 from agents.atlas.plan import make_plan  # noqa: E402
 from testbed.spec.experiment import load_experiment, parse_experiment  # noqa: E402
-from testbed.run.metrics import summarise  # noqa: E402
+from testbed.results.metrics import summarise  # noqa: E402
 from testbed.sim.build import PAYLOAD_FRACTION, profiled_stage_times, simulate  # noqa: E402
 from testbed.sim.engine import PriorityPolicy  # noqa: E402
 

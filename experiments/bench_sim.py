@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testbed.spec.experiment import load_experiment  # noqa: E402
-from testbed.run.metrics import summarise  # noqa: E402
+from testbed.results.metrics import summarise  # noqa: E402
 from testbed.sim.build import simulate  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import yaml  # noqa: E402
 
 from testbed.spec.experiment import parse_experiment  # noqa: E402
-from testbed.run.metrics import summarise  # noqa: E402
+from testbed.results.metrics import summarise  # noqa: E402
 from testbed.run.runner import TrainingRun  # noqa: E402
 from testbed.sim.build import profiled_stage_times, simulate  # noqa: E402
 

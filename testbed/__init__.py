@@ -13,11 +13,16 @@ How the pieces fit, bottom up (each package imports only those listed before it)
   delay line) and the instruments that measure it against its spec;
 * ``train``: the training workload, a GPT cut into pipeline stages (what each worker
   process runs);
-* ``run``: a workload on the WAN: processes in hosts, their telemetry, records, metrics,
-  comparisons, fault injection; ``cluster``: the same across several machines;
-* ``sim``: the simulator, from the same experiment files;
-* ``tools``: provisioning (Ansible) and the netem VM; ``cli``: the ``testbed`` command
-  (``cliutil``: the one-line errors and the Ctrl-C/SIGTERM unwinding every command shares).
+* ``results``: what a run leaves behind (records) and the figures made from it (metrics),
+  the same for a real run and a simulated one;
+* ``sim``: the simulator, from the same experiment files, and device time for devices that
+  are not there;
+* ``run``: a workload on the WAN: processes in hosts, their telemetry, comparisons, fault
+  injection;
+* ``tools``: provisioning (Ansible) and the netem VM;
+* ``cluster``: runs across several machines (provisioned by ``tools``);
+* ``cli``: the ``testbed`` command (``cliutil``, low enough for every part: the one-line
+  errors and the Ctrl-C/SIGTERM unwinding every command shares).
 """
 
 __version__ = "0.1.0"

@@ -161,7 +161,7 @@ def run(
     try:
         exp = load_experiment(experiment)
         if exp.device == "emulated":  # a bad profile fails before anything is made, variants or not
-            from testbed.run.emulation import device_profile
+            from testbed.sim.device import device_profile
 
             device_profile(exp)
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"

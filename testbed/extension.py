@@ -28,7 +28,7 @@ registry, and each extension owns everything of its own:
   with it.
 
 Device kinds (cpu, cuda, emulated) are not extensions yet: they are the run's own
-(``testbed.run.runner``, ``testbed.run.emulation``).
+(``testbed.run.runner``, ``testbed.sim.device``).
 
 An ``Extension``'s module is imported whenever the command or an experiment is loaded, so it
 must import only light things at the top (pydantic, typer, this module).

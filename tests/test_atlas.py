@@ -10,7 +10,7 @@ import pytest
 from agents.atlas.plan import TelemetryWindow, make_plan
 from agents.atlas.planner import PlanError, assign_stages, search
 from testbed.spec.experiment import parse_experiment
-from testbed.run.metrics import summarise
+from testbed.results.metrics import summarise
 from testbed.sim.build import PAYLOAD_FRACTION, simulate
 from testbed.sim.engine import Link, PriorityPolicy, Simulator
 
@@ -152,7 +152,7 @@ def test_the_planner_takes_device_time_from_where_the_run_gets_it(tmp_path):
     the FLOPs split scaled to the same totals; without a profile the plan says it is not this
     machine's device."""
     from agents.atlas.planner import DeviceTimes
-    from testbed.run.metrics import write_outputs
+    from testbed.results.metrics import write_outputs
 
     spec = {
         "name": "planned", "topology": str(REPO / "topologies" / "aws-us3.yaml"),

@@ -325,7 +325,7 @@ def experiment_defects(draw) -> tuple[dict, list[str]]:
 def _load_as_run_does(path: Path) -> None:
     exp = load_experiment(path)
     if exp.device == "emulated":
-        from testbed.run.emulation import device_profile
+        from testbed.sim.device import device_profile
 
         device_profile(exp)
 

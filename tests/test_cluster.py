@@ -218,7 +218,7 @@ def test_bad_maps_are_one_line_errors(cluster, tmp_path):
 def test_drift_between_the_clock_samples_moves_timestamps_in_proportion():
     """Runs without the fake cluster's machines: the correction is arithmetic on records."""
     from testbed.cluster.remote import correct_drift
-    from testbed.run.records import Interval, Transfer, WorkerRecord
+    from testbed.results.records import Interval, Transfer, WorkerRecord
 
     start = {"a": {"offset_s": 5.0, "uncertainty_ms": 0.05, "at": 100.0},
              "b": {"offset_s": 0.0, "uncertainty_ms": 0.05, "at": 100.0}}

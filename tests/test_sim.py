@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from testbed.spec.experiment import parse_experiment
-from testbed.run.metrics import summarise
+from testbed.results.metrics import summarise
 from testbed.spec.schedules import ideal_bubble_fraction
 from testbed.sim.build import simulate
 from testbed.sim.engine import Link, Simulator

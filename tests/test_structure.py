@@ -193,3 +193,36 @@ def test_the_wheel_holds_every_package_and_data_file(tmp_path):
         assert str(module.relative_to(REPO)) in names, module
     assert "agents/bubbletea/data/AzureLLMInferenceTrace_conv.csv" in names
     assert "testbed/data/aws-inter-region.csv" in names
+
+
+# testbed's parts, bottom up: each may import only itself and those before it (the order of
+# testbed/__init__.py's docstring)
+LAYERS = ["extension", "spec", "registry", "cliutil", "net", "train", "results", "sim", "run", "tools", "cluster",
+          "cli"]
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "testbed" and len(parts) > 1 else None
+
+
+def test_the_core_is_layered_without_a_package_loop():
+    """No package-level loop: a part of testbed imports only the parts below it, and never an
+    extension (agents/ sits above all of them)."""
+    graph = _graph()
+    up = []
+    for name, deps in graph.items():
+        mine = _part(name)
+        if mine is None:
+            continue
+        assert mine in LAYERS, f"{name}: a new part of testbed; put it in LAYERS (and the package docstring)"
+        for d in deps:
+            theirs = _part(d)
+            if theirs is not None and theirs != mine and LAYERS.index(theirs) > LAYERS.index(mine):
+                up.append(f"{name} -> {d}")
+    assert not up, "imports that run up the layers: " + "; ".join(sorted(up))
+    import testbed
+
+    doc = testbed.__doc__
+    named = [p for p in LAYERS if f"``{p}``" in doc and p != "cliutil"]
+    assert sorted(named, key=doc.index) == named, "testbed's docstring lists the parts in another order"

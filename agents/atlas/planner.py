@@ -13,7 +13,7 @@ A device here is what a worker occupies: one emulated host, or one TP group in t
 simulator's paper-scale topologies (``hosts`` per DC counts them).
 
 Device time (``DeviceTimes``) comes from where the run will get it: an emulated experiment's
-own device profile (``testbed.run.emulation``: a timeline, ``sim.stage_times`` or the FLOPs
+own device profile (``testbed.sim.device``: a timeline, ``sim.stage_times`` or the FLOPs
 model, with its ``speedup``), or ``--profile``, the ``timeline.json`` of an earlier run of
 the experiment on its real devices (CPU containers, a GPU), or the experiment's own
 ``sim.stage_times``.  Those are per stage of the
@@ -108,7 +108,7 @@ class DeviceTimes:
             src = f"the profiled run {profile}"
             speedup = exp.emulation.speedup if exp.device == "emulated" else 1.0  # its durations are after it
         elif exp.device == "emulated":
-            from testbed.run.emulation import device_profile, stage_times
+            from testbed.sim.device import device_profile, stage_times
 
             measured, overhead = stage_times(exp)
             src, speedup = f"the emulated devices ({device_profile(exp).source})", exp.emulation.speedup
@@ -159,7 +159,7 @@ def search(exp: Experiment, stages: list[int] | None = None, replicas: list[int]
            device: DeviceTimes | None = None) -> list[Candidate]:
     """Every (P, D, DC subset) candidate, best first; infeasible ones last with the reason.
     ``device``: where device time comes from (default ``DeviceTimes.of(exp)``)."""
-    from testbed.run import metrics
+    from testbed.results import metrics
     from testbed.sim.build import simulate
 
     device = device or DeviceTimes.of(exp)

@@ -36,7 +36,7 @@ from testbed.train.device import create_device
 from testbed.train.waitboard import create_board
 from testbed.run.hooks import ExtensionError, RunContext, RunExtension
 from testbed.run.procs import CpuContainers, python_env
-from testbed.run.records import BUSY_KINDS, RunRecord
+from testbed.results.records import BUSY_KINDS, RunRecord
 from testbed.spec.topology import SpecError
 
 _DECODE_PORT = 29700

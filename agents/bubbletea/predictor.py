@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from testbed.run.metrics import worker_iteration
+from testbed.results.metrics import worker_iteration
 
 
 def bubbles_of(events: list, start: float, end: float) -> list[tuple[float, float]]:

@@ -697,7 +697,7 @@ def correct_drift(records: dict, where: dict[str, str], sender_of: Callable[[str
     sample had its timestamps off by ``d`` times the fraction of that span elapsed.  A drift
     within what the two samples can tell (their uncertainties added) is noise and left
     alone.  True when something moved."""
-    from testbed.run.records import Interval, Transfer
+    from testbed.results.records import Interval, Transfer
 
     rate: dict[str, tuple[float, float]] = {}
     for m, s0 in start.items():

@@ -23,7 +23,7 @@ from testbed.spec.experiment import Experiment
 
 def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
     """The simulator's mean steady-state iteration time for ``exp``, profiled from ``run_dir``."""
-    from testbed.run import metrics
+    from testbed.results import metrics
     from testbed.sim.build import profiled_stage_times, simulate
 
     times, overhead = profiled_stage_times(run_dir / "timeline.json", exp)

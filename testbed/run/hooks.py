@@ -28,7 +28,7 @@ from testbed.extension import ExtensionError, in_use
 if TYPE_CHECKING:
     from testbed.net.network import HostInfo, Network
     from testbed.run.procs import CpuContainers, Launcher
-    from testbed.run.records import RunRecord, WorkerRecord
+    from testbed.results.records import RunRecord, WorkerRecord
     from testbed.spec.experiment import Experiment, WorkerSlot
 
 __all__ = ["ExtensionError", "RunContext", "RunExtension", "WorkerView", "extensions_for"]

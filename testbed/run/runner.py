@@ -43,7 +43,7 @@ from testbed.run.hooks import ExtensionError, RunExtension, extensions_for
 from testbed.run.hub import TelemetryHub
 from testbed.net.network import HostInfo, Network, NetworkError
 from testbed.run.procs import CpuContainers, Launcher, Process, ProcessError, python_env
-from testbed.run.records import RunRecord, WorkerRecord
+from testbed.results.records import RunRecord, WorkerRecord
 
 _PORT = 29400
 _DP_PORT = 29500
@@ -225,7 +225,7 @@ class TrainingRun:
     def run(self) -> dict:
         exp = self.exp
         if exp.device == "emulated":  # a bad profile fails here, before anything is built
-            from testbed.run.emulation import device_profile
+            from testbed.sim.device import device_profile
 
             self.device_profile = device_profile(exp)
         self._devices = self._device_plan()  # device: cuda without a usable GPU fails here, before anything is built
@@ -240,7 +240,7 @@ class TrainingRun:
             self._iterations_file.close()
 
     def _run(self) -> dict:
-        from testbed.run import metrics
+        from testbed.results import metrics
 
         exp = self.exp
         options: dict = {}

@@ -1,3 +1,5 @@
 """The simulator: ``build`` turns an experiment file into worker programs and links and a
-simulated run into the same records a real run leaves; ``engine`` plays them out (a
-discrete-event, fluid-network model); ``cli`` is ``testbed sim`` (one run or a sweep)."""
+simulated run into the same records a real run leaves (``testbed.results``); ``engine``
+plays them out (a discrete-event, fluid-network model); ``device`` says how long each op
+takes on a device that is not there (a real run's profile, fixed stage times or the FLOPs
+model: what emulated devices replay too); ``cli`` is ``testbed sim`` (one run or a sweep)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
 from testbed.spec.experiment import Experiment
-from testbed.run.records import Interval, RunRecord, Transfer, WorkerRecord
+from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
 from testbed.sim.engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 

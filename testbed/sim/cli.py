@@ -62,7 +62,7 @@ def _parse_sweep(items: list[str]) -> list[dict]:
 
 def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep: list[str] | None = None,
             out_dir: Path | None = None) -> list[dict]:
-    from testbed.run import metrics
+    from testbed.results import metrics
 
     exp = load_experiment(path)
     points = _parse_sweep(sweep or [])
@@ -74,7 +74,7 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
             e = _with(exp, point, Path(workdir)) if point else exp
             stage_times, overhead = profiled if profile is not None else (None, None)
             if profile is None and e.device == "emulated":  # what the emulated devices will draw from
-                from testbed.run.emulation import stage_times as emulated_stage_times
+                from testbed.sim.device import stage_times as emulated_stage_times
 
                 stage_times, overhead = emulated_stage_times(e)
             t0 = time.perf_counter()

@@ -4,7 +4,7 @@ How it fits: ``build.py`` turns an experiment (the same YAML ``testbed run`` tak
 ``Worker`` programs (the op lists of ``testbed/spec/schedules.py``, the very lists the trainer
 executes) and ``Link`` objects (bandwidth, one-way delay, per-connection TCP ceiling);
 ``Simulator.run`` plays them out; ``build.py`` returns the run's ``records.RunRecord`` and
-``testbed/run/metrics.py`` writes the same ``metrics.json`` and Chrome trace as the emulator.
+``testbed/results/metrics.py`` writes the same ``metrics.json`` and Chrome trace as the emulator.
 
 The network is a fluid model.  A transfer is a flow of ``size`` bytes on every link of its
 path; while flows share a link, a ``SharingPolicy`` (below) sets their rates, at

@@ -8,7 +8,7 @@ bytes (``ring.py``), the same telemetry.  What is emulated is the device: each f
 backward and optimizer step occupies the worker's ``EmulatedDevice`` (``device.py``) for a
 duration drawn (seeded) from the profile the runner passes in (``config.Emulation``:
 from an earlier real run's timeline, or from the model's FLOPs at a device's speed;
-``testbed/run/emulation.py``); so do the hand-offs to and from the transport (a device's copy
+``testbed/sim/device.py``); so do the hand-offs to and from the transport (a device's copy
 to and from host memory) and the all-reduce's arithmetic beyond the bytes moved.  The
 worker imports no torch or numpy and holds one message buffer, so dozens fit on two cores.
 There is no model, hence no loss.

@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 
 from testbed.spec import modelshape
-from testbed.run.records import BUSY_KINDS as BUSY
-from testbed.run.records import RunRecord
+from testbed.results.records import BUSY_KINDS as BUSY
+from testbed.results.records import RunRecord
 MIN_BUBBLE_S = 0.001
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "allreduce": "#8172B3",
            "recv": "#EEEEEE", "send": "#CCCCCC", "idle": "#FFFFFF", "cotenant": "#C44E52",

@@ -1,4 +1,6 @@
-"""Emulated devices: how long each op of each stage takes, and how big what it sends is.
+"""Device time for devices that are not there: how long each op of each stage takes, and
+how big what it sends is (emulated devices replay it; the simulator and Atlas's planner
+predict with it).
 
 How it fits: with ``device: emulated`` the runner calls ``device_profile(exp)`` before it
 builds anything (a bad profile is a one-line ``SpecError`` and nothing is created), and
