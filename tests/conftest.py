@@ -26,7 +26,7 @@ import pytest
 
 import netem_vm
 from netem_vm import (  # noqa: F401  (hooks: the netem variants run in the netem VM on a kernel without netem)
-    pytest_collection_modifyitems, pytest_configure, pytest_pyfunc_call, pytest_runtest_logreport, runs_in_vm)
+    pytest_configure, pytest_pyfunc_call, pytest_runtest_logreport, runs_in_vm)
 from testbed.net.kernel import BackendUnavailable, Capabilities, choose_backends, probe
 from testbed.spec.topology import Topology, parse_topology
 
@@ -143,6 +143,7 @@ def caps(request) -> Capabilities:
 
 
 def pytest_collection_modifyitems(config, items):
+    netem_vm.pytest_collection_modifyitems(config, items)  # the netem variants carry the netem marker
     for item in items:
         if item.get_closest_marker("fidelity") and not item.get_closest_marker("flaky"):
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=2))

@@ -226,3 +226,15 @@ def test_the_core_is_layered_without_a_package_loop():
     doc = testbed.__doc__
     named = [p for p in LAYERS if f"``{p}``" in doc and p != "cliutil"]
     assert sorted(named, key=doc.index) == named, "testbed's docstring lists the parts in another order"
+
+
+def test_the_netem_marker_selects_the_netem_variants():
+    """``-m netem`` selects every netem variant (conftest once shadowed the hook that marks them)."""
+    got = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "netem", "-p", "no:cacheprovider",
+                          str(REPO / "tests")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    ids = [ln for ln in got.stdout.splitlines() if "::" in ln]
+    assert ids and all(i.endswith("[netem]") or "netem" in i for i in ids), got.stdout[-2000:]
+    every = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            str(REPO / "tests")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    variants = [ln for ln in every.stdout.splitlines() if ln.endswith("[netem]")]
+    assert set(variants) <= set(ids), sorted(set(variants) - set(ids))
