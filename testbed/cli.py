@@ -410,6 +410,9 @@ def topology_aws(
 
 
 from testbed.tools.vmcli import vm_app  # noqa: E402  (testbed vm ...: the netem VM)
+from testbed.run.labcli import register as _register_lab_commands  # noqa: E402
+
+_register_lab_commands(app)  # testbed up, status, down, exec, shell, link, record, torchrun
 
 app.add_typer(vm_app, name="vm")
 

@@ -189,6 +189,7 @@ def leftovers(state_dir: Path = STATE_DIR) -> dict[str, list]:
         if e["kind"] == "process" and e.get("start") is not None and _proc_start_time(e["pid"]) == e["start"]
     }
     procs |= _processes_in(inodes)
+    procs.discard(os.getpid())  # a lab's own process records itself (``testbed clean`` ends it) and cleans up
     netns = sorted(n for n in _named_netns() if n.startswith(PREFIX))
     links = sorted(n for n in _root_links() if n.startswith(PREFIX))
     cgroups = sorted({e["path"] for e in entries if e["kind"] == "cgroup" and os.path.isdir(e["path"])}

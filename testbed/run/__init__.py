@@ -1,6 +1,8 @@
-"""Running a workload on the emulated WAN: the training run (``runner``), the processes it
-starts in hosts (``procs``), their telemetry hub (``hub``), comparisons of variants
-(``compare``) and fault injection (``chaos``).  What a run leaves behind is in
-``testbed.results``; emulated devices' times come from ``testbed.sim.device``.  Extensions
-plug in through ``testbed.extension``, and a run drives those it uses through the ``hooks``;
-this package names none of them."""
+"""Running a workload on the emulated WAN.  A ``lab`` is one network with one lifecycle for
+it and what runs in it; ``labserver`` is the process that keeps one up (``testbed up``) and
+its client, ``labcli`` their commands.  Workloads on a lab: the training run (``runner``),
+a user's own torch.distributed job (``torchrun``), comparisons of variants (``compare``) and
+fault injection (``chaos``).  ``procs`` starts processes in hosts; ``hub`` is a run's
+telemetry socket.  What a run leaves behind is in ``testbed.results``; emulated devices'
+times come from ``testbed.sim.device``.  Extensions plug in through ``testbed.extension``,
+and a run drives those it uses through the ``hooks``; this package names none of them."""
