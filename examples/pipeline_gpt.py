@@ -136,7 +136,7 @@ class Reporter:
         self.last = time.perf_counter()
 
     def step(self, step: int, loss: float, **extra) -> None:
-        now = time.perf_counter()
+        now = time.perf_counter()  # time_s: since the previous step ended on this rank
         line = json.dumps({"step": step, "loss": loss, "time_s": round(now - self.last, 6), **extra})
         self.last = now
         print(line, flush=True)
