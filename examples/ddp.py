@@ -103,7 +103,8 @@ def get_batch(data: torch.Tensor, seed: int, step: int, rows: int, seq_len: int)
 
 def emit(out, **fields) -> None:
     line = json.dumps(fields)
-    print(line, flush=True)
+    sys.stdout.write(line + "\n")  # one write: ranks sharing a pipe do not split lines
+    sys.stdout.flush()
     if out:
         out.write(line + "\n")
         out.flush()

@@ -139,7 +139,8 @@ class Reporter:
         now = time.perf_counter()  # time_s: since the previous step ended on this rank
         line = json.dumps({"step": step, "loss": loss, "time_s": round(now - self.last, 6), **extra})
         self.last = now
-        print(line, flush=True)
+        sys.stdout.write(line + "\n")  # one write: ranks sharing a pipe do not split lines
+        sys.stdout.flush()
         if self.file:
             self.file.write(line + "\n")
             self.file.flush()
