@@ -9,7 +9,9 @@ Runs unchanged on a real cluster, on one machine and on the testbed's emulated W
 How it fits: every rank builds the whole GPT from the same seed and keeps the layers of its
 stage(s) (the first stage also keeps the embeddings, the last the final norm and LM head), so
 the pipeline starts from exactly the weights the one-process ``--reference`` run starts from.
-Each rank wraps its stage(s) in ``PipelineStage`` and runs one of PyTorch's schedules
+Each rank wraps its stage(s) in ``PipelineStage`` (``--split trace``: ``pipeline()`` traces the
+whole model and splits it before the stages' first blocks, ``build_stage`` makes the stages)
+and runs one of PyTorch's schedules
 (``--schedule``: ``gpipe``, ``1f1b`` with one stage per rank; ``interleaved1f1b``, ``loopedbfs``
 with two stages per rank, stage ``s`` on rank ``s % world``).  Every rank draws the same global
 batch of byte windows from the running Python's standard library (text every machine has);
@@ -88,12 +90,17 @@ def build_model(args) -> GPT:
     return model
 
 
-def stage_model(args, stage: int, stages: int) -> GPT:
-    """The whole model from the seed, cut down to stage ``stage`` of ``stages`` (layers split evenly)."""
-    model = build_model(args)
-    per, extra = divmod(args.layers, stages)
+def layer_range(layers: int, stage: int, stages: int) -> tuple[int, int]:
+    """Layers ``first..last-1`` of stage ``stage``: an even split, the first stages one more."""
+    per, extra = divmod(layers, stages)
     first = stage * per + min(stage, extra)
-    last = first + per + (stage < extra)
+    return first, first + per + (stage < extra)
+
+
+def stage_model(args, stage: int, stages: int) -> GPT:
+    """The whole model from the seed, cut down to stage ``stage`` of ``stages`` by hand."""
+    model = build_model(args)
+    first, last = layer_range(args.layers, stage, stages)
     for i in list(model.blocks.keys()):
         if not first <= int(i) < last:
             del model.blocks[i]
@@ -169,7 +176,7 @@ def run_reference(args) -> None:
 def run_pipeline(args) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B, ScheduleLoopedBFS)
+                                              ScheduleInterleaved1F1B, ScheduleLoopedBFS, SplitPoint, pipeline)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
@@ -187,8 +194,17 @@ def run_pipeline(args) -> None:
     dist.init_process_group(backend)
 
     mine = list(range(rank, stages, world))  # stage s lives on rank s % world
-    modules = [stage_model(args, s, stages).to(device) for s in mine]
-    pipe_stages = [PipelineStage(m, s, stages, device) for m, s in zip(modules, mine)]
+    if args.split == "manual":  # each rank cuts its own stage modules, PipelineStage wraps them
+        modules = [stage_model(args, s, stages).to(device) for s in mine]
+        pipe_stages = [PipelineStage(m, s, stages, device) for m, s in zip(modules, mine)]
+    else:  # pipeline() traces the whole model on one microbatch and splits it before the given blocks
+        import warnings  # torch 2.13's tracer warns about its own use of a deprecated pytree class
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
+        x, _ = get_batch(load_corpus(), args.seed, 0, args.microbatch_size, args.seq_len)
+        splits = {f"blocks.{layer_range(args.layers, s, stages)[0]}": SplitPoint.BEGINNING for s in range(1, stages)}
+        pipe = pipeline(build_model(args), mb_args=(x,), split_spec=splits)
+        pipe_stages = [pipe.build_stage(s, device) for s in mine]
+        modules = [st.submod for st in pipe_stages]
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=args.lr, weight_decay=0.0)
     if per_rank == 1:
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
@@ -220,6 +236,8 @@ def run_pipeline(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    p.add_argument("--split", choices=["manual", "trace"], default="manual",
+                   help="manual: cut the model by hand into PipelineStage; trace: torch.distributed.pipelining.pipeline()")
     p.add_argument("--reference", action="store_true", help="train the same model in one process, no torch.distributed")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--microbatches", type=int, default=6)

@@ -63,10 +63,12 @@ def pipeline_reference():
     return [line["loss"] for line in _reference("pipeline_gpt.py", *PIPE)]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs"])
-def test_pipeline_schedules_match_one_process(tmp_path, pipeline_reference, schedule):
+@pytest.mark.parametrize(("schedule", "split"), [
+    ("gpipe", "manual"), ("1f1b", "manual"), ("interleaved1f1b", "manual"), ("loopedbfs", "manual"),
+    ("1f1b", "trace")])
+def test_pipeline_schedules_match_one_process(tmp_path, pipeline_reference, schedule, split):
     out = tmp_path / "steps.jsonl"
-    lines = _torchrun("pipeline_gpt.py", "--schedule", schedule, "--out", str(out), *PIPE)
+    lines = _torchrun("pipeline_gpt.py", "--schedule", schedule, "--split", split, "--out", str(out), *PIPE)
     assert [line["step"] for line in lines] == list(range(5))  # the last rank alone prints, once per step
     assert _lines(out.read_text()) == lines
     assert all(line["time_s"] > 0 for line in lines)
