@@ -203,6 +203,8 @@ def run_pipeline(args) -> None:
         x, _ = get_batch(load_corpus(), args.seed, 0, args.microbatch_size, args.seq_len)
         splits = {f"blocks.{layer_range(args.layers, s, stages)[0]}": SplitPoint.BEGINNING for s in range(1, stages)}
         pipe = pipeline(build_model(args), mb_args=(x,), split_spec=splits)
+        for s in mine:
+            pipe.get_stage_module(s).to(device)  # build_stage fixes traced device constants, moves no weights
         pipe_stages = [pipe.build_stage(s, device) for s in mine]
         modules = [st.submod for st in pipe_stages]
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=args.lr, weight_decay=0.0)
