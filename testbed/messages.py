@@ -218,8 +218,10 @@ def _check(v: Any, tp: Any, kind: str, where: str) -> Any:
                 return _check(v, a, kind, where)
             except MessageError as exc:
                 last = exc
-        if sum(a is not type(None) for a in args) == 1 and last is not None:
-            raise last  # the one type it may be: its own, deeper error
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and last is not None and (typing.get_origin(inner[0]) in (list, dict) or
+                                                     isinstance(inner[0], type) and issubclass(inner[0], Record)):
+            raise last  # the one container it may be: the error inside it
         raise _bad(kind, where, _describe(tp), v)
     if tp is type(None):
         if v is None:
