@@ -41,7 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from testbed.messages import AgentGone, Answer, Call, Done, Events, Exited, Message, NetworkFailed, Telemetry, Wait, Xfer
+from testbed.messages import (AgentGone, Answer, Call, Done, Events, Exited, Message, NetworkFailed, Telemetry, Wait,
+                               Xfer)
 from testbed.net.network import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Topology
 from testbed.cluster import wire
