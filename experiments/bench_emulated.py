@@ -32,6 +32,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from testbed import messages as m  # noqa: E402
 from testbed.spec.experiment import load_experiment  # noqa: E402
 from testbed.run.runner import TrainingRun  # noqa: E402
 
@@ -88,8 +89,8 @@ def run_case(tmp: Path, devices: int, dcs: int, iterations: int) -> dict:
     sample: dict = {}
     mem0 = _mem_available_kb()
 
-    def watch(worker: str, msg: dict) -> None:
-        if msg.get("iteration_done") and msg["it"] == 2 and "rss" not in sample:
+    def watch(worker: str, msg: m.Message) -> None:
+        if isinstance(msg, m.Events) and msg.iteration_done and msg.it == 2 and "rss" not in sample:
             pids = [p for n, p in run.pids().items() if n in run.workers]
             sample["rss"] = [_rss_kb(p) for p in pids]
             sample["mem"] = mem0 - _mem_available_kb()

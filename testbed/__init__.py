@@ -5,6 +5,10 @@ How the pieces fit, bottom up (each package imports only those listed before it)
 * ``extension``: the one registry through which extensions (``agents/``, a third party's
   package) plug in, found by the ``testbed.extensions`` entry points: their experiment
   sections, run hooks, commands, faults and predictions;
+* ``messages``: one typed protocol for every message between the testbed's processes
+  (telemetry, the delay line's control, the cluster wire): a dataclass per kind, one
+  ``kind`` key on the wire, JSON encode/decode with one-line errors (standard library only,
+  so every process imports it cheaply; extensions add their kinds on the same base);
 * ``spec``: what a user writes, validated (topologies, experiments, the AWS matrix, the
   model's shape, pipeline schedules);
 * ``registry``: everything the testbed makes, written down as it is made, so ``testbed

@@ -198,19 +198,19 @@ def run(
         _fail(str(exc), 1 if isinstance(exc, RunError) else 2)
     except KeyboardInterrupt as exc:
         fail_interrupted(exc)
-    s = result["summary"]
+    s = result.summary
     table = Table(title=f"{exp.name} on {exp.topo.name}")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    table.add_row("mean iteration time", f"{s['mean_iteration_time_s']:.3f} s")
-    table.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
-    table.add_row("mean busy fraction (utilization)", f"{s['mean_busy_fraction']:.1%}")
-    table.add_row("bubble fraction", f"{s['bubble_fraction']:.1%}")
-    if s["final_loss"] is not None:
-        table.add_row("loss first -> last", f"{result['iterations'][0]['loss']:.4f} -> {s['final_loss']:.4f}")
+    table.add_row("mean iteration time", f"{s.mean_iteration_time_s:.3f} s")
+    table.add_row("tokens/s", f"{s.tokens_per_s:.0f}")
+    table.add_row("mean busy fraction (utilization)", f"{s.mean_busy_fraction:.1%}")
+    table.add_row("bubble fraction", f"{s.bubble_fraction:.1%}")
+    if s.final_loss is not None:
+        table.add_row("loss first -> last", f"{result.iterations[0].loss:.4f} -> {s.final_loss:.4f}")
     else:
         table.add_row("loss", s.get("loss_note", "none"))
-    timing = (result.get("device") or {}).get("op_timing")
+    timing = (result.device or {}).get("op_timing")
     if timing and timing.get("median_us_worst_worker") is not None:
         table.add_row("emulated op timing error", f"median {timing['median_us_worst_worker']:.0f} us, "
                                                   f"p99 {timing['p99_us_worst_worker']:.0f} us (worst worker)")

@@ -9,6 +9,7 @@ import pytest
 
 from agents.atlas.plan import TelemetryWindow, make_plan
 from agents.atlas.planner import PlanError, assign_stages, search
+from testbed import messages as m
 from testbed.spec.experiment import parse_experiment
 from testbed.results.metrics import summarise
 from testbed.sim.build import PAYLOAD_FRACTION, simulate
@@ -64,9 +65,9 @@ def test_telemetry_window_takes_medians_of_recent_iterations():
     for it in range(4):
         for name, stage in (("s0r0", 0), ("s1r0", 1)):
             f = 0.010 * (stage + 1) * (10 if it == 0 else 1)  # iteration 0 is slow (warm-up)
-            w.add(name, {"type": "events", "it": it, "iteration_done": True, "end": 0.0,
-                         "events": [["forward", 0, 0.0, f, it], ["backward", 0, f, 3 * f, it]],
-                         "transfers": [["xfer_act", 0, 0.0, 0.01, 4096, it]]})
+            w.add(name, m.Events(it=it, iteration_done=True, end=0.0,
+                                 events=[m.Span("forward", 0, 0.0, f, it), m.Span("backward", 0, f, 3 * f, it)],
+                                 transfers=[m.Xfer("xfer_act", 0, 0.0, 0.01, 4096, it)]))
     compute, per_stage = w.slowest_stage_compute()
     assert compute == pytest.approx(0.020 + 0.040)  # stage 1: forward 20 ms, backward 40 ms
     assert w.typical_message() == 4096 and w.min_iterations(2) == 4
@@ -81,9 +82,9 @@ def test_the_plan_follows_a_link_whose_rate_changes_under_the_run():
         for mb in range(6):
             t0 = it + mb * 0.1
             serial = size / rate_bytes_s * (2 if mb in contended else 1)  # shared with the other pipeline
-            xfers.append(["xfer_act", mb, t0, t0 + 0.010 + serial, size, it])
-        w.add("s1r0", {"type": "events", "events": [["forward", mb, it, it + 0.05, it] for mb in range(6)],
-                       "transfers": xfers, "iteration_done": True, "it": it})
+            xfers.append(m.Xfer("xfer_act", mb, t0, t0 + 0.010 + serial, size, it))
+        w.add("s1r0", m.Events(events=[m.Span("forward", mb, it, it + 0.05, it) for mb in range(6)],
+                               transfers=xfers, iteration_done=True, it=it))
 
     assert w.link_rate() is None  # nothing measured yet: the controller uses the topology's rate
     for it in range(3):
@@ -126,12 +127,12 @@ def _two_pipelines(c: float, t: float, d: int = 2, m: int = 8):
     size = 16 * 32 * 4  # one activation
     for link in exp.topo.wan:
         link.delay_ms, link.rate_mbps = 0.0, size / t * 8 / 1e6  # one message takes t alone
-    fair = summarise(simulate(exp))["summary"]["mean_iteration_time_s"]
+    fair = summarise(simulate(exp)).summary.mean_iteration_time_s
     plan = make_plan(d, c, size, size / t, enforced=True)
     temporal = summarise(simulate(exp, policy=PriorityPolicy(plan.order), start_offsets=plan.offsets))
     # the senders' stagger, with the transfer time the link really gives (payload, not wire rate)
     paced = summarise(simulate(exp, start_offsets=make_plan(d, c, size, size / t * PAYLOAD_FRACTION).offsets))
-    return fair, temporal["summary"]["mean_iteration_time_s"], paced["summary"]["mean_iteration_time_s"]
+    return fair, temporal.summary.mean_iteration_time_s, paced.summary.mean_iteration_time_s
 
 
 def test_temporal_sharing_beats_lockstep_fair_sharing_where_transfers_collide():
@@ -188,7 +189,7 @@ def test_the_planner_takes_device_time_from_where_the_run_gets_it(tmp_path):
     planned = parse_experiment(spec | {"placement": best.placement, "sim": {"stage_times": best.stage_times_spec(),
                                                                      "message_overhead_s": device.overhead}},
                                "plan")
-    again = summarise(simulate(planned, iterations=2, record=True))["summary"]["mean_iteration_time_s"]
+    again = summarise(simulate(planned, iterations=2, record=True)).summary.mean_iteration_time_s
     assert best.iteration_time_s == pytest.approx(again, rel=0.02)
     flops = search(exp, stages=[3], replicas=[2])[0]
     # 4 microbatches of 75 ms forward + backward on the slowest stage: the FLOPs model's 1 TFLOP/s has none of it

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed import messages as m
 from testbed.spec.experiment import parse_experiment
 from testbed.run.runner import TrainingRun
 
@@ -37,7 +38,7 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
     seen = {}
 
     def watch(worker, msg):  # while training: the scheduler is in the link, with the plan's order
-        if msg.get("iteration_done") and msg["it"] == 5 and "sched" not in seen:
+        if isinstance(msg, m.Events) and msg.iteration_done and msg.it == 5 and "sched" not in seen:
             seen["sched"] = run.net.link("dc1", "dc2").delay_line_stats()["sched"]
 
     run.subscribe(watch)
@@ -64,9 +65,9 @@ def test_a_killed_atlas_process_leaves_training_running_under_fair_sharing(tmp_p
     state = {"samples": []}
 
     def watch(worker, msg):  # the link's scheduler at every iteration after the kill
-        if not msg.get("iteration_done") or worker != "s1r1":
+        if not (isinstance(msg, m.Events) and msg.iteration_done) or worker != "s1r1":
             return
-        if msg["it"] == 2 and "killed" not in state:
+        if msg.it == 2 and "killed" not in state:
             state["killed"] = time.monotonic()
             os.kill(run.pids()[f"atlas-{victim}"], signal.SIGKILL)
         elif "killed" in state:
@@ -103,14 +104,14 @@ def test_the_enforced_plan_follows_a_link_whose_rate_changes_within_two_iteratio
     state = {}
 
     def watch(worker, msg):
-        if not msg.get("iteration_done") or worker != "s1r1":
+        if not (isinstance(msg, m.Events) and msg.iteration_done) or worker != "s1r1":
             return
         link = run.net.link("dc1", "dc2")
-        if msg["it"] == 5 and "changed" not in state:
+        if msg.it == 5 and "changed" not in state:
             state["rate"] = link.params.rate_mbps
             link.set(rate_mbps=state["rate"] / 2)
-            state["changed"] = msg["it"]
-        elif "changed" in state and msg["it"] == state["changed"] + 2:
+            state["changed"] = msg.it
+        elif "changed" in state and msg.it == state["changed"] + 2:
             state["sched"] = link.delay_line_stats()["sched"]
 
     run.subscribe(watch)

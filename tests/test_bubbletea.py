@@ -3,16 +3,20 @@ prefill-time profile, and the controller's accounting (every request completed o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from agents.bubbletea import messages as bt
 from agents.bubbletea.controller import Controller
 from agents.bubbletea.inference import (PrefillState, decode, decode_batch, load_model, pack, prefill_chunk,
                                        prompt_tokens, unpack)
 from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles, bubbles_of
 from agents.bubbletea.workload import azure_trace, poisson
+from testbed import messages as m
+from testbed.results.records import Interval
 
 
 def test_azure_trace_keeps_real_arrivals_and_scales_them():
@@ -69,10 +73,10 @@ def _iteration(it, start, busy):
     events, cursor = [], start
     for s, e in busy:
         if start + s > cursor:
-            events.append(["recv", 0, cursor, start + s, it])
-        events.append(["forward", 0, start + s, start + e, it])
+            events.append(m.Span("recv", 0, cursor, start + s, it))
+        events.append(m.Span("forward", 0, start + s, start + e, it))
         cursor = start + e
-    return {"type": "events", "it": it, "events": events, "iteration_done": True, "end": cursor}
+    return m.Events(it=it, events=events, iteration_done=True, end=cursor)
 
 
 def test_waits_are_predicted_conservatively_from_recent_iterations():
@@ -81,21 +85,21 @@ def test_waits_are_predicted_conservatively_from_recent_iterations():
     for it, second in enumerate((0.10, 0.08, 0.10)):  # the second wait was shorter once
         busy = [(0.0, 0.1), (0.3, 0.4), (0.4 + second, 0.6 + second)]  # waits: 0.2, then `second`
         msg = _iteration(it, start, busy)
-        for e in msg["events"]:
-            e[1] = 1  # microbatch 1: a wait for a peer, not the end-of-iteration wait
+        for e in msg.events:
+            e.mb = 1  # microbatch 1: a wait for a peer, not the end-of-iteration wait
         w.add(msg)
-        start = msg["end"]
+        start = msg.end
     assert w.predict(0) == pytest.approx(0.2)
     assert w.predict(1) == pytest.approx(0.08)  # the shortest seen, not the latest
     assert w.predict(5) == 0.0  # never seen: not relied on
-    assert bubbles_of(_iteration(0, 0.0, [(0.0, 0.1), (0.3, 0.4)])["events"], 0.0, 0.4) == \
+    assert bubbles_of([Interval(**e.given()) for e in _iteration(0, 0.0, [(0.0, 0.1), (0.3, 0.4)]).events], 0.0, 0.4) == \
         [(pytest.approx(0.1), pytest.approx(0.2))]
-    w.on_wait({"it": 3, "n": 0, "t": 10.0})  # announced live by the worker
+    w.on_wait(m.Wait(it=3, n=0, t=10.0))  # announced live by the worker
     s0, e0 = w.window(now=10.0, margin_s=0.006, margin_frac=0.1)
     assert s0 == 10.0 and e0 == pytest.approx(10.0 + 0.2 - 0.02)
     assert w.window(now=10.5, margin_s=0.006, margin_frac=0.1) is None  # its predicted end has passed
     # a wait that outlasts its shortest length is given the next one it reached before
-    w.on_wait({"it": 3, "n": 1, "t": 20.0})
+    w.on_wait(m.Wait(it=3, n=1, t=20.0))
     assert w.ends(now=20.0, margin_s=0.006, margin_frac=0.0) == [pytest.approx(20.074), pytest.approx(20.094),
                                                                  pytest.approx(20.094)]
     assert w.ends(now=20.08, margin_s=0.006, margin_frac=0.0) == [pytest.approx(20.094)] * 2
@@ -127,25 +131,24 @@ def _controller(decode: dict[str, str], rate_per_s: float = 200.0, duration_s: f
     ctl.tell_run = ctl.told.append
     now = time.monotonic()
     for d in sorted(set(decode.values())):
-        ctl.on_report({"type": "decode_ready", "decoder": d})
+        ctl.on_report(bt.DecodeReady(decoder=d))
     for w in decode:
-        ctl.on_report({"type": "ready", "worker": w, "profile": [[16, 0.001], [64, 0.002]]})
+        ctl.on_report(bt.ServerReady(worker=w, profile=[[16, 0.001], [64, 0.002]]))
         # one warm-up iteration with a long bubble, then the worker is in its next iteration
-        ctl.on_telemetry(dict(_iteration(0, now - 1.0, [(0.0, 0.05), (0.95, 1.0)]), worker=w))
+        ctl.on_telemetry(replace(_iteration(0, now - 1.0, [(0.0, 0.05), (0.95, 1.0)]), worker=w))
         ctl.bubbles[w].history.extend([[10.0], [10.0]])  # its first wait lasts 10 s every iteration
-        ctl.bubbles[w].on_wait({"it": 1, "n": 0, "t": time.monotonic()})
+        ctl.bubbles[w].on_wait(m.Wait(it=1, n=0, t=time.monotonic()))
     assert ctl.ready and ctl.t0 is not None
     return ctl
 
 
-def _prefill_all(ctl, name: str, msg: dict, at: float) -> list[int]:
+def _prefill_all(ctl, name: str, msg: bt.Prefill, at: float) -> list[int]:
     """The server ``name`` prefilled every job of ``msg`` and shipped each cache."""
-    rids = [j["rid"] for j in msg["jobs"]]
-    for i, job in enumerate(msg["jobs"]):
-        ctl.on_report({"type": "progress", "worker": name, "rid": job["rid"], "done": job["tokens"],
-                       "total": job["tokens"], "intervals": [[0.0, 0.001, job["tokens"]]], "last": i == len(rids) - 1})
-        ctl.on_report({"type": "prefilled", "worker": name, "rid": job["rid"], "kv_bytes": 10, "kv_send_s": 0.001,
-                       "at": at})
+    rids = [j.rid for j in msg.jobs]
+    for i, job in enumerate(msg.jobs):
+        ctl.on_report(bt.Progress(worker=name, rid=job.rid, done=job.tokens, total=job.tokens,
+                                  intervals=[bt.Chunk(0.0, 0.001, job.tokens)], last=i == len(rids) - 1))
+        ctl.on_report(bt.Prefilled(worker=name, rid=job.rid, kv_bytes=10, kv_send_s=0.001, at=at))
     return rids
 
 
@@ -157,22 +160,21 @@ def test_controller_accounts_for_every_request():
     ctl = _controller({"s0r0": "decode-a"})
     ctl.tick(_t.monotonic() + 0.2)
     name, first = ctl.sent[0]
-    assert first["type"] == "prefill" and len(first["jobs"]) > 1  # several for one bubble
-    jobs = first["jobs"]
-    rid = jobs[0]["rid"]
+    assert isinstance(first, bt.Prefill) and len(first.jobs) > 1  # several for one bubble
+    jobs = first.jobs
+    rid = jobs[0].rid
     for i, job in enumerate(jobs):  # the server finished the first, then its deadline came
-        done = job["tokens"] if i == 0 else 0
-        ctl.on_report({"type": "progress", "worker": "s0r0", "rid": job["rid"], "done": done, "total": job["tokens"],
-                       "intervals": [[0.0, 0.001, done]] if done else [], "last": i == len(jobs) - 1})
+        done = job.tokens if i == 0 else 0
+        ctl.on_report(bt.Progress(worker="s0r0", rid=job.rid, done=done, total=job.tokens,
+                                  intervals=[bt.Chunk(0.0, 0.001, done)] if done else [], last=i == len(jobs) - 1))
     assert ctl.servers["s0r0"]["busy"] is None and not ctl.servers["s0r0"]["sticky"] - {rid}
-    assert all(job["rid"] in ctl.queue for job in jobs[1:])  # back in the queue, for any server
+    assert all(job.rid in ctl.queue for job in jobs[1:])  # back in the queue, for any server
     assert ctl.counts["admitted"] == len(jobs)  # counted once each, when first sent to a server
-    ctl.on_report({"type": "prefilled", "worker": "s0r0", "rid": rid, "kv_bytes": 10, "kv_send_s": 0.001,
-                   "at": ctl.t0 + 0.3})
-    ctl.on_report({"type": "decoded", "decoder": "decode-a", "rid": rid, "tokens": 4, "received": 0.0,
-                   "done": ctl.t0 + 0.35, "token_times": [ctl.t0 + 0.31, ctl.t0 + 0.33, ctl.t0 + 0.35]})
+    ctl.on_report(bt.Prefilled(worker="s0r0", rid=rid, kv_bytes=10, kv_send_s=0.001, at=ctl.t0 + 0.3))
+    ctl.on_report(bt.Decoded(decoder="decode-a", rid=rid, tokens=4, received=0.0, done=ctl.t0 + 0.35,
+                             token_times=[ctl.t0 + 0.31, ctl.t0 + 0.33, ctl.t0 + 0.35]))
     ctl.tick(_t.monotonic() + 0.45)
-    second = [m for _n, m in ctl.sent[1:] if m["type"] == "prefill"]  # the next bubble took some: in service
+    second = [x for _n, x in ctl.sent[1:] if isinstance(x, bt.Prefill)]  # the next bubble took some: in service
     ctl.tick(_t.monotonic() + 1.0)  # the queued rest waited past the SLO
     result = ctl.finish()
     statuses = [r["status"] for r in result["requests"]]
@@ -207,11 +209,11 @@ def test_training_waits_for_the_decode_workers_to_listen():
     ctl = Controller(cfg)
     ctl.tell_run = lambda line: None
     for w in ("s0r0", "s1r0"):
-        ctl.on_report({"type": "ready", "worker": w, "profile": [[16, 0.001], [64, 0.002]]})
+        ctl.on_report(bt.ServerReady(worker=w, profile=[[16, 0.001], [64, 0.002]]))
     assert not ctl.ready
-    ctl.on_report({"type": "decode_ready", "decoder": "decode-a"})
+    ctl.on_report(bt.DecodeReady(decoder="decode-a"))
     assert not ctl.ready
-    ctl.on_telemetry({"type": "died", "component": "decode-b", "reason": "decode worker decode-b died (exit code 1)"})
+    ctl.on_telemetry(bt.Died(component="decode-b", reason="decode worker decode-b died (exit code 1)"))
     assert ctl.ready
 
 
@@ -224,27 +226,25 @@ def test_a_dead_decode_worker_takes_its_requests_with_it_and_nothing_else():
 
     ctl = _controller({"s0r0": "decode-a", "s1r0": "decode-b"}, rate_per_s=400.0, duration_s=0.2)
     ctl.tick(_t.monotonic() + 0.1)
-    by_server = {n: m for n, m in ctl.sent if m["type"] == "prefill"}
+    by_server = {n: x for n, x in ctl.sent if isinstance(x, bt.Prefill)}
     assert set(by_server) == {"s0r0", "s1r0"}
     a = _prefill_all(ctl, "s0r0", by_server["s0r0"], ctl.t0 + 0.12)
     b = _prefill_all(ctl, "s1r0", by_server["s1r0"], ctl.t0 + 0.12)
     reason = "decode worker decode-a died (killed by signal 9)"
-    ctl.on_telemetry({"type": "died", "component": "decode-a", "reason": reason})
+    ctl.on_telemetry(bt.Died(component="decode-a", reason=reason))
     assert all(ctl.state[r]["status"] == "rejected" and ctl.state[r]["reason"] == reason for r in a)
     assert all(ctl.state[r]["status"] == "decoding" for r in b)
-    ctl.on_report({"type": "decoded", "decoder": "decode-a", "rid": a[0], "tokens": 4, "received": 0.0,
-                   "done": ctl.t0 + 0.2, "token_times": []})
+    ctl.on_report(bt.Decoded(decoder="decode-a", rid=a[0], tokens=4, received=0.0, done=ctl.t0 + 0.2))
     assert ctl.state[a[0]]["status"] == "rejected"  # too late: it was declared dead
-    ctl.on_report({"type": "decode_error", "decoder": "decode-b", "rids": b[:1], "error": "RuntimeError: boom"})
+    ctl.on_report(bt.DecodeError(decoder="decode-b", rids=b[:1], error="RuntimeError: boom"))
     assert ctl.state[b[0]]["reason"] == "decode failed on decode-b: RuntimeError: boom"
     for rid in b[1:]:
-        ctl.on_report({"type": "decoded", "decoder": "decode-b", "rid": rid, "tokens": 4, "received": 0.0,
-                       "done": ctl.t0 + 0.2, "token_times": []})
+        ctl.on_report(bt.Decoded(decoder="decode-b", rid=rid, tokens=4, received=0.0, done=ctl.t0 + 0.2))
     ctl.sent.clear()
     for w in ("s0r0", "s1r0"):
-        ctl.bubbles[w].on_wait({"it": 2, "n": 0, "t": _t.monotonic()})
+        ctl.bubbles[w].on_wait(m.Wait(it=2, n=0, t=_t.monotonic()))
     ctl.tick(_t.monotonic() + 0.15)
-    assert {n for n, m in ctl.sent if m["type"] == "prefill"} == {"s1r0"}  # none to the server without a decoder
+    assert {n for n, x in ctl.sent if isinstance(x, bt.Prefill)} == {"s1r0"}  # none to the server without a decoder
     assert any("decode worker decode-a died" in line for line in ctl.told)
     assert any("decode failed on decode-b" in line for line in ctl.told)
     result = ctl.finish()
@@ -316,33 +316,33 @@ def test_emulated_serving_occupies_the_devices_and_ships_caches_of_the_real_size
             path = tmp_path / f"{module}.json"
             path.write_text(json.dumps(cfg.to_dict()))
             procs.append(subprocess.Popen([sys.executable, "-m", f"agents.bubbletea.{module}", str(path)], cwd=repo))
-        backlog: list[dict] = []
+        backlog: list[m.Message] = []
 
         def until(pred):
             """The first message, seen or to come, that ``pred`` accepts (taken off the backlog)."""
-            for m in backlog:
-                if pred(m):
-                    backlog.remove(m)
-                    return m
+            for x in backlog:
+                if pred(x):
+                    backlog.remove(x)
+                    return x
             while True:
-                m = json.loads(ctl.recv(65536))
-                if pred(m):
-                    return m
-                backlog.append(m)
+                x = m.decode(ctl.recv(65536))
+                if pred(x):
+                    return x
+                backlog.append(x)
 
-        ready = until(lambda m: m["type"] == "ready")
-        assert ready["profile"] == [[n, pytest.approx(times.chunk_s(n, 0))] for n in scfg.calibrate]
-        until(lambda m: m["type"] == "decode_ready")
+        ready = until(lambda x: isinstance(x, bt.ServerReady))
+        assert ready.profile == [[n, pytest.approx(times.chunk_s(n, 0))] for n in scfg.calibrate]
+        until(lambda x: isinstance(x, bt.DecodeReady))
         dev = EmulatedDevice(worker_dev)
-        jobs = [{"rid": 1, "tokens": 100, "output_tokens": 5}, {"rid": 2, "tokens": 40, "output_tokens": 1}]
-        ctl.sendto(json.dumps({"type": "prefill", "deadlines": [time.monotonic() + 30], "chunk": 32,
-                               "decode": ["127.0.0.1", port], "jobs": jobs}).encode(), str(tmp_path / "srv.sock"))
+        jobs = [bt.Job(rid=1, tokens=100, output_tokens=5), bt.Job(rid=2, tokens=40, output_tokens=1)]
+        ctl.sendto(m.encode(bt.Prefill(deadlines=[time.monotonic() + 30], chunk=32, wait=None,
+                                       decode=["127.0.0.1", port], jobs=jobs)), str(tmp_path / "srv.sock"))
         deadline = time.monotonic() + 20
         while dev.busy_seconds() == 0 and time.monotonic() < deadline:
             time.sleep(2e-4)  # until the server has queued its first chunk
         op_start, op_end = dev.run(0.005)  # mid-way through it: a training op is issued
-        progress = [until(lambda m: m["type"] == "progress" and m["rid"] == rid) for rid in (1, 2)]
-        chunks = progress[0]["intervals"] + progress[1]["intervals"]
+        progress = [until(lambda x: isinstance(x, bt.Progress) and x.rid == rid) for rid in (1, 2)]
+        chunks = [(c.start, c.end, c.tokens) for c in progress[0].intervals + progress[1].intervals]
         assert [c[2] for c in chunks] == [32, 32, 32, 4, 32, 8]
         # the op queued behind the chunk running when it was issued (the first, unless this
         # test was descheduled that long), and the next chunk behind the op: no overlap
@@ -354,16 +354,16 @@ def test_emulated_serving_occupies_the_devices_and_ships_caches_of_the_real_size
         starts = [0, 32, 64, 96, 0, 32]
         for (s, e, n), start in zip(chunks, starts):
             assert e - s == pytest.approx(times.chunk_s(n, start), rel=1e-6)
-        assert progress[0]["done"] == progress[0]["total"] == 100 and progress[1]["last"]
-        failed = [m for m in backlog if m["type"] in ("error", "decode_error")]
+        assert progress[0].done == progress[0].total == 100 and progress[1].last
+        failed = [x for x in backlog if isinstance(x, (bt.KvFailed, bt.DecodeError))]
         assert not failed, failed
-        done = {rid: {kind: until(lambda m, rid=rid, kind=kind: m["type"] == kind and m.get("rid") == rid)
-                      for kind in ("prefilled", "decoded")} for rid in (1, 2)}
+        done = {rid: {kind: until(lambda x, rid=rid, kind=kind: isinstance(x, kind) and x.rid == rid)
+                      for kind in (bt.Prefilled, bt.Decoded)} for rid in (1, 2)}
         for rid, tokens, out in ((1, 100, 5), (2, 40, 1)):
-            assert done[rid]["prefilled"]["kv_bytes"] == times.kv_bytes(tokens)
-            d = done[rid]["decoded"]
-            assert d["tokens"] == out and len(d["token_times"]) == out - 1
-        gaps = [b - a for a, b in zip(done[1]["decoded"]["token_times"], done[1]["decoded"]["token_times"][1:])]
+            assert done[rid][bt.Prefilled].kv_bytes == times.kv_bytes(tokens)
+            d = done[rid][bt.Decoded]
+            assert d.tokens == out and len(d.token_times) == out - 1
+        gaps = [b - a for a, b in zip(done[1][bt.Decoded].token_times, done[1][bt.Decoded].token_times[1:])]
         assert gaps and all(g >= 0.9 * times.decode_step_s(1, 100) for g in gaps)
         for p in procs:  # no torch in either process
             assert "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text()

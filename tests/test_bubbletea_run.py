@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed import messages as m
 from testbed.spec.experiment import load_experiment
 from testbed.run.runner import TrainingRun
 
@@ -69,7 +70,7 @@ def test_a_killed_controller_leaves_training_unaffected(tmp_path):
     state = {}
 
     def watch(worker, msg):
-        if msg.get("iteration_done") and msg["it"] == 3 and "killed" not in state:
+        if isinstance(msg, m.Events) and msg.iteration_done and msg.it == 3 and "killed" not in state:
             state["killed"] = True
             os.kill(run.pids()["bubbletea-controller"], signal.SIGKILL)
 
@@ -96,11 +97,11 @@ def test_on_emulated_devices_a_killed_decode_worker_takes_exactly_its_requests(t
     state: dict = {}
 
     def watch(worker, msg):
-        if msg.get("iteration_done") and msg["it"] == 4 and "killed" not in state:
+        if isinstance(msg, m.Events) and msg.iteration_done and msg.it == 4 and "killed" not in state:
             pids = run.pids()
             state["maps"] = {n: open(f"/proc/{pid}/maps").read() for n, pid in pids.items()
                              if n.startswith("bubbletea-")}
-            state["killed"] = msg["end"]
+            state["killed"] = msg.end
             os.kill(pids["bubbletea-decode-ohio"], signal.SIGKILL)
 
     run.subscribe(watch)

@@ -11,6 +11,7 @@ import pytest
 
 from agents.atlas.precision import measure_turns
 from conftest import emulation, link_rate, two_dcs
+from testbed import messages as m
 from testbed.net.fidelity import iperf3
 from testbed.net.network import Network, NetworkError
 
@@ -71,7 +72,7 @@ def test_a_scheduler_installed_after_a_rate_change_paces_at_the_new_rate(caps):
         link.set(rate_mbps=20)  # no scheduler in the line yet
         e0, e1 = net.hosts("east")
         net.link("east", "west").delay_client.request(
-            {"lane": link.lane, "classes": {"p0": [[e0.ip, None]], "p1": [[e1.ip, None]]}})
+            m.LaneSet(lane=link.lane, classes={"p0": [[e0.ip, None]], "p1": [[e1.ip, None]]}))
         paced = link.delay_line_stats()["sched"]["rate_bytes_s"]
         link.set(rate_mbps=30)  # and it follows later changes too
         followed = link.delay_line_stats()["sched"]["rate_bytes_s"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed import messages as m
 from testbed.spec.experiment import parse_experiment
 from testbed.registry import NOTHING_LEFT, leftovers
 from testbed.run.runner import RunError, TrainingRun
@@ -115,7 +116,7 @@ def test_n_connections_really_are_n(tmp_path):
     seen = {}
 
     def count(worker, msg):
-        if worker == "s0r0" and msg.get("type") == "events" and not seen:
+        if worker == "s0r0" and isinstance(msg, m.Events) and not seen:
             w0, w1 = run.workers["s0r0"], run.workers["s1r0"]
             out = w0.host.node.cmd(f"ss -Htn state established dst {w1.host.ip}:29400")
             seen["act"] = len([ln for ln in out.splitlines() if ln.strip()])
@@ -146,7 +147,7 @@ def test_a_window_cap_is_each_connections_window_to_the_byte(tmp_path):
     seen: list[int] = []
 
     def sample(worker, msg):  # the sender's view of the receiver's window, as messages cross
-        if worker == "s1r0" and msg.get("type") == "events":
+        if worker == "s1r0" and isinstance(msg, m.Events):
             w0, w1 = run.workers["s0r0"], run.workers["s1r0"]
             for name, peer in (("s0r0", w1), ("s1r0", w0)):
                 out = run.workers[name].host.node.cmd(f"ss -Htin dst {peer.host.ip}:29400")
@@ -172,7 +173,7 @@ def test_a_killed_worker_ends_the_run_naming_it_and_nothing_is_left(tmp_path):
     killed = {}
 
     def kill(worker, msg):
-        if msg.get("iteration_done") and msg["it"] == 1 and not killed:
+        if isinstance(msg, m.Events) and msg.iteration_done and msg.it == 1 and not killed:
             os.kill(run.workers["s1r0"].proc.pid, signal.SIGKILL)
             killed["at"] = time.monotonic()
 

@@ -12,13 +12,13 @@ sharing) within ``lease_s``, and training goes on.
     python -m agents.atlas.agent CONFIG.json
 
 CONFIG: ``{"dc", "listen", "lease_s", "links": {"src->dst": {"control": path, "lane": name}}}``.
-Messages: ``{"type": "plan", "links": {"src->dst": {"classes": {..}, "order": [..],
-"queue_bytes": null | "share"}}}``, ``{"type": "heartbeat"}``, ``{"type": "clear"}``.
+Messages (``messages.py``): ``AgentPlan`` (``{"kind": "atlas.links", "links": {"src->dst":
+{"classes": {..}, "order": [..], "queue_bytes": null | "share"}}}``), ``Heartbeat``,
+``Clear``; to the delay line, the core's ``LaneSet``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -26,6 +26,8 @@ import sys
 import time
 
 from agents.atlas.config import AgentConfig
+from agents.atlas.messages import AgentPlan, Clear, Heartbeat, LinkSchedule
+from testbed import messages as m
 from testbed.run.procs import DatagramClient
 
 
@@ -40,23 +42,22 @@ class _Line:
         self.control = control
         self.client = DatagramClient(me, timeout=1.0)
 
-    def request(self, msg: dict) -> dict:
+    def request(self, msg: m.Message) -> m.Message:
         return self.client.request(self.control, msg)
 
     def close(self) -> None:
         self.client.close()
 
 
-def _apply(line: _Line, lane: str, link: dict, lease: float, active: bool, dc: str, name: str) -> bool:
+def _apply(line: _Line, lane: str, link: LinkSchedule, lease: float, active: bool, dc: str, name: str) -> bool:
     """The classes once; a later plan only reorders (the queues, and the rate, which follows
     the link's own changes, stay as they are).  A line that lost its scheduler meanwhile (its
     lease ran out) gets the whole plan again."""
     for whole in ((False, True) if active else (True,)):
         try:
             if whole:  # at the link's rate as the delay line knows it (it follows the link's changes)
-                line.request({"lane": lane, "classes": link["classes"], "lease_s": lease,
-                              "queue_bytes": link.get("queue_bytes")})
-            line.request({"lane": lane, "order": link["order"], "lease_s": lease})
+                line.request(m.LaneSet(lane=lane, classes=link.classes, lease_s=lease, queue_bytes=link.queue_bytes))
+            line.request(m.LaneSet(lane=lane, order=link.order, lease_s=lease))
             return True
         except (OSError, RuntimeError, ValueError) as exc:
             if whole:
@@ -86,7 +87,7 @@ def run(cfg: AgentConfig) -> None:
     def clear(why: str) -> None:
         for name in sorted(active):
             try:
-                lines[name].request({"lane": lanes[name], "classes": None})
+                lines[name].request(m.LaneSet(lane=lanes[name], classes=None))
             except (OSError, RuntimeError, ValueError) as exc:
                 _log(dc, f"{name}: clearing failed: {exc}")
         if active:
@@ -97,7 +98,7 @@ def run(cfg: AgentConfig) -> None:
         while running[0]:
             try:
                 data = sock.recv(65536)
-                msg = json.loads(data)
+                msg = m.decode(data, expect=(AgentPlan, Heartbeat, Clear))
             except socket.timeout:
                 msg = None
             except (OSError, ValueError):
@@ -105,8 +106,8 @@ def run(cfg: AgentConfig) -> None:
             now = time.monotonic()
             if msg is not None:
                 heard = now
-                if msg.get("type") == "plan":
-                    for name, link in msg.get("links", {}).items():
+                if isinstance(msg, AgentPlan):
+                    for name, link in msg.links.items():
                         if name not in lines:
                             continue
                         if _apply(lines[name], lanes[name], link, lease, name in active, dc, name):
@@ -114,14 +115,14 @@ def run(cfg: AgentConfig) -> None:
                         else:
                             active.discard(name)
                     _log(dc, f"plan applied on {', '.join(sorted(active)) or 'no link'}: order "
-                             f"{next(iter(msg.get('links', {}).values()), {}).get('order')}")
-                elif msg.get("type") == "clear":
+                             f"{next((link.order for link in msg.links.values()), None)}")
+                elif isinstance(msg, Clear):
                     clear("the controller asked")
             if active and now - heard > lease:
                 clear(f"controller silent for {now - heard:.1f} s")
             for name in list(active):  # renew the leases
                 try:
-                    lines[name].request({"lane": lanes[name], "lease_s": lease})
+                    lines[name].request(m.LaneSet(lane=lanes[name], lease_s=lease))
                 except (OSError, RuntimeError, ValueError) as exc:
                     _log(dc, f"{name}: lease renewal failed: {exc}")
     finally:

@@ -16,7 +16,6 @@ when it moves by ``replan_threshold``.
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import sys
@@ -24,6 +23,8 @@ import threading
 import time
 
 from agents.atlas.config import ControllerConfig
+from agents.atlas.messages import AgentPlan, Clear, Heartbeat, LinkSchedule, PlanPublished
+from testbed import messages as m
 from agents.atlas.plan import TelemetryWindow, TemporalPlan, make_plan
 from testbed.run.procs import DatagramClient
 
@@ -37,23 +38,23 @@ def run(cfg: ControllerConfig) -> None:
     tel.connect(cfg.telemetry)
     send_lock = threading.Lock()
 
-    def tell_orchestrator(msg: dict) -> None:
+    def tell_orchestrator(msg: m.Message) -> None:
         with send_lock:
-            tel.sendall((json.dumps(msg) + "\n").encode())
+            tel.sendall(m.line(msg))
 
-    tell_orchestrator({"type": "hello", "worker": "atlas-controller"})
+    tell_orchestrator(m.Hello(worker="atlas-controller"))
     agents = DatagramClient()
     agent_paths = list(cfg.agents.values())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
-    def to_agents(msg: dict) -> None:
+    def to_agents(msg: m.Message) -> None:
         for path in agent_paths:
             agents.send(path, msg)  # a dead agent: its links' leases run out
 
     def heartbeat() -> None:
         while not stop.wait(cfg.lease_s / 4):
-            to_agents({"type": "heartbeat"})
+            to_agents(Heartbeat())
 
     if agent_paths:
         threading.Thread(target=heartbeat, daemon=True).start()
@@ -62,16 +63,16 @@ def run(cfg: ControllerConfig) -> None:
     workers = cfg.stages * cfg.replicas
     warmup = max(1, cfg.warmup_iterations)
     planned_at = -1
-    reader = tel.makefile("r")
+    reader = tel.makefile("rb")
     _log(f"up: {cfg.replicas} pipelines, sharing {cfg.sharing}, plan after {warmup} iteration(s)"
          + ("; one pipeline: the links stay FIFO" if cfg.replicas == 1 else ""))
     for line in reader:
         if stop.is_set():
             break
-        msg = json.loads(line)
-        if msg.get("type") == "bye":
+        msg = m.decode(line, expect=(m.Events, m.Bye))
+        if isinstance(msg, m.Bye):
             break
-        window.add(msg.get("worker", ""), msg)
+        window.add(msg.worker or "", msg)
         done = window.min_iterations(workers)
         if done < warmup or done == planned_at:
             continue
@@ -90,16 +91,15 @@ def run(cfg: ControllerConfig) -> None:
             continue
         plan = new
         if cfg.sharing == "temporal" and cfg.replicas > 1:  # one pipeline: nothing to share
-            to_agents({"type": "plan", "links": {name: {"classes": link.classes, "order": plan.order,
-                                                        "queue_bytes": cfg.class_queue}
-                                                 for name, link in cfg.links.items()}})
-        tell_orchestrator({"type": "plan", "plan": plan.as_dict()})
+            to_agents(AgentPlan(links={name: LinkSchedule(link.classes, plan.order, cfg.class_queue)
+                                       for name, link in cfg.links.items()}))
+        tell_orchestrator(PlanPublished(plan=plan.as_dict()))
         _log(f"plan after iteration {done}: C={plan.compute_s * 1e3:.1f} ms, t={plan.transfer_s * 1e3:.1f} ms, "
              f"offsets {[round(v * 1e3, 1) for v in plan.offsets.values()]} ms, predicted per microbatch "
              f"{plan.lockstep_s * 1e3:.1f} -> {plan.temporal_s * 1e3:.1f} ms")
     stop.set()
     if agent_paths:
-        to_agents({"type": "clear"})
+        to_agents(Clear())
     _log("done")
 
 

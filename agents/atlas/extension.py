@@ -15,9 +15,13 @@ iteration after the first plan (the plan is then in force).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from agents.atlas.config import AgentConfig, AgentLink, ControllerConfig, LinkPlan
+from agents.atlas.messages import PlanPublished
+from testbed import messages as m
+from testbed.results.metrics import RunSummary
 from testbed.run.hooks import RunContext, RunExtension
 
 
@@ -97,16 +101,16 @@ class AtlasExtension(RunExtension):
         self._names.append(f"atlas-{name}")
 
     # -- during the run -------------------------------------------------------------------
-    def on_worker_message(self, worker: str, msg: dict) -> None:
-        if self._controller_up and msg.get("type") == "events":
-            if not self._ctx.send_to_peer("atlas-controller", dict(msg, worker=worker)):
+    def on_worker_message(self, worker: str, msg: m.Message) -> None:
+        if self._controller_up and isinstance(msg, m.Events):
+            if not self._ctx.send_to_peer("atlas-controller", replace(msg, worker=worker)):
                 self._controller_gone("stopped reading")
 
-    def on_peer_message(self, peer: str, msg: dict) -> None:
-        if msg.get("type") != "plan":
+    def on_peer_message(self, peer: str, msg: m.Message) -> None:
+        if not isinstance(msg, PlanPublished):
             return
         ctx = self._ctx
-        plan = msg["plan"]
+        plan = msg.plan
         at = ctx.iterations_done()
         self.plans.append(dict(plan, published_at_iteration=at))
         if len(self.plans) == 1:  # iterations under way when it came are not the plan's
@@ -121,7 +125,7 @@ class AtlasExtension(RunExtension):
     def _send_offsets(self, offsets: dict[int, float]) -> None:
         for name, w in self._ctx.workers.items():
             if w.slot.stage == 0:
-                self._ctx.send_to_worker(name, {"type": "plan", "offset_s": offsets.get(w.slot.replica, 0.0)})
+                self._ctx.send_to_worker(name, m.StartOffset(offset_s=offsets.get(w.slot.replica, 0.0)))
 
     def _controller_gone(self, how: str) -> None:
         if not self._controller_up:
@@ -154,7 +158,7 @@ class AtlasExtension(RunExtension):
     # -- after the run ------------------------------------------------------------------
     def training_done(self) -> None:
         if self._controller_up:
-            self._ctx.send_to_peer("atlas-controller", {"type": "bye"})
+            self._ctx.send_to_peer("atlas-controller", m.Bye())
 
     def stop(self, out_dir: Path) -> None:
         if self._ctx is None or not self._names:
@@ -163,7 +167,7 @@ class AtlasExtension(RunExtension):
         self._ctx.launcher.copy_logs(out_dir / "atlas-logs", self._names, rename=lambda n: n.removeprefix("atlas-"))
         (out_dir / "atlas-plans.json").write_text(json.dumps(self.plans, indent=1))
 
-    def summarise(self, record, result: dict, out_dir: Path) -> dict:
+    def summarise(self, record, result: RunSummary, out_dir: Path) -> dict:
         last = self.plans[-1] if self.plans else None
         return {"atlas": {"sharing": self.exp.atlas.sharing, "plans_published": len(self.plans),
                           "order": last["order"] if last else None,

@@ -26,6 +26,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from testbed.messages import Events, Message
+
 
 @dataclass
 class TemporalPlan:
@@ -97,28 +99,30 @@ class TelemetryWindow:
         self.rates: dict[tuple[str, int], list[float]] = {}  # (key, it) -> bytes / (duration - delay)
         self._stage_busy: dict[tuple[int, int, int], float] = {}  # (replica, it, stage) -> compute
 
-    def add(self, worker: str, msg: dict) -> None:
-        if msg.get("type") != "events":
+    def add(self, worker: str, msg: Message) -> None:
+        if not isinstance(msg, Events):
             return
         stage, replica = (int(x) for x in worker[1:].split("r"))
         mine: dict[int, float] = {}
-        for kind, _mb, start, end, it in msg["events"]:
-            if kind in ("forward", "backward"):
-                self.compute.setdefault((stage, it, kind), []).append(end - start)
-                mine[it] = mine.get(it, 0.0) + (end - start)
+        for ev in msg.events:
+            if ev.kind in ("forward", "backward"):
+                it = ev.iteration
+                self.compute.setdefault((stage, it, ev.kind), []).append(ev.end - ev.start)
+                mine[it] = mine.get(it, 0.0) + (ev.end - ev.start)
         for it, busy in mine.items():
             self._stage_busy[(replica, it, stage)] = self._stage_busy.get((replica, it, stage), 0.0) + busy
             self.pipeline[(replica, it)] = max(self.pipeline.get((replica, it), 0.0),
                                                self._stage_busy[(replica, it, stage)])
-        for rec in msg.get("transfers", []):  # [kind, mb, sent, received, bytes, it]
-            self.message_bytes.append(int(rec[4]))
-            delay = self.delays.get(f"{rec[0]}:{stage}")
-            if delay is not None and rec[3] - rec[2] - delay > 1e-4:
-                self.rates.setdefault((f"{rec[0]}:{stage}", int(rec[5])), []).append(rec[4] / (rec[3] - rec[2] - delay))
+        for rec in msg.transfers:
+            self.message_bytes.append(rec.nbytes)
+            delay = self.delays.get(f"{rec.kind}:{stage}")
+            took = rec.end - rec.start
+            if delay is not None and took - delay > 1e-4:
+                self.rates.setdefault((f"{rec.kind}:{stage}", rec.iteration), []).append(rec.nbytes / (took - delay))
         del self.message_bytes[:-256]
-        if msg.get("iteration_done"):
-            self.iterations_done[worker] = msg["it"] + 1
-            oldest = msg["it"] + 1 - self.keep
+        if msg.iteration_done:
+            self.iterations_done[worker] = msg.it + 1
+            oldest = msg.it + 1 - self.keep
             for key in [k for k in self.compute if k[1] < oldest]:
                 del self.compute[key]
             for key in [k for k in self.rates if k[1] < oldest]:

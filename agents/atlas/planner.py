@@ -198,12 +198,12 @@ def search(exp: Experiment, stages: list[int] | None = None, replicas: list[int]
         c.stage_times, overhead = device.for_candidate(e)
         result = simulate(e, iterations=iterations, record=True, stage_times=c.stage_times,
                           message_overhead_s=overhead)
-        s = metrics.summarise(result)["summary"]
+        s = metrics.summarise(result).summary
         from testbed.sim.build import wan_utilization
 
-        c.iteration_time_s = s["mean_iteration_time_s"]
-        c.tokens_per_s = s["tokens_per_s"]
-        c.bubble_fraction = s["bubble_fraction"]
+        c.iteration_time_s = s.mean_iteration_time_s
+        c.tokens_per_s = s.tokens_per_s
+        c.bubble_fraction = s.bubble_fraction
         c.wan_utilization = round(wan_utilization(result), 4)
         out.append(c)
     feasible = sorted((c for c in out if not c.why_not), key=lambda c: c.iteration_time_s)

@@ -24,7 +24,8 @@ servers ship what they have prefilled at once, the decode workers finish).  So a
 completed + rejected + dropped, and after the run nothing is in flight.  Per request the
 results hold its TTFT (prefill done - arrival) and the time each later token came out
 (the time between tokens, TBT).  A failure is told to the run's log once per component
-(``{"type": "log"}`` on the hub).  Results go to ``results`` (JSON).
+(a ``Log`` message on the hub).  Every message is typed (``messages.py``).  Results go to
+``results`` (JSON).
 
     python -m agents.bubbletea.controller CONFIG.json
 """
@@ -41,9 +42,11 @@ import socket
 import sys
 import time
 
+from agents.bubbletea import messages as bt
 from agents.bubbletea.config import ControllerConfig
 from agents.bubbletea.predictor import PrefillProfile, WorkerBubbles
 from agents.bubbletea.workload import azure_trace, poisson
+from testbed import messages as m
 from testbed.train.waitboard import wait_id
 
 FINAL = ("completed", "rejected", "dropped")
@@ -87,88 +90,90 @@ class Controller:
         self.tell_run = lambda msg: None  # a line for the run's log (set by ``run``)
 
     # -- inputs -------------------------------------------------------------------------
-    def on_telemetry(self, msg: dict) -> None:
-        if msg.get("type") == "died":
-            self.on_death(msg["component"], msg["reason"])
+    def on_telemetry(self, msg: m.Message) -> None:
+        if isinstance(msg, bt.Died):
+            self.on_death(msg.component, msg.reason)
             return
-        name = msg.get("worker")
-        if name not in self.bubbles:
+        if not isinstance(msg, (m.Wait, m.Events)) or msg.worker not in self.bubbles:
             return
-        if msg.get("type") == "wait":
+        name = msg.worker
+        if isinstance(msg, m.Wait):
             self.bubbles[name].on_wait(msg)
             return
-        if msg.get("type") != "events":
-            return
         self.bubbles[name].add(msg)
-        if msg.get("iteration_done"):
-            self.iterations_done[name] = msg["it"] + 1
+        if msg.iteration_done:
+            self.iterations_done[name] = msg.it + 1
         if self.t0 is None and len(self.iterations_done) == len(self.bubbles) and \
                 min(self.iterations_done.values()) >= self.cfg.warmup_iterations:
             self.t0 = time.monotonic()
             _log(f"serving from now: {len(self.requests)} requests over "
                  f"{self.cfg.workload.duration_s:.0f} s")
 
-    def on_report(self, msg: dict) -> None:
-        kind, name = msg.get("type"), msg.get("worker")
-        if kind == "ready":
-            self.servers[name]["profile"] = PrefillProfile([tuple(p) for p in msg["profile"]])
+    def on_report(self, msg: m.Message) -> None:
+        if isinstance(msg, bt.ServerReady):
+            self.servers[msg.worker]["profile"] = PrefillProfile([tuple(p) for p in msg.profile])
             self._check_ready()
             return
-        if kind == "decode_ready":  # listening: caches may go to it from now on
-            if msg.get("decoder") in self.decoders:
-                self.decoders[msg["decoder"]]["ready"] = True
+        if isinstance(msg, bt.DecodeReady):  # listening: caches may go to it from now on
+            if msg.decoder in self.decoders:
+                self.decoders[msg.decoder]["ready"] = True
                 self._check_ready()
             return
-        if kind == "decode_error":
-            dec = msg.get("decoder", "?")
-            reason = f"decode failed on {dec}: {msg.get('error')}"
-            hit = sum(self._reject(rid, reason) for rid in msg.get("rids", []))
+        if isinstance(msg, bt.DecodeError):
+            dec = msg.decoder
+            reason = f"decode failed on {dec}: {msg.error}"
+            hit = sum(self._reject(rid, reason) for rid in msg.rids)
             self._failure(dec, reason, hit)
             return
-        rid = msg.get("rid")
+        if not isinstance(msg, (bt.Progress, bt.Prefilled, bt.Decoded, bt.KvFailed)):
+            return
+        rid = msg.rid
         r = self.state.get(rid)
         if r is None:
             return
-        if kind == "progress":
+        if isinstance(msg, bt.Progress):
+            name = msg.worker
             srv = self.servers[name]
-            if msg.get("last", True):
+            if msg.last:
                 srv["busy"] = None
-            if msg["done"] == 0:
+            if msg.done == 0:
                 srv["sticky"].discard(rid)  # not started there: any server may take it
-            for s, e, n in msg["intervals"]:
-                self.prefill_intervals[name].append([s, e, rid])
-                srv["profile"].add(n, e - s)
-            r["prefilled_tokens"] = msg["done"]
+            for c in msg.intervals:
+                self.prefill_intervals[name].append([c.start, c.end, rid])
+                srv["profile"].add(c.tokens, c.end - c.start)
+            r["prefilled_tokens"] = msg.done
             r.setdefault("prefill_s", 0.0)
-            r["prefill_s"] += sum(e - s for s, e, _ in msg["intervals"])
-            if msg["done"] < msg["total"] and r["status"] == "prefilling":
+            r["prefill_s"] += sum(c.end - c.start for c in msg.intervals)
+            if msg.done < msg.total and r["status"] == "prefilling":
                 r["status"] = "queued"  # continues in a later bubble (on the same server if begun)
                 bisect.insort(self.queue, rid, key=lambda x: self.state[x]["arrival_s"])  # its place by arrival
-        elif kind == "prefilled":
+        elif isinstance(msg, bt.Prefilled):
+            name = msg.worker
             self.servers[name]["sticky"].discard(rid)
             if r["status"] in FINAL:
                 return
-            r["ttft_s"] = msg["at"] - (self.t0 + r["arrival_s"])
-            r["first_token_at"] = msg["at"]
-            r["kv_bytes"], r["kv_transfer_s"] = msg["kv_bytes"], msg["kv_send_s"]
+            r["ttft_s"] = msg.at - (self.t0 + r["arrival_s"])
+            r["first_token_at"] = msg.at
+            r["kv_bytes"], r["kv_transfer_s"] = msg.kv_bytes, msg.kv_send_s
             dec = self.cfg.decode[name]
             r["decoder"] = dec
             if self.decoders[dec]["dead"]:  # acknowledged just before it died
                 self._reject(rid, self.decoders[dec]["dead"])
                 return
             r["status"] = "decoding"
-        elif kind == "decoded":
+        elif isinstance(msg, bt.Decoded):
             if r["status"] != "decoding":
                 return  # rejected meanwhile (its decode worker was declared dead)
             r["status"] = "completed"
             self.counts["completed"] += 1
-            r["generated_tokens"] = msg["tokens"]
-            r["completed_s"] = msg["done"] - self.t0
-            times = [r["first_token_at"]] + list(msg.get("token_times", []))
+            r["generated_tokens"] = msg.tokens
+            r["completed_s"] = msg.done - self.t0
+            times = [r["first_token_at"]] + list(msg.token_times)
             r["tbt_s"] = [round(b - a, 6) for a, b in zip(times, times[1:])]
-        elif kind == "error":  # a KV transfer: the server itself is not held up by it
+        else:  # a KV transfer failed: the server itself is not held up by it
+            name = msg.worker
             dec = self.cfg.decode[name]
-            reason = self.decoders[dec]["dead"] or f"KV transfer to {dec} failed: {msg['error']}"
+            reason = self.decoders[dec]["dead"] or f"KV transfer to {dec} failed: {msg.error}"
             if self._reject(rid, reason):
                 self._failure(f"{name} -> {dec}", reason, 1)
 
@@ -229,7 +234,7 @@ class Controller:
         for name, srv in self.servers.items():
             if rid in srv["sticky"]:
                 srv["sticky"].discard(rid)
-                self._send(name, {"type": "drop", "rid": rid})
+                self._send(name, bt.Drop(rid=rid))
         return 1
 
     def tick(self, now: float) -> None:
@@ -294,24 +299,24 @@ class Controller:
                 srv["sticky"].add(rid)
             srv["busy"], srv["sent"] = jobs, now
             wait = wait_id(*self.bubbles[name].current[:2])  # the server stops when this wait ends
-            self._send(name, {"type": "prefill", "deadlines": [round(e, 6) for e in ends], "chunk": chunk, "wait": wait,
-                              "decode": self.decoders[self.cfg.decode[name]]["addr"],
-                              "jobs": [{"rid": rid, "tokens": self.state[rid]["prompt_tokens"],
-                                        "output_tokens": self.state[rid]["output_tokens"]} for rid in jobs]})
+            self._send(name, bt.Prefill(deadlines=[round(e, 6) for e in ends], chunk=chunk, wait=wait,
+                                        decode=list(self.decoders[self.cfg.decode[name]]["addr"]),
+                                        jobs=[bt.Job(rid, self.state[rid]["prompt_tokens"],
+                                                     self.state[rid]["output_tokens"]) for rid in jobs]))
 
     def stop_serving(self) -> None:
         """Training has ended: nothing more is dispatched; the servers ship what they have."""
         if self.t_end is None:
             self.t_end = time.monotonic()
         for name in self.servers:
-            self._send(name, {"type": "drain"})
+            self._send(name, bt.Drain())
 
     def in_service(self) -> bool:
         return any(r["status"] in ("prefilling", "decoding") for r in self.state.values())
 
-    def _send(self, name: str, msg: dict) -> None:
+    def _send(self, name: str, msg: m.Message) -> None:
         try:
-            self.sock.sendto(json.dumps(msg).encode(), self.servers[name]["path"])
+            self.sock.sendto(m.encode(msg), self.servers[name]["path"])
         except (OSError, AttributeError):
             pass
 
@@ -338,7 +343,7 @@ class Controller:
 def _drain_reports(ctl: Controller, sock: socket.socket) -> None:
     while True:
         try:
-            ctl.on_report(json.loads(sock.recv(65536)))
+            ctl.on_report(m.decode(sock.recv(65536)))
         except BlockingIOError:
             return
 
@@ -353,11 +358,11 @@ def run(cfg: ControllerConfig) -> None:
     ctl.sock = sock
     tel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tel.connect(cfg.telemetry)
-    tel.sendall(b'{"type":"hello","worker":"bubbletea-controller"}\n')
+    tel.sendall(m.line(m.Hello(worker="bubbletea-controller")))
 
     def tell_run(line: str) -> None:
         try:
-            tel.sendall(json.dumps({"type": "log", "msg": line}).encode() + b"\n")
+            tel.sendall(m.line(m.Log(msg=line)))
         except OSError:
             pass
 
@@ -377,8 +382,8 @@ def run(cfg: ControllerConfig) -> None:
             done = False
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
-                if msg.get("type") == "bye":
+                msg = m.decode(line)
+                if isinstance(msg, m.Bye):
                     done = True
                     break
                 ctl.on_telemetry(msg)
@@ -387,7 +392,7 @@ def run(cfg: ControllerConfig) -> None:
         if sock in ready:
             _drain_reports(ctl, sock)
         if ctl.ready and not told_ready:
-            tel.sendall(b'{"type":"ready"}\n')
+            tel.sendall(m.line(m.Ready()))
             told_ready = True
         ctl.tick(time.monotonic())
     # training is over: the servers ship what is prefilled, the decode workers finish (briefly)
@@ -402,7 +407,7 @@ def run(cfg: ControllerConfig) -> None:
         json.dump(result, fh)
     _log(f"done: {result['counts']}")
     for name in ctl.servers:
-        ctl._send(name, {"type": "stop"})
+        ctl._send(name, bt.Stop())
 
 
 def main() -> int:

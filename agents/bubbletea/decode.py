@@ -16,7 +16,7 @@ worker's own emulated device for the profiled set-up and step times of the batch
 (``timing.py``) and imports no torch.
 
 Failures are reported, never swallowed: a batch that raises is reported as
-``{"type": "decode_error", "rids", "error"}`` (the controller rejects those requests with
+``DecodeError`` (``messages.py``: rids, error; the controller rejects those requests with
 the reason) and the worker goes on; a cache that cannot be read is not acknowledged (its
 prefill server reports the transfer failed); if the decoding thread itself dies, the
 process exits (code 70), which the run's extension sees and logs.
@@ -26,7 +26,6 @@ process exits (code 70), which the run's extension sees and logs.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import socket
@@ -35,8 +34,10 @@ import threading
 import time
 import traceback
 
+from agents.bubbletea import messages as bt
 from agents.bubbletea.config import DecodeConfig
 from agents.bubbletea.server import KV_HEADER
+from testbed import messages as m
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -100,9 +101,9 @@ def run(cfg: DecodeConfig) -> None:
     report = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     work: queue.Queue = queue.Queue()
 
-    def tell(msg: dict) -> None:
+    def tell(msg: m.Message) -> None:
         try:
-            report.sendto(json.dumps(dict(msg, decoder=cfg.name)).encode(), cfg.controller)
+            report.sendto(m.encode(msg), cfg.controller)
         except OSError:
             pass
 
@@ -114,8 +115,8 @@ def run(cfg: DecodeConfig) -> None:
                 blob = _recv_exact(conn, size)
                 conn.sendall(b"k")
             except (OSError, ConnectionError) as exc:  # not acknowledged: the server reports it too
-                tell({"type": "decode_error", "rids": [] if rid is None else [rid],
-                      "error": f"receiving a cache: {type(exc).__name__}: {exc}"})
+                tell(bt.DecodeError(decoder=cfg.name, rids=[] if rid is None else [rid],
+                                    error=f"receiving a cache: {type(exc).__name__}: {exc}"))
                 return
             work.put((rid, steps, prompt, blob, time.monotonic()))
 
@@ -130,13 +131,13 @@ def run(cfg: DecodeConfig) -> None:
             try:
                 results = backend.decode(batch)
             except Exception as exc:  # this batch's requests fail with the reason; the worker goes on
-                tell({"type": "decode_error", "rids": [b[0] for b in batch], "error": f"{type(exc).__name__}: {exc}"})
+                tell(bt.DecodeError(decoder=cfg.name, rids=[b[0] for b in batch], error=f"{type(exc).__name__}: {exc}"))
                 print(traceback.format_exc(), file=sys.stderr, flush=True)
                 continue
             done = time.monotonic()
             for (rid, _steps, _prompt, _blob, received), (tokens, token_times) in zip(batch, results):
-                tell({"type": "decoded", "rid": rid, "tokens": tokens, "received": received, "done": done,
-                      "token_times": token_times})
+                tell(bt.Decoded(decoder=cfg.name, rid=rid, tokens=tokens, received=received, done=done,
+                                token_times=list(token_times)))
 
     def guarded() -> None:
         try:
@@ -150,7 +151,7 @@ def run(cfg: DecodeConfig) -> None:
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind((cfg.ip, cfg.port))
     server.listen(64)
-    ready = json.dumps({"type": "decode_ready", "decoder": cfg.name}).encode()
+    ready = m.encode(bt.DecodeReady(decoder=cfg.name))
     for _ in range(600):  # the controller starts after the decode workers: it may not be bound yet
         try:
             report.sendto(ready, cfg.controller)

@@ -29,13 +29,17 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
+from agents.bubbletea.messages import Died
 from agents.bubbletea.config import ControllerConfig, DecodeConfig, InferenceModel, ServerConfig, Workload
+from testbed import messages as m
 from testbed.train.device import create_device
 from testbed.train.waitboard import create_board
 from testbed.run.hooks import ExtensionError, RunContext, RunExtension
 from testbed.run.procs import CpuContainers, python_env
+from testbed.results.metrics import RunSummary
 from testbed.results.records import BUSY_KINDS, RunRecord
 from testbed.spec.topology import SpecError
 
@@ -184,15 +188,15 @@ class BubbleTeaExtension(RunExtension):
             self._components[f"bubbletea-{name}"] = component
 
     # -- during the run -------------------------------------------------------------------
-    def on_worker_message(self, worker: str, msg: dict) -> None:
-        if self._connected and msg.get("type") in ("events", "wait"):
-            if not self._ctx.send_to_peer("bubbletea-controller", dict(msg, worker=worker)):
+    def on_worker_message(self, worker: str, msg: m.Message) -> None:
+        if self._connected and isinstance(msg, (m.Events, m.Wait)):
+            if not self._ctx.send_to_peer("bubbletea-controller", replace(msg, worker=worker)):
                 self._connected = False  # its death is logged by check()
 
-    def on_peer_message(self, peer: str, msg: dict) -> None:
-        if msg.get("type") == "log":  # a failure the controller saw (a decode that raised, a KV transfer)
-            self._ctx.log(str(msg.get("msg")))
-        self._ready = self._ready or msg.get("type") == "ready"
+    def on_peer_message(self, peer: str, msg: m.Message) -> None:
+        if isinstance(msg, m.Log):  # a failure the controller saw (a decode that raised, a KV transfer)
+            self._ctx.log(msg.msg)
+        self._ready = self._ready or isinstance(msg, m.Ready)
 
     def on_peer_gone(self, peer: str) -> None:
         self._connected = False
@@ -228,13 +232,12 @@ class BubbleTeaExtension(RunExtension):
                           f"{' (' + tail[-160:] + ')' if tail and code > 0 else ''}: its requests are rejected "
                           "with that reason; training continues unaffected")
             if self._connected:
-                self._ctx.send_to_peer("bubbletea-controller", {"type": "died", "component": component,
-                                                                "reason": reason})
+                self._ctx.send_to_peer("bubbletea-controller", Died(component=component, reason=reason))
 
     # -- after the run ------------------------------------------------------------------
     def training_done(self) -> None:
         if self._connected:
-            self._ctx.send_to_peer("bubbletea-controller", {"type": "bye"})
+            self._ctx.send_to_peer("bubbletea-controller", m.Bye())
 
     def stop(self, out_dir: Path) -> None:
         if self._ctx is None:
@@ -249,10 +252,10 @@ class BubbleTeaExtension(RunExtension):
         if self._results is not None and self._results.exists():
             (out_dir / "bubbletea.json").write_text(self._results.read_text())
 
-    def summarise(self, record: RunRecord, result: dict, out_dir: Path) -> dict:
+    def summarise(self, record: RunRecord, result: RunSummary, out_dir: Path) -> dict:
         return summarise(record, result, out_dir)
 
-    def write_outputs(self, record: RunRecord, result: dict, out_dir: Path) -> None:
+    def write_outputs(self, record: RunRecord, result: RunSummary, out_dir: Path) -> None:
         path = out_dir / "bubbletea.json"
         reqs = json.loads(path.read_text())["requests"] if path.exists() else []
         ttft_cdf(reqs, out_dir / "ttft_cdf.png", f"{self.exp.name}: prefill TTFT", self.spec.slo_ttft_s)
@@ -316,7 +319,7 @@ def serving_figures(data: dict, slo_ttft_s: float, slo_tbt_s: float | None = Non
     }
 
 
-def summarise(run: RunRecord, result: dict, out_dir: Path) -> dict:
+def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
     """BubbleTea's figures for the summary, from the run's timelines and the controller's results.
     Each worker's prefills go on its record as the device's co-tenant (the plots draw them).
     Utilization counts, per worker and served iteration, the union of training compute and
@@ -324,7 +327,7 @@ def summarise(run: RunRecord, result: dict, out_dir: Path) -> dict:
     schedule)."""
     path = out_dir / "bubbletea.json"
     data = json.loads(path.read_text()) if path.exists() else {"requests": [], "prefill_intervals": {}}
-    steady = result["summary"]["steady_state_iterations"]
+    steady = result.summary.steady_state_iterations
     spec = run.exp.bubbletea
     # the controller's rule (its iteration count from the warm-up on): with Atlas the steady
     # state starts later, and counting from there swapped served and unserved
@@ -354,7 +357,7 @@ def summarise(run: RunRecord, result: dict, out_dir: Path) -> dict:
     times = {k: ends[k] - (ends[k - 1] if k > 0 else run.go_time) for k in steady}
     t_on = statistics.fmean([times[k] for k in served]) if served else None
     t_off = statistics.fmean([times[k] for k in unserved]) if unserved else None
-    busy_without = result["summary"]["mean_busy_fraction"]
+    busy_without = result.summary.mean_busy_fraction
     return {
         "utilization_with_prefill": round(statistics.fmean(util_with), 4) if util_with else None,
         "utilization_without_prefill": round(statistics.fmean(util_without), 4) if util_without else busy_without,

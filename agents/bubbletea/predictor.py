@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from testbed.messages import Events, Wait
 from testbed.results.metrics import worker_iteration
 
 
@@ -37,17 +38,17 @@ class WorkerBubbles:
     last_end: float | None = None  # when the latest complete iteration ended
     current: tuple | None = None  # (iteration, n, start) of the wait under way
 
-    def add(self, msg: dict) -> None:
-        self.pending.extend(msg.get("events", []))
-        if msg.get("iteration_done"):
-            waits = [e - s for kind, _mb, s, e, *_ in sorted(self.pending, key=lambda ev: ev[2]) if kind == "recv"
-                     and _mb >= 0]
+    def add(self, msg: Events) -> None:
+        self.pending.extend(msg.events)
+        if msg.iteration_done:
+            waits = [ev.end - ev.start for ev in sorted(self.pending, key=lambda ev: ev.start)
+                     if ev.kind == "recv" and ev.mb >= 0]
             self.history.append(waits)
             self.pending = []
-            self.last_end = msg["end"]
+            self.last_end = msg.end
 
-    def on_wait(self, msg: dict) -> None:
-        self.current = (msg["it"], msg["n"], msg["t"])
+    def on_wait(self, msg: Wait) -> None:
+        self.current = (msg.it, msg.n, msg.t)
 
     def predict(self, n: int) -> float:
         """The n-th wait's predicted length (0 when it has not been seen in every recent iteration)."""

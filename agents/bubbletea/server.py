@@ -28,20 +28,17 @@ What a chunk runs on is the backend's business, and the loop above is the same f
 
     python -m agents.bubbletea.server CONFIG.json
 
-Messages (Unix datagrams, JSON) in: ``{"type": "prefill", "jobs": [{"rid", "tokens",
-"output_tokens"}, ..], "deadlines", "chunk", "wait", "decode": [ip, port]}`` (the jobs run in order,
-with no round trip between them, until the deadline), ``{"type": "drop", "rid"}``,
-``{"type": "drain"}`` (training is over: ship what is prefilled at once), ``{"type":
-"stop"}``.  Out, to the controller: ``{"type": "ready", "profile": [[tokens, seconds], ..]}``,
-per job ``{"type": "progress", "rid", "done", "total", "intervals": [[start, end, tokens],
-..], "last"}`` (``last``: the server is free again), ``{"type": "prefilled", "rid",
-"kv_bytes", "kv_send_s", "first_token", "at"}``, ``{"type": "error", "rid", "error"}`` (the
-KV transfer failed).
+Messages (Unix datagrams, typed: ``messages.py``) in: ``Prefill`` (jobs ``{rid, tokens,
+output_tokens}``, deadlines, chunk, wait, decode: [ip, port]; the jobs run in order, with no
+round trip between them, until the deadline), ``Drop``, ``Drain`` (training is over: ship
+what is prefilled at once), ``Stop``.  Out, to the controller: ``ServerReady`` (profile:
+[[tokens, seconds], ..]), per job ``Progress`` (rid, done, total, intervals: ``Chunk`` items
+{start, end, tokens}, last: the server is free again), ``Prefilled`` (rid, kv_bytes,
+kv_send_s, first_token, at), ``KvFailed`` (rid, error: the KV transfer failed).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import socket
@@ -51,7 +48,9 @@ import threading
 import time
 from collections import deque
 
+from agents.bubbletea import messages as bt
 from agents.bubbletea.config import ServerConfig
+from testbed import messages as m
 
 _KV_GUARD_S = 0.002  # no KV transfer starts this close to a bubble's end
 KV_HEADER = struct.Struct("!QQQQ")  # request id, output tokens, prompt tokens, cache bytes
@@ -197,16 +196,17 @@ def run(cfg: ServerConfig) -> None:
     sock.bind(cfg.listen)
     controller = cfg.controller
 
-    def tell(msg: dict) -> None:
+    def tell(msg: m.Message) -> None:
         try:
-            sock.sendto(json.dumps(dict(msg, worker=cfg.worker)).encode(), controller)
+            sock.sendto(m.encode(msg), controller)
         except OSError:
             pass  # the controller is gone: nothing more will come
 
-    ready = {"type": "ready", "profile": backend.calibrate()}  # prefill time against prompt length, on this device
+    # prefill time against prompt length, on this device
+    ready = bt.ServerReady(worker=cfg.worker, profile=backend.calibrate())
     for _ in range(600):  # the controller may still be binding its socket
         try:
-            sock.sendto(json.dumps(dict(ready, worker=cfg.worker)).encode(), controller)
+            sock.sendto(m.encode(ready), controller)
             break
         except (FileNotFoundError, ConnectionRefusedError):
             time.sleep(0.1)
@@ -233,43 +233,40 @@ def run(cfg: ServerConfig) -> None:
                 blob = backend.cache(state)
                 sent = send_kv(decode, rid, output_tokens, backend.progress(state)[1], blob)
             except (OSError, ConnectionError) as exc:
-                tell({"type": "error", "rid": rid, "error": f"{type(exc).__name__}: {exc}"})
+                tell(bt.KvFailed(worker=cfg.worker, rid=rid, error=f"{type(exc).__name__}: {exc}"))
                 continue
-            tell({"type": "prefilled", "rid": rid, "kv_bytes": len(blob), "kv_send_s": sent, "first_token": first,
-                  "at": finished})
+            tell(bt.Prefilled(worker=cfg.worker, rid=rid, kv_bytes=len(blob), kv_send_s=sent, first_token=first,
+                              at=finished))
 
     for _ in range(cfg.kv_senders):  # a cache takes a few round trips: several at once
         threading.Thread(target=ship, daemon=True).start()
     while True:
-        msg = json.loads(sock.recv(65536))
-        kind = msg.get("type")
-        if kind == "stop":
+        msg = m.decode(sock.recv(65536), expect=(bt.Prefill, bt.Drop, bt.Drain, bt.Stop))
+        if isinstance(msg, bt.Stop):
             return
-        if kind == "drop":
-            states.pop(msg["rid"], None)
+        if isinstance(msg, bt.Drop):
+            states.pop(msg.rid, None)
             continue
-        if kind == "drain":
+        if isinstance(msg, bt.Drain):
             with gate:
                 bubble["drain"] = True
                 gate.notify_all()
             continue
-        if kind != "prefill":
-            continue
-        deadlines = list(msg["deadlines"])
+        deadlines = list(msg.deadlines)
         deadline = deadlines.pop(0)
         with gate:
             bubble["deadline"] = deadline
             gate.notify_all()
-        chunk = int(msg.get("chunk", 64))
-        wait = msg.get("wait")
+        chunk = msg.chunk
+        wait = msg.wait
         stopped = False
-        jobs = msg["jobs"]
+        jobs = msg.jobs
         for i, job in enumerate(jobs):  # in order, until the deadline; the last report says so
-            rid = job["rid"]
+            rid = job.rid
             state = states.get(rid)
-            intervals = []
+            intervals: list[bt.Chunk] = []
             if state is None and not stopped:
-                state = states[rid] = backend.new(rid, job["tokens"])
+                state = states[rid] = backend.new(rid, job.tokens)
             while state is not None and not stopped:
                 done, total = backend.progress(state)
                 if done >= total:
@@ -287,14 +284,14 @@ def run(cfg: ServerConfig) -> None:
                 if not n:
                     stopped = True  # the next chunk would overrun the bubble: stop at this boundary
                     break
-                intervals.append(list(backend.run_chunk(state, n)))
-            done, total = backend.progress(state) if state is not None else (0, job["tokens"])
-            tell({"type": "progress", "rid": rid, "done": done, "total": total, "intervals": intervals,
-                  "last": i == len(jobs) - 1})
+                intervals.append(bt.Chunk(*backend.run_chunk(state, n)))
+            done, total = backend.progress(state) if state is not None else (0, job.tokens)
+            tell(bt.Progress(worker=cfg.worker, rid=rid, done=done, total=total, intervals=intervals,
+                             last=i == len(jobs) - 1))
             if state is not None and done == total:
-                finished = intervals[-1][1] if intervals else time.monotonic()  # the first token exists now
+                finished = intervals[-1].end if intervals else time.monotonic()  # the first token exists now
                 states.pop(rid)
-                outbox.put((rid, msg["decode"], job["output_tokens"], backend.first_token(state), state, finished))
+                outbox.put((rid, msg.decode, job.output_tokens, backend.first_token(state), state, finished))
 
 
 def main() -> int:

@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 
 from agents.titan import lp
+from agents.titan import messages as tm
 from agents.titan import workload as wl
 from agents.titan.controller import Quality, TitanController
 from agents.titan.emunet import DualPathNetwork, wait_ready
@@ -286,17 +287,17 @@ class Emulation:
         by_host: dict[str, list] = {}
         for s in streams:
             tos = INTERNET_TOS if s.route == INTERNET else 0
-            by_host.setdefault(s.src_host, []).append([s.sid, s.dst_ip, s.ip_kbps, pps, tos, s.start, s.end])
+            by_host.setdefault(s.src_host, []).append(tm.StreamSpec(s.sid, s.dst_ip, s.ip_kbps, pps, tos, s.start, s.end))
         for host, items in by_host.items():
             for k in range(0, len(items), chunk):
-                self.agents[host].request({"cmd": "start", "streams": items[k:k + chunk]})
+                self.agents[host].request(tm.StartStreams(streams=items[k:k + chunk]))
 
     # -- one policy -----------------------------------------------------------------------
     def run_policy(self, policy: str) -> PolicyRun:
         prep = self.prep
         spec = prep.spec
         for c in list(self.agents.values()) + list(self.sniffers.values()):
-            c.request({"cmd": "reset"})
+            c.request(tm.Reset())
         t0 = time.monotonic() + _LEAD_S
         streams = self._streams(policy, t0)
         self._send_streams(streams)
@@ -320,14 +321,14 @@ class Emulation:
         sent: dict[int, int] = {}
         for name, client in self.agents.items():
             path = self.workdir / f"dump-{policy}-{name}.json"
-            client.request({"cmd": "dump", "path": str(path)})
+            client.request(tm.Dump(path=str(path)))
             data = json.loads(path.read_text())
             rx.update({int(k): v for k, v in data["rx"].items()})
             sent.update({int(k): v for k, v in data["sent"].items()})
         seen: dict[str, dict[int, int]] = {}
         for name, client in self.sniffers.items():
             path = self.workdir / f"routes-{policy}-{name}.json"
-            client.request({"cmd": "dump", "path": str(path)})
+            client.request(tm.Dump(path=str(path)))
             for ifname, table in json.loads(path.read_text()).items():
                 seen[ifname] = {int(k): v for k, v in table.items()}
         load = self._slot_loads(samples, t0, links)
@@ -441,7 +442,7 @@ class Emulation:
         calls = prep.calls
         pps = prep.spec.packets_per_s
         for c in list(self.agents.values()) + list(self.sniffers.values()):
-            c.request({"cmd": "reset"})
+            c.request(tm.Reset())
         scale = seconds / wl.DAY_S
         t0 = time.monotonic() + _LEAD_S
         # one probe stream each way per Internet path (home region -> DC) the calls could use
@@ -473,7 +474,7 @@ class Emulation:
         i = 0
         end = t0 + seconds
         for c in self.agents.values():
-            c.request({"cmd": "window"})  # start the first window clean
+            c.request(tm.Window())  # start the first window clean
         while time.monotonic() < end:
             now = time.monotonic()
             while i < len(order) and t0 + calls.start_s[order[i]] * scale <= now + 0.05:
@@ -520,7 +521,7 @@ class Emulation:
             if now >= next_window:
                 stats = {}
                 for c in self.agents.values():
-                    stats.update({int(k): v for k, v in c.request({"cmd": "window"})["window"].items()})
+                    stats.update({int(k): v for k, v in c.request(tm.Window()).window.items()})
                 qual = _path_quality(stats, stream_path, stream_dir)
                 for path in paths:
                     f = controller.update(path, qual.get(path), now - t0)
@@ -544,7 +545,7 @@ class Emulation:
     def close(self) -> None:
         for c in list(self.agents.values()) + list(self.sniffers.values()):
             try:
-                c.request({"cmd": "quit"})
+                c.request(tm.Quit())
             except Exception:
                 pass
             c.close()
@@ -552,18 +553,19 @@ class Emulation:
         self.sniffers.clear()
 
 
-def _path_quality(stats: dict[int, list], stream_path: dict, stream_dir: dict) -> dict[tuple[str, str], Quality]:
+def _path_quality(stats: dict[int, tm.StreamWindow], stream_path: dict,
+                  stream_dir: dict) -> dict[tuple[str, str], Quality]:
     """Per path: loss over both directions, RTT = median one-way delay up + down, mean jitter."""
     acc: dict[tuple[str, str], dict] = {}
-    for sid, (n, lo, hi, owd_p50, jitter) in stats.items():
+    for sid, w in stats.items():
         path = stream_path.get(sid)
         if path is None:
             continue
         a = acc.setdefault(path, {"n": 0, "exp": 0, "up": [], "down": [], "jit": []})
-        a["n"] += n
-        a["exp"] += max(n, hi - lo + 1)
-        a["up" if stream_dir[sid] else "down"].append(owd_p50)
-        a["jit"].append(jitter)
+        a["n"] += w.received
+        a["exp"] += max(w.received, w.seq_hi - w.seq_lo + 1)
+        a["up" if stream_dir[sid] else "down"].append(w.owd_p50_ms)
+        a["jit"].append(w.jitter_ms)
     out = {}
     for path, a in acc.items():
         if not a["up"] or not a["down"]:

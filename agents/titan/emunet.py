@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from testbed import messages as m
 from testbed.net.network import HostInfo, Network, NetworkError
 from testbed.run.procs import DatagramClient, python_env, stop_all
 from testbed.spec.topology import parse_topology
@@ -244,7 +245,7 @@ class DualPathNetwork:
             lane = self.lanes.get((src, dst))
             if lane is None:
                 raise TitanError(f"no Internet path {src} -> {dst}")
-            self._hub_ctl.request({"lane": lane.name, **changes})
+            self._hub_ctl.request(m.LaneSet(lane=lane.name, **changes))
             for k, v in changes.items():
                 setattr(lane, k, v)
 
@@ -279,12 +280,11 @@ class ControlClient(DatagramClient):
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.MAX_REPLY)
         self.server = str(server)
 
-    def request(self, msg: dict) -> dict:  # type: ignore[override]
-        self.sock.sendto(json.dumps(msg).encode(), self.server)
-        reply = json.loads(self.sock.recv(self.MAX_REPLY))
-        if not reply.get("ok"):
-            raise NetworkError(f"{self.server}: {reply.get('error')}")
-        return reply
+    def request(self, msg: m.Message) -> m.Message:  # type: ignore[override]
+        try:
+            return super().request(self.server, msg, self.MAX_REPLY)
+        except RuntimeError as exc:  # refused
+            raise NetworkError(f"{self.server}: {exc}") from None
 
 
 def wait_ready(proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:

@@ -17,9 +17,10 @@ per stream: packets received, the highest and lowest sequence seen, every one-wa
 window (the Titan controller's measurements), ``dump`` writes everything (receiver side
 and the sender's counts) to a JSON file.
 
-Control messages (JSON): ``{"cmd": "start", "streams": [[id, dst_ip, ip_kbps, pps, tos,
-t_start, t_end], ..]}``, ``{"cmd": "window"}``, ``{"cmd": "dump", "path": ..}``,
-``{"cmd": "reset"}``, ``{"cmd": "quit"}``; every reply is ``{"ok": true, ..}``.
+Control messages (typed: ``messages.py``): ``StartStreams`` (a list of ``StreamSpec``: sid, dst,
+ip_kbps, pps, tos, t_start, t_end; answered ``Started``), ``Window`` (answered
+``WindowReply``), ``Dump`` (path), ``Reset``, ``Quit`` (answered ``Ok``); a bad one is
+answered ``Refused``.
 
 Run as ``python -m agents.titan.media CONFIG.json`` (``{"control": path, "port": n}``); it
 prints ``ready`` once both sockets are bound.
@@ -37,6 +38,9 @@ import struct
 import sys
 import time
 from array import array
+
+from agents.titan import messages as tm
+from testbed import messages as m
 
 PORT = 5004
 INTERNET_TOS = 0x20  # DSCP 8 (CS1)
@@ -109,53 +113,53 @@ class MediaAgent:
             except BlockingIOError:
                 return
             try:
-                reply = self._handle(json.loads(data))
+                reply = self._handle(m.decode(data))
             except Exception as exc:  # a bad message must not kill the agent
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                reply = m.Refused(error=f"{type(exc).__name__}: {exc}")
             if addr:
                 try:
-                    self.ctl.sendto(json.dumps(reply).encode(), addr)
+                    self.ctl.sendto(m.encode(reply), addr)
                 except OSError:
                     pass
 
-    def _handle(self, msg: dict) -> dict:
-        cmd = msg.get("cmd")
-        if cmd == "start":
-            for sid, dst, kbps, pps, tos, t0, t1 in msg["streams"]:
-                size = ip_bytes_per_packet(kbps, pps) - IP_UDP_BYTES
+    def _handle(self, msg: m.Message) -> m.Message:
+        if isinstance(msg, tm.StartStreams):
+            for st in msg.streams:
+                size = ip_bytes_per_packet(st.ip_kbps, st.pps) - IP_UDP_BYTES
                 idx = len(self.streams)
-                self.streams.append([int(sid), (dst, self.port), size, int(1e9 / pps), int(tos), int(t1 * 1e9), 0])
-                self.sent.setdefault(int(sid), 0)
-                heapq.heappush(self.heap, (int(t0 * 1e9), idx))
-            return {"ok": True, "streams": len(self.streams)}
-        if cmd == "window":
+                self.streams.append([st.sid, (st.dst, self.port), size, int(1e9 / st.pps), st.tos,
+                                     int(st.t_end * 1e9), 0])
+                self.sent.setdefault(st.sid, 0)
+                heapq.heappush(self.heap, (int(st.t_start * 1e9), idx))
+            return tm.Started(streams=len(self.streams))
+        if isinstance(msg, tm.Window):
             out = {}
             for sid, r in self.rx.items():
                 if r.wn:
                     w = sorted(r.wowd)
-                    out[sid] = [r.wn, r.wlo, r.whi, w[len(w) // 2], r.jitter]
+                    out[str(sid)] = tm.StreamWindow(r.wn, r.wlo, r.whi, w[len(w) // 2], r.jitter)
                 r.wn, r.wlo, r.whi, r.wowd = 0, 1 << 32, -1, array("f")
-            return {"ok": True, "window": out}
-        if cmd == "dump":
+            return tm.WindowReply(window=out)
+        if isinstance(msg, tm.Dump):
             rx = {}
             for sid, r in self.rx.items():
                 w = sorted(r.owd)
                 rx[sid] = {"received": r.n, "seq_lo": r.lo, "seq_hi": r.hi, "jitter_ms": r.jitter,
                            "owd_p50_ms": w[len(w) // 2] if w else None, "owd_min_ms": w[0] if w else None,
                            "owd_p95_ms": w[min(len(w) - 1, int(0.95 * len(w)))] if w else None}
-            with open(msg["path"], "w") as fh:
+            with open(msg.path, "w") as fh:
                 json.dump({"rx": rx, "sent": self.sent}, fh)
-            return {"ok": True}
-        if cmd == "reset":
+            return m.Ok()
+        if isinstance(msg, tm.Reset):
             self.heap.clear()
             self.streams.clear()
             self.sent.clear()
             self.rx.clear()
-            return {"ok": True}
-        if cmd == "quit":
+            return m.Ok()
+        if isinstance(msg, tm.Quit):
             self.running = False
-            return {"ok": True}
-        raise ValueError(f"unknown command {cmd!r}")
+            return m.Ok()
+        raise ValueError(f"message {msg.kind!r} is not for a media agent")
 
     # -- data -----------------------------------------------------------------------
     def _receive(self) -> None:

@@ -11,8 +11,8 @@ of parsing, costs far less than dissecting every packet with scapy; the test sui
 checks a sample with scapy.
 
 Run as ``python -m agents.titan.routecheck CONFIG.json`` (``{"control": path, "interfaces":
-[..], "port": n}``); control messages ``{"cmd": "dump", "path": ..}``, ``{"cmd": "reset"}``,
-``{"cmd": "quit"}``.  Prints ``ready`` once every socket is bound.
+[..], "port": n}``); control messages (``messages.py``) ``Dump`` (path), ``Reset``, ``Quit``,
+each answered ``Ok`` (a bad one ``Refused``).  Prints ``ready`` once every socket is bound.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import signal
 import socket
 import struct
 import sys
+
+from agents.titan import messages as tm
+from testbed import messages as m
 
 _ETH_P_IP = 0x0800
 _ETH_P_ALL = 0x0003  # outgoing packets reach only "all protocols" taps
@@ -60,17 +63,21 @@ def main() -> None:
                     data, addr = ctl.recvfrom(65536)
                 except BlockingIOError:
                     continue
-                msg = json.loads(data)
-                if msg.get("cmd") == "dump":
-                    with open(msg["path"], "w") as fh:
+                reply: m.Message = m.Ok()
+                try:
+                    msg = m.decode(data, expect=(tm.Dump, tm.Reset, tm.Quit))
+                except m.MessageError as exc:
+                    msg, reply = None, m.Refused(error=str(exc))
+                if isinstance(msg, tm.Dump):
+                    with open(msg.path, "w") as fh:
                         json.dump(counts, fh)
-                elif msg.get("cmd") == "reset":
+                elif isinstance(msg, tm.Reset):
                     counts = {name: {} for name in socks.values()}
-                elif msg.get("cmd") == "quit":
+                elif isinstance(msg, tm.Quit):
                     running[0] = False
                 if addr:
                     try:
-                        ctl.sendto(b'{"ok": true}', addr)
+                        ctl.sendto(m.encode(reply), addr)
                     except OSError:
                         pass
                 continue

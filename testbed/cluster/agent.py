@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from testbed import messages as m
 from testbed.cluster import wire
 
 PID_FILE = Path("/run/gtb-agent.pid")
@@ -50,18 +51,18 @@ class _Session:
         self.alive = True
 
     # -- the wire ---------------------------------------------------------------------
-    def emit(self, msg: dict) -> None:
+    def emit(self, msg: m.Message) -> None:
         with self.lock:
             try:
                 wire.send(self.conn, msg)
             except OSError:
                 self.alive = False
 
-    def serve(self, reader: wire.LineReader, first: dict) -> None:
+    def serve(self, reader: wire.LineReader, first: m.Call) -> None:
         heard = time.monotonic()
         relay = threading.Thread(target=self._relay, daemon=True)
         relay.start()
-        self.emit({"id": first.get("id"), "ok": self.op_hello()})
+        self.emit(m.Answer(id=first.id, result=self.op_hello()))
         try:
             while self.alive:
                 ready, _, _ = select.select([self.conn], [], [], 0.5)
@@ -76,12 +77,15 @@ class _Session:
                     return
                 heard = time.monotonic()
                 for req in lines:
+                    if not isinstance(req, m.Call):
+                        self.log(f"ignored a {req.kind!r} message: the orchestrator sends calls")
+                        continue
                     try:
                         result = self._handle(req)
-                        self.emit({"id": req.get("id"), "ok": result})
+                        self.emit(m.Answer(id=req.id, result=result))
                     except Exception as exc:  # one line back; the orchestrator decides
-                        self.emit({"id": req.get("id"), "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
-                    if req.get("op") == "teardown":
+                        self.emit(m.Answer(id=req.id, error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
+                    if req.op == "teardown":
                         return
         finally:
             self.alive = False
@@ -95,7 +99,7 @@ class _Session:
                 continue
             try:
                 for name, msg in hub.poll(0.1):
-                    self.emit({"event": "telemetry", "name": name, "msg": msg, "t": time.monotonic()})
+                    self.emit(m.Telemetry(name=name, msg=msg, t=time.monotonic()))
             except (OSError, ValueError):
                 if not self.alive:
                     return
@@ -103,21 +107,20 @@ class _Session:
             for name, p in list(launcher.processes.items()) if launcher else []:
                 if name not in self.reported and p.popen.poll() is not None:
                     self.reported.add(name)
-                    self.emit({"event": "exit", "name": name, "rc": p.popen.returncode, "tail": p.last_log_line()})
+                    self.emit(m.Exited(name=name, rc=p.popen.returncode, tail=p.last_log_line() or ""))
             if self.net is not None and not self.net_error_sent:
                 try:
                     self.net.check()
                 except Exception as exc:
                     self.net_error_sent = True
-                    self.emit({"event": "network", "error": str(exc)})
+                    self.emit(m.NetworkFailed(error=str(exc)))
 
     # -- requests ---------------------------------------------------------------------
-    def _handle(self, req: dict):
-        op = req["op"]
-        fn = getattr(self, f"op_{op}", None)
+    def _handle(self, req: m.Call):
+        fn = getattr(self, f"op_{req.op}", None)
         if fn is None:
-            raise ValueError(f"unknown op {op!r}")
-        args = {k: v for k, v in req.items() if k not in ("id", "op", "token")}
+            raise ValueError(f"unknown op {req.op!r}")
+        args = {k: v for k, v in req.args.items() if k != "token"}
         return fn(**args)
 
     def op_hello(self) -> dict:
@@ -222,7 +225,7 @@ class _Session:
         return {"pid": proc.pid}
 
     def op_send(self, name: str, msg: dict) -> bool:
-        return self.hub.send(name, msg)
+        return self.hub.send(name, m.decode(msg))
 
     def op_tcp_counters(self) -> dict:
         return self.net.tcp_counters()
@@ -286,8 +289,8 @@ def serve(listen: str, port: int, token: str, lease_s: float = 15.0, accept_s: f
                 lines = reader.read() or []
             except (ValueError, OSError):
                 lines = []
-            first = lines[0] if lines else {}
-            if first.get("op") == "hello" and first.get("token") == token:
+            first = lines[0] if lines else None
+            if isinstance(first, m.Call) and first.op == "hello" and first.args.get("token") == token:
                 break
             conn.close()  # a port probe (Ansible's wait_for) or a stranger
     finally:

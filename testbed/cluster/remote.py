@@ -37,10 +37,12 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from testbed.messages import (AgentGone, Answer, Call, Done, Events, Exited, Message, NetworkFailed, Telemetry, Wait,
+                               Xfer)
 from testbed.net.network import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Topology
 from testbed.cluster import wire
@@ -78,17 +80,17 @@ class AgentClient:
             if lines is None:
                 break
             for msg in lines:
-                if "event" in msg:
+                if not isinstance(msg, Answer):
                     self.events.put((self.machine.name, msg))
                     continue
-                slot = self._waiting.pop(msg.get("id"), None)
+                slot = self._waiting.pop(msg.id, None)
                 if slot is not None:
                     slot[1].append(msg)
                     slot[0].set()
         self.closed = True
         for ev, box in list(self._waiting.values()):
             ev.set()
-        self.events.put((self.machine.name, {"event": "gone"}))
+        self.events.put((self.machine.name, AgentGone()))
 
     def call(self, op: str, wait_s: float | None = 300.0, **args) -> Any:
         if self.closed:
@@ -98,15 +100,15 @@ class AgentClient:
         self._waiting[rid] = (ev, box)
         with self._lock:
             try:
-                wire.send(self.sock, {"id": rid, "op": op, **args})
+                wire.send(self.sock, Call(id=rid, op=op, args=args))
             except OSError as exc:
                 raise ClusterError(f"machine {self.machine.name}: its agent is unreachable ({exc})") from None
         if not ev.wait(wait_s) or not box:
             raise ClusterError(f"machine {self.machine.name}: no answer to {op}"
                                + (" (its agent is gone)" if self.closed else f" within {wait_s:g} s"))
-        if "error" in box[0]:
-            raise ClusterError(f"machine {self.machine.name}: {op}: {box[0]['error']}")
-        return box[0].get("ok")
+        if box[0].error is not None:
+            raise ClusterError(f"machine {self.machine.name}: {op}: {box[0].error}")
+        return box[0].result
 
     def close(self) -> None:
         try:
@@ -384,10 +386,10 @@ class ClusterHub:
     def connected(self, name: str) -> bool:
         return True
 
-    def poll(self, timeout: float) -> list[tuple[str, dict | None]]:
+    def poll(self, timeout: float) -> list[tuple[str, Message | None]]:
         return self.cluster.drain(timeout)
 
-    def send(self, name: str, msg: dict) -> bool:
+    def send(self, name: str, msg: Message) -> bool:
         machine = self.worker_machine.get(name)
         if machine is None:
             return False
@@ -399,22 +401,25 @@ class ClusterHub:
     def close(self) -> None:
         self.cluster.clock_report()  # the end clock sample, while the agents are still there
 
-    def map_times(self, name: str, machine: str, msg: dict) -> dict:
+    def map_times(self, name: str, machine: str, msg: Message) -> Message:
         off = self.cluster.offsets
         mine = off[machine]
-        if "events" in msg:
-            msg["events"] = [[k, mb, s - mine, e - mine, it] for k, mb, s, e, it in msg["events"]]
-        if "end" in msg and isinstance(msg["end"], (int, float)):
-            msg["end"] -= mine
-        if "t" in msg and isinstance(msg["t"], (int, float)):
-            msg["t"] -= mine
-        if msg.get("transfers"):
+
+        def moved(transfers: list[Xfer]) -> list[Xfer]:
             out = []
-            for kind, mb, s, e, nbytes, it in msg["transfers"]:
-                sender = self.sender_of(name, kind)
+            for x in transfers:
+                sender = self.sender_of(name, x.kind)
                 theirs = off[self.worker_machine.get(sender, machine)] if sender else mine
-                out.append([kind, mb, s - theirs, e - mine, nbytes, it])
-            msg["transfers"] = out
+                out.append(replace(x, start=x.start - theirs, end=x.end - mine))
+            return out
+
+        if isinstance(msg, Events):
+            return replace(msg, events=[replace(e, start=e.start - mine, end=e.end - mine) for e in msg.events],
+                           transfers=moved(msg.transfers), end=None if msg.end is None else msg.end - mine)
+        if isinstance(msg, Wait):
+            return replace(msg, t=msg.t - mine)
+        if isinstance(msg, Done):
+            return replace(msg, transfers=moved(msg.transfers))
         return msg
 
 
@@ -592,10 +597,10 @@ class Cluster:
                 pass
 
     # -- events -----------------------------------------------------------------------
-    def drain(self, timeout: float = 0.0) -> list[tuple[str, dict | None]]:
+    def drain(self, timeout: float = 0.0) -> list[tuple[str, Message | None]]:
         """Handle the agents' events that arrived (waiting up to ``timeout`` for the first);
         telemetry comes back as the hub's (name, msg)."""
-        out: list[tuple[str, dict | None]] = []
+        out: list[tuple[str, Message | None]] = []
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -603,20 +608,19 @@ class Cluster:
                 machine, ev = self.events.get(timeout=left) if left > 0 and not out else self.events.get_nowait()
             except queue.Empty:
                 return out
-            kind = ev["event"]
-            if kind == "telemetry":
-                name, msg = ev["name"], ev["msg"]
+            if isinstance(ev, Telemetry):
+                name, msg = ev.name, ev.msg
                 if self.hub is not None and msg is not None:
                     self.hub.worker_machine.setdefault(name, machine)
                     msg = self.hub.map_times(name, machine, msg)
                 out.append((name, msg))
-            elif kind == "exit":
-                p = self.processes.get(ev["name"])
+            elif isinstance(ev, Exited):
+                p = self.processes.get(ev.name)
                 if p is not None:
-                    p.returncode, p.tail = ev["rc"], ev.get("tail", "")
-            elif kind == "network" and self.net is not None:
-                self.net.errors.append(f"machine {machine}: {ev['error']}")
-            elif kind == "gone" and self.net is not None and not self._stopping.is_set():
+                    p.returncode, p.tail = ev.rc, ev.tail
+            elif isinstance(ev, NetworkFailed) and self.net is not None:
+                self.net.errors.append(f"machine {machine}: {ev.error}")
+            elif isinstance(ev, AgentGone) and self.net is not None and not self._stopping.is_set():
                 self.net.errors.append(f"machine {machine}: its agent is gone (the machine or its management "
                                        f"network failed)")
 

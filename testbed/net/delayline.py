@@ -33,9 +33,10 @@ why this sits here rather than in HTB: every HTB mechanism switched through netl
 prio, filters) fails to give a turn's owner the link; this measurably does.
 
 Control: a Unix datagram socket (a filesystem path, so it is reachable from the root
-namespace) takes JSON messages ``{"lane": name, "delay_ms": .., "jitter_ms": .., "loss": ..}``
-and answers ``{"ok": true}``; ``{"cmd": "stats"}`` answers per-lane counters.  Scheduler
-messages: ``{"lane", "classes": {name: [[src|null, dst|null], ..]}, "rate_mbps", "queue_bytes"}``
+namespace) takes typed messages (``testbed/messages.py``): ``LaneSet`` changes the fields it
+gives, e.g. ``{"kind": "lane", "lane": name, "delay_ms": .., "jitter_ms": .., "loss": ..}``,
+and is answered ``Ok`` (or ``Refused``, with why); ``LaneStats`` is answered with per-lane
+counters.  Scheduler fields: ``{"lane", "classes": {name: [[src|null, dst|null], ..]}, "rate_mbps", "queue_bytes"}``
 installs it (without ``rate_mbps``, at the link's rate as last set with ``{"lane", "rate_mbps"}``;
 ``"queue_bytes": "share"`` splits the link's own queue among the classes) (``"classes": null`` removes it: plain FIFO again; ``"lease_s"`` makes it
 expire unless renewed, so a dead agent leaves fair sharing behind), ``{"lane", "order": [..]}``
@@ -68,6 +69,8 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
+
+from testbed import messages as m
 
 _TUNSETIFF = 0x400454CA
 _TUNSETOFFLOAD = 0x400454D0
@@ -399,35 +402,35 @@ class DelayLine:
             except BlockingIOError:
                 return
             try:
-                msg = json.loads(data)
-                if msg.get("cmd") == "stats":
-                    reply = {
-                        "ok": True,
-                        "lanes": {
+                msg = m.decode(data, expect=(m.LaneSet, m.LaneStats))
+                if isinstance(msg, m.LaneStats):
+                    reply = m.LaneStatsReply(
+                        lanes={
                             n: {
                                 "packets_in": ln.packets_in,
                                 "packets_out": ln.packets_out,
                                 "bytes_out": ln.bytes_out,
                                 "dropped": ln.dropped,
                                 "held": len(ln.queue),
-                                "sched": ln.sched.stats(msg.get("turns_since")) if ln.sched is not None else None,
+                                "sched": ln.sched.stats(msg.turns_since) if ln.sched is not None else None,
                                 "aim_us": round(self.aim_s * 1e6, 1),  # the line's, the same for every lane
                             }
                             for n, ln in self.lanes.items()
-                            if msg.get("lane") in (None, n)
+                            if msg.lane in (None, n)
                         },
-                    }
+                    )
                 else:
-                    self._configure(self.lanes[msg["lane"]], msg)
+                    spec = msg.given()
+                    self._configure(self.lanes[spec.pop("lane")], spec)
                     for ln in self.lanes.values():
                         if ln.sched is None:
                             ln.wake = None
-                    reply = {"ok": True}
+                    reply = m.Ok()
             except (ValueError, KeyError) as exc:
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                reply = m.Refused(error=f"{type(exc).__name__}: {exc}")
             if addr:
                 try:
-                    self._control.sendto(json.dumps(reply).encode(), addr)
+                    self._control.sendto(m.encode(reply), addr)
                 except OSError:
                     pass
 

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
+from testbed import messages as m
 from testbed.net.kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
 from testbed.run.procs import DatagramClient, stop_all
 from testbed.registry import PREFIX, Registry
@@ -120,7 +121,7 @@ class _DelayLineClient:
     def control_path(self) -> str:
         return self._control
 
-    def request(self, msg: dict) -> dict:
+    def request(self, msg: m.Message) -> m.Message:
         try:
             return self._client.request(self._control, msg)
         except RuntimeError as exc:
@@ -193,7 +194,7 @@ class WanDirection:
             steps.append(("rate", ("rate_mbps",), lambda: sh.set_rate(new.rate_mbps), lambda: sh.set_rate(old.rate_mbps)))
             if self.delay_client is not None:  # the line knows its link's rate (Atlas's scheduler paces to it)
                 def line_rate(rate: float) -> None:
-                    self.delay_client.request({"lane": self.lane, "rate_mbps": rate})
+                    self.delay_client.request(m.LaneSet(lane=self.lane, rate_mbps=rate))
                 steps.append(("the delay line's rate", (), lambda: line_rate(new.rate_mbps),
                               lambda: line_rate(old.rate_mbps)))
         if new.queue_bytes != old.queue_bytes and new.queue_bytes is not None:
@@ -202,7 +203,7 @@ class WanDirection:
                           lambda: sh.set_queue(prev_queue)))
             if self.delay_client is not None:
                 def line_queue(queue: int) -> None:
-                    self.delay_client.request({"lane": self.lane, "link_queue_bytes": queue})
+                    self.delay_client.request(m.LaneSet(lane=self.lane, link_queue_bytes=queue))
                 steps.append(("the delay line's queue", (), lambda: line_queue(new.queue_bytes),
                               lambda: line_queue(prev_queue)))
         delay_changed = (new.delay_ms, new.jitter_ms) != (old.delay_ms, old.jitter_ms)
@@ -214,12 +215,12 @@ class WanDirection:
                               lambda: sh.set_netem(prev_netem)))
         elif delay_changed and self.delay_client is not None:
             def delay(p: Direction) -> None:
-                self.delay_client.request({"lane": self.lane, "delay_ms": p.delay_ms, "jitter_ms": p.jitter_ms})
+                self.delay_client.request(m.LaneSet(lane=self.lane, delay_ms=p.delay_ms, jitter_ms=p.jitter_ms))
             steps.append(("delay", ("delay_ms", "jitter_ms"), lambda: delay(new), lambda: delay(old)))
         if new.loss != old.loss:
             if self.backends.loss == "delayline":
                 def loss(value: float) -> None:
-                    self.delay_client.request({"lane": self.lane, "loss": value})
+                    self.delay_client.request(m.LaneSet(lane=self.lane, loss=value))
                 steps.append(("loss", ("loss",), lambda: loss(new.loss), lambda: loss(old.loss)))
             elif self.backends.loss == "iptables":
                 steps.append(("loss", ("loss",), lambda: self._set_iptables_loss(new.loss),
@@ -257,17 +258,14 @@ class WanDirection:
     def delay_line_stats(self, turns_since: int | None = None) -> dict | None:
         if self.delay_client is None:
             return None
-        msg = {"cmd": "stats", "lane": self.lane}
-        if turns_since is not None:
-            msg["turns_since"] = turns_since
-        return self.delay_client.request(msg)["lanes"][self.lane]
+        return self.delay_client.request(m.LaneStats(lane=self.lane, turns_since=turns_since)).lanes[self.lane]
 
     # -- temporal sharing: the strict-priority scheduler inside the delay line --------------
     def schedule_classes(self, classes: dict[str, list[tuple[str | None, str | None]]],
                          queue_bytes: int | None = None) -> None:
         """Put per-class (per-pipeline) queues served owner-first in front of this link.
         ``classes``: name -> (src, dst) address pairs (None = any).  See ``delayline.py``."""
-        self._sched({"classes": {n: [list(m) for m in ms] for n, ms in classes.items()},
+        self._sched({"classes": {n: [list(x) for x in ms] for n, ms in classes.items()},
                      "rate_mbps": self.params.rate_mbps, "queue_bytes": queue_bytes})  # None: the line sizes it
 
     def set_order(self, order: list[str]) -> None:
@@ -290,10 +288,11 @@ class WanDirection:
             self._sched({"classes": None})
 
     def _sched(self, msg: dict) -> None:
+        """``msg``: the fields of a ``LaneSet`` for this lane."""
         if self.delay_client is None:
             raise NetworkError(f"{self.src}->{self.dst}: temporal sharing needs the delay line in the path "
                                "(Network(..., scheduling=True) puts it there on a netem kernel)")
-        self.delay_client.request({"lane": self.lane, **msg})
+        self.delay_client.request(m.LaneSet(lane=self.lane, **msg))
 
 
 class Network(HostIndex):

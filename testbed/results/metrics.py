@@ -3,9 +3,12 @@
 How it fits: ``runner.py`` and the simulator (``sim/build.py``) both produce a
 ``records.RunRecord``: each worker's typed intervals (contiguous, on the monotonic clock
 every namespace shares), transfers and iteration ends.  ``summarise`` turns a record into
-the ``metrics.json`` content; ``write_outputs`` writes ``metrics.json``, ``timeline.json``
+a ``RunSummary`` (typed: ``Summary``, ``IterationFigures``, ``WorkerIteration``; its
+``to_dict()`` is the ``metrics.json`` content, key for key as it has always been);
+``write_outputs`` writes ``metrics.json``, ``timeline.json``
 (Chrome trace format: open it in Perfetto or chrome://tracing), ``loss.png`` and
-``gantt.png``.  Run extensions add their own figures to the summary (``extension.py``).
+``gantt.png``.  Run extensions add their own figures to the summary (``Summary.extra``,
+written after the core's figures; ``testbed/run/hooks.py``).
 
 Definitions (per iteration k):
 * iteration time: the moment the last worker finished iteration k minus the moment the
@@ -21,9 +24,13 @@ Definitions (per iteration k):
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from testbed.messages import UNSET
 from testbed.spec import modelshape
 from testbed.results.records import BUSY_KINDS as BUSY
 from testbed.results.records import RunRecord
@@ -55,7 +62,115 @@ def worker_iteration(events: list, start: float, end: float) -> dict:
     return {"busy_s": busy, "covered_s": covered, "bubbles": bubbles}
 
 
-def summarise(run: RunRecord) -> dict:
+class _Figures:
+    """Typed figures that are still read by key, too (``s["bubble_fraction"]``, for readers not
+    yet converted; ``extra`` keys the same way) and written as JSON by ``to_dict()``: fields
+    in order, ``UNSET`` ones left out, ``extra`` merged in last."""
+
+    def __getitem__(self, key: str) -> Any:
+        names = {f.name for f in dataclasses.fields(self)} - {"extra"}
+        if key in names and getattr(self, key) is not UNSET:
+            return getattr(self, key)
+        extra = getattr(self, "extra", None)
+        if extra is not None and key in extra:
+            return extra[key]
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key, UNSET) is not UNSET
+
+    def to_dict(self) -> dict:
+        out: dict = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "extra":
+                out.update(v)
+            elif v is not UNSET:
+                out[f.name] = _json(v)
+        return out
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, _Figures):
+        return v.to_dict()
+    if isinstance(v, list):
+        return [_json(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _json(x) for k, x in v.items()}
+    return v
+
+
+@dataclass
+class WorkerIteration(_Figures):
+    """One worker in one iteration: its window and how much of it was busy, covered, bubbles
+    ([start from the go, length])."""
+
+    window_s: float
+    busy_fraction: float
+    covered_fraction: float
+    bubbles: list[list[float]]
+
+
+@dataclass
+class IterationFigures(_Figures):
+    iteration: int
+    time_s: float
+    loss: float | None
+    tokens_per_s: float | None
+    mean_busy_fraction: float
+    workers: dict[str, WorkerIteration]
+
+
+@dataclass
+class Summary(_Figures):
+    """The run's figures over its steady-state iterations (metrics.json's ``summary``)."""
+
+    iterations: int
+    steady_state_iterations: list[int]
+    mean_iteration_time_s: float
+    mean_busy_fraction: float
+    bubble_fraction: float
+    busy_fraction_per_worker: dict[str, float]
+    tokens_per_s: float | None
+    final_loss: float | None
+    loss_note: str = UNSET  # only when the devices are emulated
+    tcp_timeouts: int = UNSET  # these three only when the hosts' TCP counters were read
+    tcp_loss_probes: int = UNSET
+    tcp_retransmitted_fraction: float | None = UNSET
+    warnings: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # extensions' figures, e.g. {"<extension>": {..}}
+
+
+@dataclass
+class RunSummary(_Figures):
+    """What ``summarise`` makes of a run: ``to_dict()`` is metrics.json."""
+
+    experiment: str
+    topology: str
+    parallel: dict
+    model: dict
+    training: dict
+    workers: dict[str, dict]
+    device: dict | None
+    iterations: list[IterationFigures]
+    summary: Summary
+    wan_check: list[dict]
+    tcp_per_host: dict | None
+    log: list[str]
+    extra: dict = field(default_factory=dict)  # e.g. "cluster" (a run across machines), "simulated"
+
+    @property
+    def losses(self) -> list[float | None]:
+        return [it.loss for it in self.iterations]
+
+
+def summarise(run: RunRecord) -> RunSummary:
     exp = run.exp
     workers = run.workers
     n_it = exp.training.iterations
@@ -74,58 +189,58 @@ def summarise(run: RunRecord) -> dict:
             end = w.iteration_end[k]
             window = end - prev_end[name]
             stats = worker_iteration([e for e in w.events if e.iteration == k], prev_end[name], end)
-            per_worker[name] = {
-                "window_s": round(window, 6),
-                "busy_fraction": round(stats["busy_s"] / window, 6) if window > 0 else 0.0,
-                "covered_fraction": round(stats["covered_s"] / window, 6) if window > 0 else 0.0,
-                "bubbles": [[round(s - t0, 6), round(d, 6)] for s, d in stats["bubbles"]],
-            }
+            per_worker[name] = WorkerIteration(
+                window_s=round(window, 6),
+                busy_fraction=round(stats["busy_s"] / window, 6) if window > 0 else 0.0,
+                covered_fraction=round(stats["covered_s"] / window, 6) if window > 0 else 0.0,
+                bubbles=[[round(s - t0, 6), round(d, 6)] for s, d in stats["bubbles"]],
+            )
             prev_end[name] = end
         losses = [w.losses[k] for w in workers.values() if k in w.losses]
-        iterations.append({
-            "iteration": k,
-            "time_s": round(time_s, 6),
-            "loss": sum(losses) if losses else None,
-            "tokens_per_s": round(tokens / time_s, 2) if time_s > 0 else None,
-            "mean_busy_fraction": round(sum(p["busy_fraction"] for p in per_worker.values()) / len(per_worker), 6),
-            "workers": per_worker,
-        })
+        iterations.append(IterationFigures(
+            iteration=k,
+            time_s=round(time_s, 6),
+            loss=sum(losses) if losses else None,
+            tokens_per_s=round(tokens / time_s, 2) if time_s > 0 else None,
+            mean_busy_fraction=round(sum(p.busy_fraction for p in per_worker.values()) / len(per_worker), 6),
+            workers=per_worker,
+        ))
         prev_job_end = job_end
     # a run may start its steady state later (Atlas: once the plan is in force)
     skip = min(max(exp.training.warmup_iterations, run.steady_from), len(iterations) - 1)
     steady = iterations[skip:]
-    mean_time = sum(it["time_s"] for it in steady) / len(steady)
-    mean_busy = sum(it["mean_busy_fraction"] for it in steady) / len(steady)
+    mean_time = sum(it.time_s for it in steady) / len(steady)
+    mean_busy = sum(it.mean_busy_fraction for it in steady) / len(steady)
     per_worker_busy = {
-        name: round(sum(it["workers"][name]["busy_fraction"] for it in steady) / len(steady), 6) for name in workers
+        name: round(sum(it.workers[name].busy_fraction for it in steady) / len(steady), 6) for name in workers
     }
-    return {
-        "experiment": exp.name,
-        "topology": exp.topo.name,
-        "parallel": exp.parallel.model_dump(),
-        "model": exp.model.model_dump() | {"params": _params(exp)},
-        "training": exp.training.model_dump(),
-        "workers": {name: w.describe() for name, w in workers.items()},
-        "device": run.device or None,
-        "iterations": iterations,
-        "summary": {
-            "iterations": n_it,
-            "steady_state_iterations": [it["iteration"] for it in steady],
-            "mean_iteration_time_s": round(mean_time, 6),
-            "mean_busy_fraction": round(mean_busy, 6),
-            "bubble_fraction": round(1.0 - mean_busy, 6),
-            "busy_fraction_per_worker": per_worker_busy,
-            "tokens_per_s": round(tokens / mean_time, 2) if mean_time > 0 else None,
-            "final_loss": iterations[-1]["loss"],
+    return RunSummary(
+        experiment=exp.name,
+        topology=exp.topo.name,
+        parallel=exp.parallel.model_dump(),
+        model=exp.model.model_dump() | {"params": _params(exp)},
+        training=exp.training.model_dump(),
+        workers={name: w.describe() for name, w in workers.items()},
+        device=run.device or None,
+        iterations=iterations,
+        summary=Summary(
+            iterations=n_it,
+            steady_state_iterations=[it.iteration for it in steady],
+            mean_iteration_time_s=round(mean_time, 6),
+            mean_busy_fraction=round(mean_busy, 6),
+            bubble_fraction=round(1.0 - mean_busy, 6),
+            busy_fraction_per_worker=per_worker_busy,
+            tokens_per_s=round(tokens / mean_time, 2) if mean_time > 0 else None,
+            final_loss=iterations[-1].loss,
             **({"loss_note": "no loss: the devices are emulated (device time from a profile, no model is "
                              "computed)"} if run.device.get("kind") == "emulated" else {}),
             **_tcp_summary(run.tcp),
-            "warnings": list(run.warnings),
-        },
-        "wan_check": list(run.wan_check),
-        "tcp_per_host": dict(run.tcp) or None,
-        "log": run.log_lines,
-    }
+            warnings=list(run.warnings),
+        ),
+        wan_check=list(run.wan_check),
+        tcp_per_host=dict(run.tcp) or None,
+        log=run.log_lines,
+    )
 
 
 def _tcp_summary(tcp: dict) -> dict:
@@ -233,7 +348,7 @@ def loss_plot(iterations: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(run: RunRecord, result: dict, out: Path | None = None) -> None:
+def write_outputs(run: RunRecord, result: RunSummary, out: Path | None = None) -> None:
     out = Path(out or run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workers = {
@@ -242,14 +357,14 @@ def write_outputs(run: RunRecord, result: dict, out: Path | None = None) -> None
                "cotenant": w.cotenant, "cotenant_kind": w.cotenant_kind}
         for name, w in run.workers.items()
     }
-    (out / "metrics.json").write_text(json.dumps(result, indent=1))
+    (out / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1))
     (out / "timeline.json").write_text(json.dumps(timeline_to_chrome(workers, run.go_time)))
-    loss_plot(result["iterations"], out / "loss.png", f"{run.exp.name}: loss")
+    loss_plot([it.to_dict() for it in result.iterations], out / "loss.png", f"{run.exp.name}: loss")
     ends = run.iteration_ends()
     k0 = max(0, len(ends) - 3)
     start = ends[k0 - 1] if k0 > 0 else run.go_time
-    s = result["summary"]
+    s = result.summary
     gantt(workers, run.go_time, out / "gantt.png",
-          f"{run.exp.name}: last iterations (mean {s['mean_iteration_time_s']:.3f} s/it, "
-          f"busy {s['mean_busy_fraction']:.0%}, bubbles {s['bubble_fraction']:.0%})",
+          f"{run.exp.name}: last iterations (mean {s.mean_iteration_time_s:.3f} s/it, "
+          f"busy {s.mean_busy_fraction:.0%}, bubbles {s.bubble_fraction:.0%})",
           window=(start, ends[-1]))

@@ -1,6 +1,7 @@
 """What a run leaves behind, typed: the records a real run and a simulated one both produce.
 
-How it fits: a worker (``testbed/train/worker.py``) streams its timeline as JSON lists; the
+How it fits: a worker (``testbed/train/worker.py``) streams its timeline as typed messages
+(``testbed/messages.py``: ``Span``, ``Xfer``); the
 runner (``runner.py``) turns them into ``Interval`` and ``Transfer`` tuples on a
 ``WorkerRecord`` per worker, and the whole run into a ``RunRecord``; the simulator
 (``sim/build.py``) builds the same ``RunRecord`` from its engine; ``metrics.py`` reads only
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    from testbed.messages import Span, Xfer
     from testbed.spec.experiment import Experiment
 
 BUSY_KINDS = ("forward", "backward", "optimizer")
@@ -69,11 +71,11 @@ class WorkerRecord:
     cotenant: list[tuple[float, float]] = field(default_factory=list)
     cotenant_kind: str = "co-tenant"
 
-    def add_events(self, events: list) -> None:
-        self.events.extend(Interval(*e) for e in events)
+    def add_events(self, events: list[Span]) -> None:
+        self.events.extend(Interval(e.kind, e.mb, e.start, e.end, e.iteration) for e in events)
 
-    def add_transfers(self, transfers: list) -> None:
-        self.transfers.extend(Transfer(*t) for t in transfers)
+    def add_transfers(self, transfers: list[Xfer]) -> None:
+        self.transfers.extend(Transfer(t.kind, t.mb, t.start, t.end, t.nbytes, t.iteration) for t in transfers)
 
     def describe(self) -> dict:
         return {"stage": self.stage, "replica": self.replica, "dc": self.dc, "host": self.host, "ip": self.ip,

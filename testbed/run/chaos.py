@@ -51,6 +51,7 @@ from typing import Callable
 
 import yaml
 
+from testbed import messages as m
 from testbed.extension import ProcessFault
 from testbed.extension import faults as _extension_faults
 from testbed.registry import leftovers
@@ -190,8 +191,9 @@ class _Injector:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def on_message(self, worker: str, msg: dict) -> None:
-        if self._armed or not msg.get("iteration_done") or self.run.iterations_done() < self.inj.at_iteration:
+    def on_message(self, worker: str, msg: m.Message) -> None:
+        if self._armed or not (isinstance(msg, m.Events) and msg.iteration_done) or \
+                self.run.iterations_done() < self.inj.at_iteration:
             return
         self._armed = True
         self._thread = threading.Thread(target=self._fire, daemon=True)
@@ -324,13 +326,14 @@ def _run_in_process(exp, inj: Injection, work: Path, out: Outcome, say: Callable
             out.after_s = round(end - injector.fired_at, 2)
         if injector.error:
             out.ended, out.message = "crashed", injector.error
-        iterations = result["iterations"] if result else _read_jsonl(results / "iterations.jsonl")
+        iterations = [it.to_dict() for it in result.iterations] if result else \
+            _read_jsonl(results / "iterations.jsonl")
         losses = _account(out, iterations, exp)
         if result and inj.fault == "link-down-short":
-            out.stall_s = max(it["time_s"] for it in iterations)
+            out.stall_s = max(it.time_s for it in result.iterations)
         if out.ended == "completed":
             says = {f.log_says for _, f in _PROCESS_FAULTS.values()}  # what an extension logs as it degrades
-            out.message = " | ".join(ln for ln in result["log"] if any(s in ln for s in says))[:300]
+            out.message = " | ".join(ln for ln in result.log if any(s in ln for s in says))[:300]
     finally:
         if disk is not None:
             _unmount(disk)

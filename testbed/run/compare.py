@@ -32,7 +32,7 @@ def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
         if ext.predict is not None:
             options.update(ext.load(ext.predict)(exp, run_dir))
     result = simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=overhead, **options)
-    return metrics.summarise(result)["summary"]["mean_iteration_time_s"]
+    return metrics.summarise(result).summary.mean_iteration_time_s
 
 
 def _settings(exp: Experiment, name: str) -> str:
@@ -56,14 +56,14 @@ def run_comparison(exp: Experiment, out: Path, delay_backend: str = "auto",
         runner = TrainingRun(v, run_dir, delay_backend=delay_backend,
                              progress=(lambda d, t, n=name: progress(n, d, t)) if progress else None, log=log)
         summary = runner.run()
-        s = summary["summary"]
+        s = summary.summary
         rows[name] = {
             "description": exp.compare[name].description,
             "connections": v.parallel.connections, "settings": _settings(exp, name),
-            "measured_s": s["mean_iteration_time_s"], "predicted_s": round(predict(v, run_dir), 6),
-            "steady_state_iterations": s["steady_state_iterations"],
-            "mean_busy_fraction": s["mean_busy_fraction"],
-            "losses": [it["loss"] for it in summary["iterations"]],
+            "measured_s": s.mean_iteration_time_s, "predicted_s": round(predict(v, run_dir), 6),
+            "steady_state_iterations": s.steady_state_iterations,
+            "mean_busy_fraction": s.mean_busy_fraction,
+            "losses": summary.losses,
         }
     names = list(rows)
     result: dict = dict(rows)

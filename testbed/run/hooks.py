@@ -8,7 +8,8 @@ so) and names each one's ``RunExtension`` class; ``extensions_for(exp)`` makes t
    say), ``worker_options(ctx, slot)`` and ``pins_workers`` while the workers are launched;
 2. ``start(ctx)`` once the workers are started: the extension starts its own processes
    through ``ctx.launcher`` (they connect to the run's telemetry hub under one of its
-   ``peers`` names);
+   ``peers`` names); every message is typed (``testbed/messages.py``; an extension's own
+   kinds live in its own package, on the same base);
 3. during the run: ``on_worker_message`` for every telemetry message of every worker,
    ``on_peer_message`` / ``on_peer_gone`` for its own processes, ``check()`` twice a
    second (a dead process is logged, training goes on), ``ready()`` (training starts when
@@ -23,11 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from testbed import messages as m
 from testbed.extension import ExtensionError, in_use
 
 if TYPE_CHECKING:
     from testbed.net.network import HostInfo, Network
     from testbed.run.procs import CpuContainers, Launcher
+    from testbed.results.metrics import RunSummary
     from testbed.results.records import RunRecord, WorkerRecord
     from testbed.spec.experiment import Experiment, WorkerSlot
 
@@ -58,8 +61,8 @@ class RunContext(Protocol):
 
     def log(self, msg: str) -> None: ...
     def warn(self, msg: str) -> None: ...
-    def send_to_worker(self, name: str, msg: dict) -> bool: ...
-    def send_to_peer(self, name: str, msg: dict) -> bool: ...
+    def send_to_worker(self, name: str, msg: m.Message) -> bool: ...
+    def send_to_peer(self, name: str, msg: m.Message) -> bool: ...
     def iterations_done(self) -> int: ...
 
 
@@ -83,10 +86,10 @@ class RunExtension:
     def start(self, ctx: RunContext) -> None:
         pass
 
-    def on_worker_message(self, worker: str, msg: dict) -> None:
+    def on_worker_message(self, worker: str, msg: m.Message) -> None:
         pass
 
-    def on_peer_message(self, peer: str, msg: dict) -> None:
+    def on_peer_message(self, peer: str, msg: m.Message) -> None:
         pass
 
     def on_peer_gone(self, peer: str) -> None:
@@ -111,10 +114,11 @@ class RunExtension:
     def stop(self, out_dir: Path) -> None:
         pass
 
-    def summarise(self, record: "RunRecord", result: dict, out_dir: Path) -> dict:
+    def summarise(self, record: "RunRecord", result: "RunSummary", out_dir: Path) -> dict:
+        """Figures for the summary (``result.summary.extra``), under the extension's own key."""
         return {}
 
-    def write_outputs(self, record: "RunRecord", result: dict, out_dir: Path) -> None:
+    def write_outputs(self, record: "RunRecord", result: "RunSummary", out_dir: Path) -> None:
         pass
 
 

@@ -1,11 +1,12 @@
-"""The run's telemetry hub: one Unix stream socket, JSON lines, connections named by "hello".
+"""The run's telemetry hub: one Unix stream socket, JSON lines, connections named by their ``Hello``.
 
 How it fits: ``runner.TrainingRun`` opens a ``TelemetryHub`` in the network's state folder
 (a filesystem path, so every namespace reaches it; the emulated network is not used for
-control, by design).  Each training worker connects and says ``{"type": "hello", "worker":
-NAME}``; so does each run extension's own process (its peer name, e.g.
-``atlas-controller``).  The hub then hands the runner every message as ``(name, msg)``,
-says when a named connection closes (``(name, None)``), and sends JSON lines to a name.
+control, by design).  Each training worker connects and says ``Hello(worker=NAME)``; so
+does each run extension's own process (its peer name, e.g. ``atlas-controller``).  Every
+line is a typed message (``testbed/messages.py``), decoded here: the hub hands the runner
+every message as ``(name, msg)``, says when a named connection closes (``(name, None)``),
+and sends messages to a name.
 A worker may open a second connection to report an error: the first stays its channel.
 
 Why not a library: a selector over a handful of Unix sockets and newline-framed JSON is all
@@ -14,10 +15,11 @@ it is; an RPC framework would add a dependency and hide the framing the workers 
 
 from __future__ import annotations
 
-import json
 import selectors
 import socket
 from pathlib import Path
+
+from testbed import messages as m
 
 
 class TelemetryHub:
@@ -45,10 +47,10 @@ class TelemetryHub:
     def connected(self, name: str) -> bool:
         return name in self._conn
 
-    def poll(self, timeout: float) -> list[tuple[str, dict | None]]:
+    def poll(self, timeout: float) -> list[tuple[str, m.Message | None]]:
         """Messages that arrived within ``timeout``, as (name, msg); (name, None) when a named
         connection closed."""
-        out: list[tuple[str, dict | None]] = []
+        out: list[tuple[str, m.Message | None]] = []
         for key, _ in self._sel.select(timeout=timeout):
             sock = key.fileobj
             if sock is self._server:
@@ -66,15 +68,18 @@ class TelemetryHub:
             self._buf[sock] += chunk
             while b"\n" in self._buf.get(sock, b""):
                 line, self._buf[sock] = self._buf[sock].split(b"\n", 1)
-                msg = json.loads(line)
                 if sock not in self._name:  # the first line names the sender
-                    name = msg.get("worker", "?")
+                    name = m.decode(line, expect=(m.Hello,)).worker
                     self._name[sock] = name
                     if name not in self._conn:
                         self._conn[name] = sock
                         if name in self._peers:
                             sock.settimeout(self._peer_timeout)
                     continue
+                try:
+                    msg = m.decode(line)
+                except m.MessageError as exc:
+                    raise m.MessageError(f"telemetry from {self._name[sock]}: {exc}") from None
                 out.append((self._name[sock], msg))
         return out
 
@@ -87,13 +92,13 @@ class TelemetryHub:
             out.append((name, None))
         sock.close()
 
-    def send(self, name: str, msg: dict) -> bool:
-        """One JSON line to ``name``; False when it is not connected or no longer reads."""
+    def send(self, name: str, msg: m.Message) -> bool:
+        """One message to ``name``; False when it is not connected or no longer reads."""
         sock = self._conn.get(name)
         if sock is None:
             return False
         try:
-            sock.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
+            sock.sendall(m.line(msg))
             return True
         except OSError:
             return False

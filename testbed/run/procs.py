@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from testbed import messages as m
 from testbed.registry import PREFIX, Registry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -299,8 +300,9 @@ def stop_all(procs: list[subprocess.Popen], timeout: float = 3.0) -> None:
 
 # -- talking to a process -----------------------------------------------------------------
 class DatagramClient:
-    """JSON messages to processes' Unix datagram sockets (filesystem paths: reachable from
-    every namespace), from a socket of our own at ``path`` (so they can answer)."""
+    """Typed messages (``testbed/messages.py``) to processes' Unix datagram sockets (filesystem
+    paths: reachable from every namespace), from a socket of our own at ``path`` (so they can
+    answer)."""
 
     def __init__(self, path: str | Path | None = None, timeout: float = 2.0):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -311,20 +313,20 @@ class DatagramClient:
             self.sock.bind(self.path)
         self.sock.settimeout(timeout)
 
-    def send(self, to: str, msg: dict) -> bool:
+    def send(self, to: str, msg: m.Message) -> bool:
         """Fire and forget; False when nobody listens there."""
         try:
-            self.sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), to)
+            self.sock.sendto(m.encode(msg), to)
             return True
         except OSError:
             return False
 
-    def request(self, to: str, msg: dict) -> dict:
+    def request(self, to: str, msg: m.Message, max_reply: int = 65536) -> m.Message:
         """Send and wait for the answer; raises OSError (no answer) or RuntimeError (refused)."""
-        self.sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), to)
-        reply = json.loads(self.sock.recv(65536))
-        if not reply.get("ok", True):
-            raise RuntimeError(reply.get("error"))
+        self.sock.sendto(m.encode(msg), to)
+        reply = m.decode(self.sock.recv(max_reply))
+        if isinstance(reply, m.Refused):
+            raise RuntimeError(reply.error)
         return reply
 
     def close(self) -> None:

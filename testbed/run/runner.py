@@ -33,8 +33,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from testbed import messages as m
 from testbed.train.config import DataParallel, Emulation, Me, Peer, WorkerConfig, socket_buffer_bytes
 from testbed.train.device import create_device
 
@@ -44,6 +45,9 @@ from testbed.run.hub import TelemetryHub
 from testbed.net.network import HostInfo, Network, NetworkError
 from testbed.run.procs import CpuContainers, Launcher, Process, ProcessError, python_env
 from testbed.results.records import RunRecord, WorkerRecord
+
+if TYPE_CHECKING:
+    from testbed.results.metrics import RunSummary
 
 _PORT = 29400
 _DP_PORT = 29500
@@ -171,7 +175,7 @@ class TrainingRun:
         self.extensions = extensions if extensions is not None else extensions_for(exp)
         self._progress = progress or (lambda done, total: None)
         self._log = log or (lambda msg: None)
-        self._subscribers: list[Callable[[str, dict], None]] = []
+        self._subscribers: list[Callable[[str, m.Message], None]] = []
         self.workers: dict[str, WorkerState] = {}
         self.net: Network | None = None
         self.launcher: Launcher | None = None
@@ -190,7 +194,7 @@ class TrainingRun:
         self._peer_owner = {p: ext for ext in self.extensions for p in ext.peers}
 
     # -- what extensions and callers use -----------------------------------------------
-    def subscribe(self, fn: Callable[[str, dict], None]) -> None:
+    def subscribe(self, fn: Callable[[str, m.Message], None]) -> None:
         """``fn(worker_name, message)`` for every telemetry message, as it arrives."""
         self._subscribers.append(fn)
 
@@ -202,10 +206,10 @@ class TrainingRun:
         self.warnings.append(msg)
         self.log(f"warning: {msg}")
 
-    def send_to_worker(self, name: str, msg: dict) -> bool:
+    def send_to_worker(self, name: str, msg: m.Message) -> bool:
         return self._hub is not None and self._hub.send(name, msg)
 
-    def send_to_peer(self, name: str, msg: dict) -> bool:
+    def send_to_peer(self, name: str, msg: m.Message) -> bool:
         return self._hub is not None and self._hub.send(name, msg)
 
     def iterations_done(self) -> int:
@@ -222,7 +226,7 @@ class TrainingRun:
         return self.launcher.pids() if self.launcher is not None else {}
 
     # -- the run --------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self) -> "RunSummary":
         exp = self.exp
         if exp.device == "emulated":  # a bad profile fails here, before anything is built
             from testbed.sim.device import device_profile
@@ -284,9 +288,9 @@ class TrainingRun:
         result = metrics.summarise(record)
         site = self.site.summary()
         if site:
-            result["cluster"] = site
+            result.extra["cluster"] = site
         for ext in self.extensions:
-            result["summary"].update(ext.summarise(record, result, self.out_dir))
+            result.summary.extra.update(ext.summarise(record, result, self.out_dir))
         try:
             metrics.write_outputs(record, result, self.out_dir)
             for ext in self.extensions:
@@ -494,12 +498,12 @@ class TrainingRun:
                     all(ext.ready() for ext in self.extensions):
                 self.go_time = time.monotonic()
                 for name in self.workers:
-                    hub.send(name, {"type": "go"})
+                    hub.send(name, m.Go())
                 self.log("all workers ready: training")
             self._progress(self.iterations_done(), total)
             if all(w.done for w in self.workers.values()):
                 for name in self.workers:
-                    hub.send(name, {"type": "bye"})
+                    hub.send(name, m.Bye())
                 for ext in self.extensions:
                     ext.training_done()
                 break
@@ -509,33 +513,32 @@ class TrainingRun:
             except Exception:
                 raise RunError(f"{w.where()} did not exit after training") from None
 
-    def _handle(self, w: WorkerState, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == "ready":
+    def _handle(self, w: WorkerState, msg: m.Message) -> None:
+        if isinstance(msg, m.Ready):
             w.ready = True
-        elif kind == "events":
-            w.record.add_events(msg["events"])
-            w.record.add_transfers(msg.get("transfers", []))
-            if msg.get("iteration_done"):
-                w.record.iteration_end[msg["it"]] = msg["end"]
-                if msg.get("loss") is not None:
-                    w.record.losses[msg["it"]] = msg["loss"]
-                w.iterations_done = msg["it"] + 1
+        elif isinstance(msg, m.Events):
+            w.record.add_events(msg.events)
+            w.record.add_transfers(msg.transfers)
+            if msg.iteration_done:
+                w.record.iteration_end[msg.it] = msg.end
+                if msg.loss is not None:
+                    w.record.losses[msg.it] = msg.loss
+                w.iterations_done = msg.it + 1
                 self._iteration_finished()
-        elif kind == "done":
-            w.record.add_transfers(msg.get("transfers", []))
-            w.report = msg.get("report")
+        elif isinstance(msg, m.Done):
+            w.record.add_transfers(msg.transfers)
+            w.report = msg.report
             w.done = True
-        elif kind == "error":
+        elif isinstance(msg, m.WorkerError):
             w.reported_error = True
             # a peer's death shows up first as a broken channel elsewhere: name the root cause
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 self._check_alive()
                 time.sleep(0.05)
-            if msg.get("peer") in self.workers:  # a peer silent for recv_timeout_s: name the link between
-                raise RunError(self._silent_peer(w, self.workers[msg["peer"]], msg.get("silent_s")))
-            raise RunError(f"{w.where()} failed: {msg['msg']}")
+            if msg.peer in self.workers:  # a peer silent for recv_timeout_s: name the link between
+                raise RunError(self._silent_peer(w, self.workers[msg.peer], msg.silent_s))
+            raise RunError(f"{w.where()} failed: {msg.msg}")
         for fn in self._subscribers:
             fn(w.name, msg)
         for ext in self.extensions:

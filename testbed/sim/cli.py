@@ -81,12 +81,12 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
             result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
             wall = time.perf_counter() - t0
             summary = metrics.summarise(result)
-            s = summary["summary"]
+            s = summary.summary
             row = dict(point)
             row.update({
-                "iteration_time_s": s["mean_iteration_time_s"],
-                "bubble_fraction": s["bubble_fraction"],
-                "mean_busy_fraction": s["mean_busy_fraction"],
+                "iteration_time_s": s.mean_iteration_time_s,
+                "bubble_fraction": s.bubble_fraction,
+                "mean_busy_fraction": s.mean_busy_fraction,
                 "wan_utilization": round(wan_utilization(result), 6),
                 "workers": len(result.workers),
                 "events": result.events_processed,
@@ -96,7 +96,8 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
             if out_dir is not None and not sweep:
                 result.out_dir = Path(out_dir)
                 result.out_dir.mkdir(parents=True, exist_ok=True)
-                metrics.write_outputs(result, summary | {"simulated": row})
+                summary.extra["simulated"] = row
+                metrics.write_outputs(result, summary)
     if out_dir is not None and sweep:
         _write_sweep(rows, Path(out_dir), [k for k in points[0]])
     return rows

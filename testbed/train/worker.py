@@ -30,6 +30,7 @@ import time
 import traceback
 from typing import Protocol
 
+from testbed import messages as m
 from testbed.train.config import WorkerConfig
 from testbed.train.telemetry import Telemetry
 from testbed.train.transport import Endpoint
@@ -82,13 +83,13 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
     program = sch.ops(cfg.schedule, stage, stages, M, cfg.extra_warmup)
 
     # -- channels: connect outgoing first (the kernel completes handshakes), then accept
-    transfers: list[list] = []
+    transfers: list[m.Xfer] = []
     tlock = threading.Lock()
 
     def on_transfer(kind):
         def record(rec):
             with tlock:
-                transfers.append([kind, rec.seq % M, rec.start, rec.end, rec.nbytes, rec.seq // M])
+                transfers.append(m.Xfer(kind, rec.seq % M, rec.start, rec.end, rec.nbytes, rec.seq // M))
         return record
 
     ep = Endpoint(me.name, me.ip, cfg.port)
@@ -107,11 +108,12 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
                             window_bytes=nxt.window)
     compute: Compute = compute_factory(cfg, ep)  # it joins the stage's DP group
 
-    tel.send({"type": "ready"})
+    tel.send(m.Ready())
     go = tel.receive()
-    assert go["type"] == "go", go
+    if not isinstance(go, m.Go):
+        raise RuntimeError(f"the orchestrator sent {go.kind!r} before the go")
     # after the go the orchestrator may send a temporal plan (Atlas: this pipeline's start
-    # offset) at any time, and finally "bye"; a thread keeps the latest plan
+    # offset) at any time, and finally the bye; a thread keeps the latest offset
     plan = {"offset_s": 0.0}
     bye = threading.Event()
 
@@ -119,9 +121,9 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
         try:
             while True:
                 msg = tel.receive()
-                if msg.get("type") == "plan":
-                    plan["offset_s"] = max(0.0, float(msg.get("offset_s", 0.0)))
-                elif msg.get("type") == "bye":
+                if isinstance(msg, m.StartOffset):
+                    plan["offset_s"] = max(0.0, msg.offset_s)
+                elif isinstance(msg, m.Bye):
                     break
         except (ConnectionError, OSError, ValueError):
             pass
@@ -129,7 +131,7 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
 
     threading.Thread(target=listen, daemon=True).start()
 
-    events: list[list] = []
+    events: list[m.Span] = []
     cursor = time.monotonic()
     busy = compute.busy_kinds
 
@@ -138,17 +140,14 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
         if kind in busy:
             compute.synchronize()
         now = time.monotonic()
-        events.append([kind, mb, cursor, now, it])
+        events.append(m.Span(kind, mb, cursor, now, it))
         cursor = now
 
-    def flush(it: int, extra: dict | None = None) -> None:
+    def flush(it: int, **end) -> None:
         nonlocal events
         with tlock:
             xf, transfers[:] = list(transfers), []
-        msg = {"type": "events", "it": it, "events": events, "transfers": xf}
-        if extra:
-            msg.update(extra)
-        tel.send(msg)
+        tel.send(m.Events(it=it, events=events, transfers=xf, **end))
         events = []
 
     announce = cfg.announce_waits  # BubbleTea: say when a wait for a peer begins
@@ -163,7 +162,7 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
         for op in program:
             k, i = op.kind, op.mb
             if announce and k in (sch.RECV_ACT, sch.RECV_GRAD):
-                tel.send({"type": "wait", "it": it, "n": waits, "t": time.monotonic()})
+                tel.send(m.Wait(it=it, n=waits, t=time.monotonic()))
                 if board is not None:
                     board.show(wait_id(it, waits))
                 waits += 1
@@ -198,14 +197,14 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
             mark("allreduce", -1, it)
         loss = compute.optimizer_step()
         mark("optimizer", -1, it)
-        flush(it, {"end": cursor, "loss": loss, "iteration_done": True})
+        flush(it, end=cursor, loss=loss, iteration_done=True)
 
     for ch in (act_out, grad_out):  # let the last sends leave before saying done
         if ch is not None:
             ch.flush()
     with tlock:
         tail = list(transfers)
-    tel.send({"type": "done", "transfers": tail, "report": compute.report()})
+    tel.send(m.Done(transfers=tail, report=compute.report()))
     bye.wait()  # the orchestrator says when everyone is done (peers may still read)
     for ch in (act_out, grad_out, act_in, grad_in):
         if ch is not None:
@@ -226,9 +225,9 @@ def main() -> int:
         msg = f"{type(exc).__name__}: {exc}"
         try:
             tel = Telemetry(cfg.telemetry, cfg.worker.name)
-            err = {"type": "error", "msg": msg, "trace": traceback.format_exc()[-2000:]}
+            err = m.WorkerError(msg=msg, trace=traceback.format_exc()[-2000:])
             if isinstance(exc, PeerSilent):
-                err.update(peer=exc.peer, silent_s=exc.seconds)
+                err.peer, err.silent_s = exc.peer, exc.seconds
             tel.send(err)
         except OSError:
             pass
