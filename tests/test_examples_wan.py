@@ -39,11 +39,6 @@ PARITY = 1e-5
 _OTHER = 150_000  # the rendezvous store, barriers, the losses' small all-reduce, ACKs (measured under 60 KB)
 
 
-@pytest.fixture(autouse=True)
-def _network_ok(network_ok):
-    """Root, Mininet and a delay backend, or a skip with the reason (conftest)."""
-
-
 def _lines(text: str, **match) -> list[dict]:
     out = []
     for ln in text.splitlines():
