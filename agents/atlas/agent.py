@@ -26,7 +26,7 @@ import sys
 import time
 
 from agents.atlas.config import AgentConfig
-from testbed.run.procs import DatagramClient
+from testbed.procutil import DatagramClient
 
 
 def _log(dc: str, msg: str) -> None:

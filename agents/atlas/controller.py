@@ -25,7 +25,7 @@ import time
 
 from agents.atlas.config import ControllerConfig
 from agents.atlas.plan import TelemetryWindow, TemporalPlan, make_plan
-from testbed.run.procs import DatagramClient
+from testbed.procutil import DatagramClient
 
 
 def _log(msg: str) -> None:

@@ -41,7 +41,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from testbed.net.kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
-from testbed.run.procs import DatagramClient, stop_all
+from testbed.procutil import DatagramClient, stop_all
 from testbed.registry import PREFIX, Registry
 from testbed.net.shaping import Counters, EgressShaper, NetemParams
 from testbed.spec.topology import Direction, Topology, default_queue_bytes, validation_error
