@@ -199,6 +199,16 @@ class Process:
     def pid(self) -> int:
         return self.popen.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
     def alive(self) -> bool:
         return self.popen.poll() is None
 
@@ -264,6 +274,13 @@ class Launcher:
         except (OSError, ProcessError) as exc:
             raise ProcessError(f"{name}: could not be placed on its core or in its container: {exc}") from None
         return proc
+
+    def file(self, name: str) -> Path:
+        """``name`` in the launcher's folder, recorded so ``testbed clean`` removes it (the
+        caller makes the file)."""
+        path = self.dir / name
+        self.registry.file(path)
+        return path
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items()}
