@@ -21,6 +21,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -85,8 +86,15 @@ def site(request, experiment):
     from testbed.cluster.remote import ClusterSite, open_cluster
 
     fake = request.getfixturevalue("cluster")
-    with _in_netns(fake.head_pid):
-        opened = open_cluster(experiment.topo, fake.inventory_path)
+    # reading the inventory imports Ansible, which patches sys.intern for the whole process;
+    # torch's dynamo (torch.optim imports it) then refuses to load in later tests of this
+    # session (tests/test_cluster.py's reference losses): this process gets its own back
+    intern = sys.intern
+    try:
+        with _in_netns(fake.head_pid):
+            opened = open_cluster(experiment.topo, fake.inventory_path)
+    finally:
+        sys.intern = intern
     try:
         yield ClusterSite(opened), fake
     finally:
