@@ -12,7 +12,8 @@ How the pieces fit, bottom up (each package imports only those listed before it)
 * ``spec``: what a user writes, validated (topologies, experiments, the AWS matrix, the
   model's shape, pipeline schedules);
 * ``registry``: everything the testbed makes, written down as it is made, so ``testbed
-  clean`` can always remove it;
+  clean`` can always remove it; ``procutil``: ending a set of processes and the datagram
+  client to a process's control socket, which ``net`` and ``run`` both use;
 * ``net``: the emulated WAN (Mininet hosts behind gateways, links shaped by tc and the
   delay line) and the instruments that measure it against its spec;
 * ``train``: the training workload, a GPT cut into pipeline stages (what each worker

@@ -197,7 +197,7 @@ def test_the_wheel_holds_every_package_and_data_file(tmp_path):
 
 # testbed's parts, bottom up: each may import only itself and those before it (the order of
 # testbed/__init__.py's docstring)
-LAYERS = ["extension", "messages", "spec", "registry", "cliutil", "net", "train", "results", "sim", "run", "tools", "cluster",
+LAYERS = ["extension", "messages", "spec", "registry", "procutil", "cliutil", "net", "train", "results", "sim", "run", "tools", "cluster",
           "cli"]
 
 

@@ -28,7 +28,7 @@ import time
 from agents.atlas.config import AgentConfig
 from agents.atlas.messages import AgentPlan, Clear, Heartbeat, LinkSchedule
 from testbed import messages as m
-from testbed.run.procs import DatagramClient
+from testbed.procutil import DatagramClient
 
 
 def _log(dc: str, msg: str) -> None:

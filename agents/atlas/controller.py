@@ -26,7 +26,7 @@ from agents.atlas.config import ControllerConfig
 from agents.atlas.messages import AgentPlan, Clear, Heartbeat, LinkSchedule, PlanPublished
 from testbed import messages as m
 from agents.atlas.plan import TelemetryWindow, TemporalPlan, make_plan
-from testbed.run.procs import DatagramClient
+from testbed.procutil import DatagramClient
 
 
 def _log(msg: str) -> None:

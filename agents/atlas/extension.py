@@ -143,7 +143,7 @@ class AtlasExtension(RunExtension):
             proc = procs[name]
             if name in self._dead or proc.alive():
                 continue
-            code = proc.popen.returncode
+            code = proc.returncode
             if name == "atlas-controller":
                 self._controller_gone(f"died (exit {code})")
             else:

@@ -215,7 +215,7 @@ class BubbleTeaExtension(RunExtension):
         ctl = launcher.processes.get("bubbletea-controller")
         if ctl is not None and not ctl.alive() and not self.dead:
             self.dead = True
-            self._ctx.log(f"bubbletea controller died (exit {ctl.popen.returncode}) at iteration "
+            self._ctx.log(f"bubbletea controller died (exit {ctl.returncode}) at iteration "
                           f"{self._ctx.iterations_done()}: no more prefills are dispatched; training continues "
                           "unaffected")
         for pname, component in self._components.items():
@@ -223,7 +223,7 @@ class BubbleTeaExtension(RunExtension):
             if proc is None or proc.alive() or pname in self._gone:
                 continue
             self._gone.add(pname)
-            code = proc.popen.returncode
+            code = proc.returncode
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             what = f"decode worker {component}" if component.startswith("decode-") else f"prefill server {component}"
             tail = proc.last_log_line()

@@ -40,7 +40,8 @@ from typing import Any, Callable
 
 from testbed import messages as m
 from testbed.net.network import HostInfo, Network, NetworkError
-from testbed.run.procs import DatagramClient, python_env, stop_all
+from testbed.procutil import DatagramClient, stop_all
+from testbed.run.procs import python_env
 from testbed.spec.topology import parse_topology
 
 from agents.titan.media import INTERNET_TOS
@@ -269,7 +270,7 @@ class DualPathNetwork:
 
 
 class ControlClient(DatagramClient):
-    """``testbed.run.procs.DatagramClient`` to one agent's control socket (the delay line's and
+    """``testbed.procutil.DatagramClient`` to one agent's control socket (the delay line's and
     the agents' protocol), with room for large replies (a window's per-stream statistics)
     and a refusal raised as ``NetworkError``."""
 

@@ -105,9 +105,9 @@ class _Session:
                     return
             launcher = self.launcher
             for name, p in list(launcher.processes.items()) if launcher else []:
-                if name not in self.reported and p.popen.poll() is not None:
+                if name not in self.reported and p.poll() is not None:
                     self.reported.add(name)
-                    self.emit(m.Exited(name=name, rc=p.popen.returncode, tail=p.last_log_line() or ""))
+                    self.emit(m.Exited(name=name, rc=p.returncode, tail=p.last_log_line() or ""))
             if self.net is not None and not self.net_error_sent:
                 try:
                     self.net.check()
@@ -232,6 +232,12 @@ class _Session:
 
     def op_link_state(self, src: str, dst: str) -> str:
         return self.net.link_state(src, dst)
+
+    def op_link_counters(self, src: str, dst: str) -> dict:
+        """The counters of WAN direction src -> dst (shaped here, at its sending gateway)."""
+        from dataclasses import asdict
+
+        return asdict(self.net.link(src, dst).counters())
 
     def op_stop(self, names: list[str]) -> None:
         self.launcher.stop(names)

@@ -4,11 +4,14 @@ How it fits: ``Cluster.start`` starts one machine agent per machine through Ansi
 (``plays.py``), connects to each (``AgentClient``: requests and answers, events in one
 queue), measures each machine's clock against the orchestrator's (``measure_clock``),
 measures the underlay, and builds each machine's DCs with a VXLAN per WAN link that
-crosses machines.  ``ClusterNetwork`` then looks to ``runner.TrainingRun`` and to
-``fidelity`` like ``network.Network`` does on one machine: hosts whose ``node.cmd`` and
-``popen`` run on their machine, links, TCP counters, link state, ``check``.
-``ClusterSite`` gives a run its hub (telemetry relayed by the agents, every timestamp
-mapped onto the orchestrator's clock), its launcher and its CPU containers.
+crosses machines.  ``ClusterNetwork`` is the ``net.surface.NetworkSurface`` that
+``runner.TrainingRun`` and ``fidelity`` use, as ``network.Network`` is on one machine:
+hosts whose ``node.cmd`` and ``popen`` run on their machine, links (their counters read by
+the sending gateway's agent), TCP counters, link state, ``check``.  ``ClusterSite`` is the
+``run.site.Site`` across machines: it gives a run its hub (telemetry relayed by the agents,
+every timestamp mapped onto the orchestrator's clock), its launcher and processes (an exit
+is an agent's event) and its CPU containers; ``tests/test_site_conformance.py`` holds both
+sides to the same protocols.
 
 Clocks: a sample is a request/answer pair; offset = agent's time - the pair's midpoint,
 uncertainty = half the round trip; the sample with the smallest round trip of ``samples``
@@ -43,7 +46,8 @@ from typing import Any, Callable
 
 from testbed.messages import (AgentGone, Answer, Call, Done, Events, Exited, Message, NetworkFailed, Telemetry, Wait,
                                Xfer)
-from testbed.net.network import HostIndex, HostInfo, NetworkError
+from testbed.net.shaping import ClassCounters, Counters
+from testbed.net.surface import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Topology
 from testbed.cluster import wire
 from testbed.cluster.inventory import ClusterError, Machine
@@ -198,11 +202,20 @@ class RemoteNode:
         return RemotePopen(self.agent, self.agent.call("popen", host=self.name, argv=list(argv), pipe=pipe)["pid"])
 
 
-@dataclass
-class _Direction:
-    src: str
-    dst: str
-    params: Any
+class _ClusterLink:
+    """One WAN direction across machines: its parameters, and its counters as the sending
+    gateway's agent reads them (``time`` mapped onto the orchestrator's clock)."""
+
+    def __init__(self, cluster: "Cluster", src: str, dst: str, params: Any):
+        self._cluster = cluster
+        self.src, self.dst, self.params = src, dst, params
+
+    def counters(self) -> Counters:
+        machine = self._cluster.placement[self.src]
+        c = self._cluster.agents[machine].call("link_counters", src=self.src, dst=self.dst)
+        classes = {name: ClassCounters(**v) for name, v in c.pop("classes").items()}
+        c["time"] -= self._cluster.offsets.get(machine, 0.0)
+        return Counters(**c, classes=classes)
 
 
 class _Backends:
@@ -242,13 +255,13 @@ class ClusterNetwork(HostIndex):
     def machine_of(self, dc: str) -> str:
         return self.cluster.placement[dc]
 
-    def links(self) -> list[_Direction]:
-        return [_Direction(s, d, p) for s, d, p in self.topo.directions()]
+    def links(self) -> list[_ClusterLink]:
+        return [_ClusterLink(self.cluster, s, d, p) for s, d, p in self.topo.directions()]
 
-    def link(self, src: str, dst: str) -> _Direction:
+    def link(self, src: str, dst: str) -> _ClusterLink:
         for s, d, p in self.topo.directions():
             if (s, d) == (src, dst):
-                return _Direction(s, d, p)
+                return _ClusterLink(self.cluster, s, d, p)
         raise NetworkError(f"no WAN link {src} -> {dst}")
 
     def popen(self, host: HostInfo, cmd: list[str], **kwargs) -> RemotePopen:
@@ -281,6 +294,8 @@ class _RemoteCgroup:
 
 
 class ClusterContainers:
+    """``run.site.Containers`` across machines: each agent makes its processes' containers."""
+
     def __init__(self, cluster: "Cluster"):
         self.cluster = cluster
 
@@ -296,12 +311,12 @@ class ClusterContainers:
 
 
 class _RemoteProcess:
-    """What the runner asks of a worker's process: alive, exit status, the log's last line."""
+    """A process an agent launched (``run.site.Process``): alive, exit status, the log's last
+    line; its exit arrives as the agent's event (``Cluster.drain``)."""
 
     def __init__(self, name: str, machine: str, pid: int, cluster: "Cluster"):
         self.name, self.machine, self.pid = name, machine, pid
         self._cluster = cluster
-        self.popen = self
         self.returncode: int | None = None
         self.tail = ""
 
@@ -324,13 +339,17 @@ class _RemoteProcess:
 
 
 class ClusterLauncher:
+    """``run.site.Launcher`` across machines: each process is launched by its host's agent."""
+
     def __init__(self, cluster: "Cluster"):
         self.cluster = cluster
         self.processes: dict[str, _RemoteProcess] = {}
         self.dir = None
 
-    def start(self, name: str, module: str, config: dict, host: HostInfo = None, cgroup=None,
+    def start(self, name: str, module: str, config: dict, host: HostInfo | None = None, cgroup=None,
               cpu: int | None = None, sched_idle: bool = False, env: dict | None = None) -> _RemoteProcess:
+        if host is None:
+            raise ClusterError(f"{name}: a process beside the network runs on one machine only, for now")
         machine = self.cluster.placement[host.dc]
         agent = self.cluster.agents[machine]
         base = os.environ
@@ -341,6 +360,10 @@ class ClusterLauncher:
         self.processes[name] = proc
         self.cluster.processes[name] = proc
         return proc
+
+    def file(self, name: str) -> Path:
+        raise ClusterError(f"{name}: files shared by processes (emulated devices, boards) are on one machine only, "
+                           f"for now")
 
     def pids(self) -> dict[str, int]:
         return {n: p.pid for n, p in self.processes.items()}
@@ -587,6 +610,7 @@ class Cluster:
                 net._hosts[dc] = [HostInfo(dc, j, name, ip, RemoteNode(self.agents[machine], name))
                                   for j, (name, ip) in enumerate(hosts)]
             net.backends = _Backends(r["backends"])
+        net._hosts = {dc.name: net._hosts[dc.name] for dc in topo.dcs}  # the topology's order, as on one machine
         net.mtu = mtu
 
     def teardown_networks(self) -> None:

@@ -1,7 +1,8 @@
 """Measure a running network against its spec: RTT with ping, one-way delay and goodput
 with probes of its own (``owd.py``, ``goodput.py``), iperf3 for the tests' plain flows.
 
-How it fits: ``testbed fidelity`` builds a ``Network``, calls ``measure_all`` and prints
+How it fits: ``testbed fidelity`` builds a network (``Network``, or ``ClusterNetwork`` across
+machines: anything that satisfies ``surface.NetworkSurface``), calls ``measure_all`` and prints
 configured against measured; every ``testbed run`` calls ``check_wan`` before training (a
 second or two) and records it in metrics.json; the tests call the single-measurement
 helpers on networks they build.  Measurements run one at a time (the machine has two
@@ -31,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from testbed.net.network import HostInfo, Network, NetworkError
+from testbed.net.surface import HostInfo, NetworkError, NetworkSurface
 from testbed.spec.topology import Direction, default_queue_bytes
 
 RTT_TOLERANCE_MS = 0.5
@@ -93,7 +94,7 @@ def ping_loss(src: HostInfo, dst_ip: str, count: int = 2000, interval_s: float =
     return 1.0 - got / sent
 
 
-def iperf3(net: Network, src: HostInfo, dst: HostInfo, seconds: float = 3.0, streams: int = 1,
+def iperf3(net: NetworkSurface, src: HostInfo, dst: HostInfo, seconds: float = 3.0, streams: int = 1,
            port: int = _IPERF_PORT, omit_s: float = 0.0, congestion: str = "cubic") -> dict:
     """One iperf3 TCP run src -> dst: ``omit_s`` left out, then at least ``seconds`` measured;
     returns goodput (at the receiver), retransmits (while measured) and the seconds measured.
@@ -169,7 +170,7 @@ def measuring_window(params: Direction, rtt_ms: float) -> int:
     return max(int(bdp + min(queue, bdp) / 4), 4096)
 
 
-def steady_goodput(net: Network, src: HostInfo, dst: HostInfo, seconds: float, omit_s: float,
+def steady_goodput(net: NetworkSurface, src: HostInfo, dst: HostInfo, seconds: float, omit_s: float,
                    clamp_bytes: int, port: int = 5303) -> dict:
     """One bulk TCP flow src -> dst with its window clamped at ``clamp_bytes`` by the receiver
     (``goodput.py``): ``omit_s`` left out, then at least ``seconds`` measured; returns the
@@ -220,13 +221,13 @@ def _after(intervals: list[dict], omit_s: float) -> list[dict]:
     return out
 
 
-def one_way_delays(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
+def one_way_delays(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
                    port: int = 5301) -> list[float]:
     """One-way delays (ms) src -> dst, from the clock all namespaces share, in arrival order."""
     return [d for d, _seq in one_way_probe(net, src, dst, count, interval_s, port)]
 
 
-def one_way_probe(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
+def one_way_probe(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
                   port: int = 5301) -> list[tuple[float, int]]:
     """(one-way delay ms, sequence number) of each datagram that arrived, in arrival order:
     the order shows whether the path reordered them."""
@@ -235,7 +236,7 @@ def one_way_probe(net: Network, src: HostInfo, dst: HostInfo, count: int = 50, i
     return [(r[0], int(r[1])) for r in rows]
 
 
-def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
+def _probe(net: NetworkSurface, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
            timeout: float) -> list[list]:
     """Run ``testbed.net.owd``'s receiver on dst and its sender on src; the receiver's lines, split,
     each led by its delay in ms on one timeline (``net.owd_correction_ms``: across machines the
@@ -255,7 +256,7 @@ def _probe(net: Network, src: HostInfo, dst: HostInfo, recv_args: list[str], sen
     return [[float(r[0]) - skew, *r[1:]] for r in rows]
 
 
-def message_delays(net: Network, src: HostInfo, dst: HostInfo, size: int = 131072, count: int = 30,
+def message_delays(net: NetworkSurface, src: HostInfo, dst: HostInfo, size: int = 131072, count: int = 30,
                    interval_s: float = 0.05, port: int = 5302) -> list[float]:
     """One-way times (ms) of ``count`` TCP messages of ``size`` bytes src -> dst, each sent
     after ``interval_s`` of idle: delay plus serialisation at the link's rate."""
@@ -265,7 +266,7 @@ def message_delays(net: Network, src: HostInfo, dst: HostInfo, size: int = 13107
     return [r[0] for r in rows]
 
 
-def configured_rtt_ms(net: Network, src: str, dst: str) -> float:
+def configured_rtt_ms(net: NetworkSurface, src: str, dst: str) -> float:
     return net.topo.rtt_ms(src, dst)
 
 
@@ -280,7 +281,7 @@ def steady_state_seconds(rtt_ms: float, seconds: float) -> tuple[float, float]:
     return max(1.0, 12 * rtt), max(seconds, 20 * rtt)
 
 
-def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: int = 20,
+def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, pings: int = 20,
                  rtt_ms: float | None = None) -> LinkReport:
     a, b = net.host(src), net.host(dst)
     params = net.link(src, dst).params
@@ -313,7 +314,7 @@ def measure_link(net: Network, src: str, dst: str, seconds: float = 3.0, pings: 
     )
 
 
-def measure_all(net: Network, seconds: float = 3.0, pings: int = 20,
+def measure_all(net: NetworkSurface, seconds: float = 3.0, pings: int = 20,
                 progress: Callable[[str], None] | None = None) -> list[LinkReport]:
     """Every WAN direction: min RTT of its link (one ping series per link), one-way delay and
     steady-state goodput."""
@@ -350,7 +351,7 @@ class DirectionCheck:
         return asdict(self)
 
 
-def check_wan(net: Network, pings: int = 5) -> list[DirectionCheck]:
+def check_wan(net: NetworkSurface, pings: int = 5) -> list[DirectionCheck]:
     """Per WAN direction: a short ping series from the source DC (min RTT) and a one-way probe
     (min of 10), against the configuration.  A direction outside max(0.5 ms, 2%) on the round
     trip, or without replies, is not ``ok``; the caller warns.  About 0.2 s + 2 RTT a direction."""

@@ -16,6 +16,8 @@ removes it on ``stop()`` (also on Ctrl-C through the context manager; after SIGK
 ``testbed clean`` does it from the registry).  ``WanDirection`` is the handle callers use
 at run time: change parameters in place (all or nothing: a step the kernel or the delay line
 refuses rolls back the steps before it), sample counters, define traffic classes.
+``Network`` is one machine's ``surface.NetworkSurface`` (what runs and ``fidelity`` use;
+``surface`` also holds ``HostInfo``, ``HostIndex`` and ``NetworkError``, imported here).
 Faults: ``set_link_up`` cuts a WAN link (both ends down, as a cut fibre) and restores it
 with its routes, ``link_state`` says whether a direction is up, and ``check`` raises when a
 delay line has died (its links would otherwise carry traffic without their delay, silently:
@@ -42,18 +44,15 @@ from pydantic import ValidationError
 
 from testbed import messages as m
 from testbed.net.kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
-from testbed.run.procs import DatagramClient, stop_all
+from testbed.procutil import DatagramClient, stop_all
 from testbed.registry import PREFIX, Registry
 from testbed.net.shaping import Counters, EgressShaper, NetemParams
+from testbed.net.surface import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Direction, Topology, default_queue_bytes, validation_error
 
 DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)
 _TCP_MEM = "4096 131072 67108864"
 _DELAYLINE_START_TIMEOUT_S = 20.0
-
-
-class NetworkError(RuntimeError):
-    """The network could not be built or driven; the message is one line."""
 
 
 def _import_mininet():
@@ -76,38 +75,6 @@ class Tunnel:
     vni: int  # the same at both ends: one per WAN link
     mtu: int = 1450  # the underlay's MTU less 50 (outer IPv4, UDP, VXLAN, inner Ethernet)
     port: int = 4789
-
-
-@dataclass
-class HostInfo:
-    dc: str
-    index: int  # 0-based within its DC
-    name: str
-    ip: str
-    node: Any  # mininet.node.Host
-
-
-class HostIndex:
-    """The hosts of a network by DC (``_hosts``): what ``Network`` and, across machines,
-    ``cluster.remote.ClusterNetwork`` answer alike."""
-
-    _hosts: dict[str, list[HostInfo]]
-
-    def hosts(self, dc: str | None = None) -> list[HostInfo]:
-        if dc is not None:
-            return self._hosts[dc]
-        return [h for dc_hosts in self._hosts.values() for h in dc_hosts]
-
-    def host(self, dc: str, index: int = 0) -> HostInfo:
-        try:
-            return self._hosts[dc][index]
-        except (KeyError, IndexError):
-            raise NetworkError(f"no host {index} in DC {dc!r}") from None
-
-    def owd_correction_ms(self, src: HostInfo, dst: HostInfo) -> float:
-        """What a one-way probe src -> dst reads too much by: on one machine nothing (every
-        namespace reads the same clock)."""
-        return 0.0
 
 
 class _DelayLineClient:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 from testbed.net.network import HostInfo, Network, NetworkError, WanDirection
 from testbed.net.shaping import Counters
 from testbed.registry import Registry
-from testbed.run.procs import stop_all
+from testbed.procutil import stop_all
 from testbed.spec.topology import Topology, load_topology, resolve_topology
 
 _LAB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")

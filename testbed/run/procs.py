@@ -1,5 +1,6 @@
-"""Processes of a run: CPU containers, starting a process in a host (or beside the network),
-stopping them all, reading their state, and the JSON datagram client they talk through.
+"""Processes of a run on one machine: CPU containers, starting a process in a host (or beside
+the network), stopping them all, reading their state.  (The JSON datagram client they talk
+through and ``stop_all`` are ``testbed.procutil``'s: the network layer uses them too.)
 
 How it fits: ``runner.TrainingRun`` owns one ``Launcher``; it starts the training workers
 through it, and every run extension (``extension.py``: Atlas, BubbleTea, ...) starts its
@@ -7,7 +8,8 @@ own processes through the same launcher, so there is one way to start a process 
 JSON config and a log, one way to put it into a CPU container before it starts a thread,
 and one way to end them all (terminate, wait, kill).  Every process, config, log and
 cgroup is recorded in the network's ``Registry`` as it is made, so ``testbed clean``
-removes it after a crash.
+removes it after a crash.  ``Launcher``, ``Process`` and ``CpuContainers`` are this
+machine's side of ``site``'s protocols; ``cluster.remote`` has the side across machines.
 
 CPU containers: a cgroup CPU quota per device stand-in (v1 ``cpu`` controller or v2
 ``cpu.max``) with a 5 ms CFS period (the brief measured 92% of computes within 15% of the
@@ -24,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed import messages as m
+from testbed.procutil import stop_all
 from testbed.registry import PREFIX, Registry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,6 +199,16 @@ class Process:
     def pid(self) -> int:
         return self.popen.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
     def alive(self) -> bool:
         return self.popen.poll() is None
 
@@ -264,6 +275,13 @@ class Launcher:
             raise ProcessError(f"{name}: could not be placed on its core or in its container: {exc}") from None
         return proc
 
+    def file(self, name: str) -> Path:
+        """``name`` in the launcher's folder, recorded so ``testbed clean`` removes it (the
+        caller makes the file)."""
+        path = self.dir / name
+        self.registry.file(path)
+        return path
+
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items()}
 
@@ -279,60 +297,3 @@ class Launcher:
                 continue
             dst.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(p.log, dst / f"{rename(name)}.log")
-
-
-def stop_all(procs: list[subprocess.Popen], timeout: float = 3.0) -> None:
-    """SIGTERM all, wait up to ``timeout`` together, then SIGKILL what is left."""
-    alive = [p for p in procs if p.poll() is None]
-    for proc in alive:
-        try:
-            proc.terminate()
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    for proc in alive:
-        try:
-            proc.wait(max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-
-
-# -- talking to a process -----------------------------------------------------------------
-class DatagramClient:
-    """Typed messages (``testbed/messages.py``) to processes' Unix datagram sockets (filesystem
-    paths: reachable from every namespace), from a socket of our own at ``path`` (so they can
-    answer)."""
-
-    def __init__(self, path: str | Path | None = None, timeout: float = 2.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.path = str(path) if path is not None else None
-        if self.path is not None:
-            if os.path.exists(self.path):
-                os.unlink(self.path)
-            self.sock.bind(self.path)
-        self.sock.settimeout(timeout)
-
-    def send(self, to: str, msg: m.Message) -> bool:
-        """Fire and forget; False when nobody listens there."""
-        try:
-            self.sock.sendto(m.encode(msg), to)
-            return True
-        except OSError:
-            return False
-
-    def request(self, to: str, msg: m.Message, max_reply: int = 65536) -> m.Message:
-        """Send and wait for the answer; raises OSError (no answer) or RuntimeError (refused)."""
-        self.sock.sendto(m.encode(msg), to)
-        reply = m.decode(self.sock.recv(max_reply))
-        if isinstance(reply, m.Refused):
-            raise RuntimeError(reply.error)
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass

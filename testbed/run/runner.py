@@ -1,11 +1,13 @@
 """``testbed run``: build the topology, launch the workers, train, collect, write results.
 
-How it fits: ``TrainingRun`` owns one run.  It builds the ``Network`` for the experiment's
-topology, checks the WAN against its configuration (``fidelity.check_wan``), puts each
-worker host in its own CPU container (``procs.CpuContainers``: the stand-in for one device
-per worker) or gives it its own GPU, starts ``testbed.train.worker`` there through the
-run's ``procs.Launcher``, and listens on a ``hub.TelemetryHub`` for the workers' telemetry
-(the filesystem is shared by all namespaces; the network is not, by design).  Everything
+How it fits: ``TrainingRun`` owns one run.  It takes its parts from a ``site.Site``
+(``LocalSite`` here; ``cluster.remote.ClusterSite`` across machines) and uses them only
+through ``site``'s protocols: it builds the network for the experiment's topology, checks
+the WAN against its configuration (``fidelity.check_wan``), puts each worker host in its own
+CPU container (on one machine ``procs.CpuContainers``: the stand-in for one device per
+worker) or gives it its own GPU, starts ``testbed.train.worker`` there through the run's
+launcher, and listens on the run's telemetry hub (on one machine ``hub.TelemetryHub``: the
+filesystem is shared by all namespaces; the network is not, by design).  Everything
 else that plugs into a run is a ``RunExtension`` (``extension.py``): the run drives each
 through the same hooks and knows none of them by name.  When training ends, ``records``
 hold what happened and ``metrics.py`` turns them into per-iteration figures, a Chrome
@@ -33,7 +35,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from testbed import messages as m
 from testbed.train.config import DataParallel, Emulation, Me, Peer, WorkerConfig, socket_buffer_bytes
@@ -42,9 +44,12 @@ from testbed.train.device import create_device
 from testbed.spec.experiment import Experiment, WorkerSlot
 from testbed.run.hooks import ExtensionError, RunExtension, extensions_for
 from testbed.run.hub import TelemetryHub
-from testbed.net.network import HostInfo, Network, NetworkError
-from testbed.run.procs import CpuContainers, Launcher, Process, ProcessError, python_env
+from testbed.net.network import Network
+from testbed.net.surface import HostInfo, NetworkError, NetworkSurface
 from testbed.results.records import RunRecord, WorkerRecord
+from testbed.run import procs
+from testbed.run.procs import ProcessError, python_env
+from testbed.run.site import Containers, Hub, Launcher, Process, RunView, Site
 
 if TYPE_CHECKING:
     from testbed.results.metrics import RunSummary
@@ -70,7 +75,7 @@ class WorkerState:
     done: bool = False
     iterations_done: int = 0
     reported_error: bool = False
-    cgroup: Path | None = None  # its CPU container
+    cgroup: Any = None  # its CPU container (``Containers.make``: a cgroup folder on one machine)
     cpu: int | None = None  # the core it is pinned to, when an extension asks
     device_file: Path | None = None  # its emulated device (device: emulated), shared with co-tenants
     report: dict | None = None  # what it said of itself when done (an emulated device's op timing)
@@ -131,28 +136,29 @@ def nvidia_pci_devices(root: str | Path = "/sys/bus/pci/devices") -> list[str]:
 
 
 class LocalSite:
-    """Where a run's parts come from on one machine: its ``Network``, a Unix-socket
-    ``TelemetryHub`` in the network's state folder, a ``Launcher`` and ``CpuContainers``.
-    A run across machines passes ``cluster.remote.ClusterSite`` instead."""
+    """Where a run's parts come from on one machine (``site.Site``): its ``Network``, a
+    Unix-socket ``TelemetryHub`` in the network's state folder, a ``procs.Launcher`` and
+    ``procs.CpuContainers``.  A run across machines passes ``cluster.remote.ClusterSite``
+    instead."""
 
     def network(self, topo, delay_backend: str, options: dict) -> Network:
         return Network(topo, delay_backend=delay_backend, **options)
 
-    def hub(self, run: "TrainingRun", net: Network) -> tuple[TelemetryHub, Path]:
+    def hub(self, run: RunView, net: Network) -> tuple[TelemetryHub, Path]:
         path = net.registry.dir / "telemetry.sock"
         net.registry.file(path)
         return TelemetryHub(path), path
 
-    def launcher(self, net: Network) -> Launcher:
-        return Launcher(net.registry, net)
+    def launcher(self, net: Network) -> procs.Launcher:
+        return procs.Launcher(net.registry, net)
 
-    def containers(self, net: Network, run_name: str) -> CpuContainers:
-        return CpuContainers(net.registry, run_name)
+    def containers(self, net: Network, run_name: str) -> procs.CpuContainers:
+        return procs.CpuContainers(net.registry, run_name)
 
     def gpus(self) -> int:
         return detect_gpus()
 
-    def finish(self, run: "TrainingRun") -> None:
+    def finish(self, run: RunView) -> None:
         """Training is over, the parts are still up (a cluster: the end clock sample, and
         every timestamp corrected for the drift it measured)."""
 
@@ -167,9 +173,9 @@ class TrainingRun:
 
     def __init__(self, exp: Experiment, out_dir: Path, delay_backend: str = "auto",
                  progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] | None = None,
-                 extensions: list[RunExtension] | None = None, site: "LocalSite | None" = None):
+                 extensions: list[RunExtension] | None = None, site: Site[Any] | None = None):
         self.exp = exp
-        self.site = site or LocalSite()
+        self.site: Site[Any] = site or LocalSite()
         self.out_dir = Path(out_dir)
         self.delay_backend = delay_backend
         self.extensions = extensions if extensions is not None else extensions_for(exp)
@@ -177,11 +183,11 @@ class TrainingRun:
         self._log = log or (lambda msg: None)
         self._subscribers: list[Callable[[str, m.Message], None]] = []
         self.workers: dict[str, WorkerState] = {}
-        self.net: Network | None = None
+        self.net: NetworkSurface | None = None
         self.launcher: Launcher | None = None
-        self.containers: CpuContainers | None = None
+        self.containers: Containers | None = None
         self.telemetry_path: Path | None = None
-        self._hub: TelemetryHub | None = None
+        self._hub: Hub | None = None
         self.go_time = 0.0
         self.log_lines: list[str] = []
         self.warnings: list[str] = []
@@ -338,7 +344,7 @@ class TrainingRun:
                          self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
                          device=device, tcp=self.tcp, out_dir=self.out_dir)
 
-    def _check_wan(self, net: Network) -> None:
+    def _check_wan(self, net: NetworkSurface) -> None:
         """Every run measures its own WAN before training: configured against measured per
         direction, in metrics.json; a direction outside tolerance is a warning."""
         from testbed.net.fidelity import check_wan
@@ -371,7 +377,7 @@ class TrainingRun:
             self.log(f"{gpus} GPU(s) for {len(slots)} workers: GPUs are shared round-robin")
         return [f"cuda:{i % gpus}" for i in range(len(slots))]
 
-    def _launch(self, net: Network) -> None:
+    def _launch(self, net: NetworkSurface) -> None:
         exp = self.exp
         slots = exp.workers()
         devices = self._devices or self._device_plan()
@@ -447,9 +453,8 @@ class TrainingRun:
         """An emulated device for this worker: its stream (a file its co-tenants share) and
         its stage's op times."""
         prof = self.device_profile
-        w.device_file = self.launcher.dir / f"{w.name}.device"
+        w.device_file = self.launcher.file(f"{w.name}.device")
         create_device(w.device_file)
-        self.net.registry.file(w.device_file)
         stage = w.slot.stage
         slow = self.exp.emulation.slowdown.get(w.slot.replica, 1.0)
         cfg.emulation = Emulation(str(w.device_file), self.exp.training.seed, prof.times_for(stage, w.name, slow),
@@ -509,7 +514,7 @@ class TrainingRun:
                 break
         for w in self.workers.values():
             try:
-                w.proc.popen.wait(30)
+                w.proc.wait(30)
             except Exception:
                 raise RunError(f"{w.where()} did not exit after training") from None
 
@@ -568,12 +573,12 @@ class TrainingRun:
             except NetworkError as exc:
                 raise RunError(str(exc)) from None
         dead = [w for w in self.workers.values()
-                if w.proc and not w.proc.alive() and (w.proc.popen.returncode != 0 or not w.done)]
+                if w.proc and not w.proc.alive() and (w.proc.returncode != 0 or not w.done)]
         if not dead:
             return
         # a worker that died unannounced is the cause; those that reported a broken channel follow
         w = sorted(dead, key=lambda w: w.reported_error)[0]
-        code = w.proc.popen.returncode
+        code = w.proc.returncode
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         tail = w.proc.last_log_line()
         raise RunError(f"{w.where()} died ({how}){': ' + tail if tail else ''}")
