@@ -7,7 +7,7 @@ cleared, so only the installed ``testbed`` and its ``pytest11`` entry point are 
 editable install maps the package, not the checkout's tests).  The outcome of each test in
 there is read from its JUnit XML.  As root: a lab from a topology file beside the test file
 (marker) and one from an overridden ``lab_topology`` fixture ping across the WAN, see a link
-change, read counters; a test that leaves an interface behind errs at its teardown, naming it; bad marker
+change, read counters, and so does README's example; a test that leaves an interface behind errs at its teardown, naming it; bad marker
 arguments and a missing topology are one-line failures.  As ``nobody`` (``setpriv``): the
 lab tests skip with the reason.
 """
@@ -96,6 +96,12 @@ def test_the_lab_of_an_overridden_topology(lab):
 '''
 
 
+def _readme_example() -> str:
+    """README's example of the plugin (the Python block after "In your own tests")."""
+    text = (REPO / "README.md").read_text()
+    return text[text.index("In your own tests"):].split("```python\n", 1)[1].split("```", 1)[0]
+
+
 def _user_folder() -> Path:
     """A fresh folder outside the repository that ``nobody`` may read and write."""
     folder = Path(tempfile.mkdtemp(prefix="gtb-plugin-user-"))
@@ -105,6 +111,7 @@ def _user_folder() -> Path:
     (folder / "tests" / "tiny.yaml").write_text(TINY)
     (folder / "tests" / "test_wan.py").write_text(USER_TESTS)
     (folder / "tests" / "test_override.py").write_text(OVERRIDE_TESTS)
+    (folder / "tests" / "test_readme.py").write_text(_readme_example())
     for path in [folder, *folder.rglob("*")]:
         path.chmod(0o777 if path.is_dir() else 0o666)
     return folder
@@ -148,8 +155,9 @@ def test_a_user_test_folder_outside_the_repository(caps):
         assert "geo-testbed" in out.split("plugins:", 1)[1].splitlines()[0], out[:2000]  # its entry point
         assert results.keys() == {"test_ping_across_the_wan_and_change_the_link", "test_a_misspelt_marker_argument",
                                   "test_a_lab_without_a_topology", "test_that_leaves_an_interface_behind",
-                                  "test_the_lab_of_an_overridden_topology"}, out[-4000:]
+                                  "test_the_lab_of_an_overridden_topology", "test_a_longer_link_reads_longer"}, out[-4000:]
         assert results["test_ping_across_the_wan_and_change_the_link"] == ("passed", ""), out[-4000:]
+        assert results["test_a_longer_link_reads_longer"] == ("passed", ""), out[-4000:]  # README's, as written
         assert results["test_the_lab_of_an_overridden_topology"] == ("passed", ""), out[-4000:]
         assert results["test_a_misspelt_marker_argument"] == (
             "error", "failed on setup with \"Failed: @pytest.mark.lab: unknown argument 'dleay_backend' "
@@ -174,7 +182,7 @@ def test_a_user_who_is_not_root_gets_the_reason():
         out = res.stdout + res.stderr
         assert res.returncode in (0, 1), out[-4000:]
         for name in ("test_ping_across_the_wan_and_change_the_link", "test_the_lab_of_an_overridden_topology",
-                     "test_that_leaves_an_interface_behind"):
+                     "test_that_leaves_an_interface_behind", "test_a_longer_link_reads_longer"):
             assert results[name] == ("skipped", "needs root (network namespaces, tc)"), (name, results, out[-3000:])
         assert "SKIPPED [1] tests/test_wan.py:15: needs root (network namespaces, tc)" in res.stdout, res.stdout[-3000:]
         assert results["test_a_misspelt_marker_argument"][0] == "error"  # a bad marker is an error anywhere
