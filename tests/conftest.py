@@ -41,14 +41,15 @@ DELAY_BACKENDS = ["tun", "netem"]
 
 def pytest_configure(config: pytest.Config) -> None:
     netem_vm.pytest_configure(config)
-    # The plugin comes through its entry point; where a stale geo_testbed.egg-info in the
-    # checkout (on sys.path under ``python -m pytest``) hides the installed metadata, it is
-    # registered here ("-p no:testbed" still leaves it out).
+    # The plugin comes through its entry point; in a venv installed before the entry point
+    # existed (until ``pip install -e .`` again) it is registered here ("-p no:testbed" still
+    # leaves it out).
     pm = config.pluginmanager
     if not pm.is_blocked("testbed") and not pm.is_registered(pytest_plugin):
         pm.register(pytest_plugin, "testbed")
 
 
+@pytest.hookimpl(optionalhook=True)  # the plugin's hook ("-p no:testbed" leaves the plugin out)
 def pytest_testbed_machine(item, delay_backend: str, loss_backend: str) -> Capabilities | None:
     """This project's network tests: a netem variant that runs in the netem VM is checked
     there; every other needs iperf3 as well as what the plugin checks."""

@@ -8,7 +8,8 @@ editable install maps the package, not the checkout's tests).  The outcome of ea
 there is read from its JUnit XML.  As root: a lab from a topology file beside the test file
 (marker) and one from an overridden ``lab_topology`` fixture ping across the WAN, see a link
 change, read counters, and so does README's example; a test that leaves an interface behind errs at its teardown, naming it; bad marker
-arguments and a missing topology are one-line failures.  As ``nobody`` (``setpriv``): the
+arguments, a lab without a topology and a topology file that is not there are one-line
+errors.  As ``nobody`` (``setpriv``): the
 lab tests skip with the reason.
 """
 
@@ -70,6 +71,11 @@ def test_a_misspelt_marker_argument(lab):
 
 
 def test_a_lab_without_a_topology(lab):
+    pass
+
+
+@pytest.mark.lab("no-such-topology")
+def test_a_lab_of_a_topology_that_is_not_there(lab):
     pass
 
 
@@ -137,8 +143,8 @@ def _run_pytest(folder: Path, as_user: str | None = None) -> tuple[subprocess.Co
 
 
 def test_the_plugin_is_a_pytest11_entry_point(tmp_path):
-    """Seen from outside the checkout (inside it, a stale geo_testbed.egg-info may hide the
-    installed metadata; tests/conftest.py registers the plugin then)."""
+    """Seen from outside the checkout (inside it, a geo_testbed.egg-info left from an older
+    install shadows the installed metadata for ``entry_points()``; pytest reads both)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     code = ("from importlib.metadata import entry_points; "
             "print([ep.value for ep in entry_points(group='pytest11') if ep.name == 'testbed'])")
@@ -155,6 +161,7 @@ def test_a_user_test_folder_outside_the_repository(caps):
         assert "geo-testbed" in out.split("plugins:", 1)[1].splitlines()[0], out[:2000]  # its entry point
         assert results.keys() == {"test_ping_across_the_wan_and_change_the_link", "test_a_misspelt_marker_argument",
                                   "test_a_lab_without_a_topology", "test_that_leaves_an_interface_behind",
+                                  "test_a_lab_of_a_topology_that_is_not_there",
                                   "test_the_lab_of_an_overridden_topology", "test_a_longer_link_reads_longer"}, out[-4000:]
         assert results["test_ping_across_the_wan_and_change_the_link"] == ("passed", ""), out[-4000:]
         assert results["test_a_longer_link_reads_longer"] == ("passed", ""), out[-4000:]  # README's, as written
@@ -164,6 +171,8 @@ def test_a_user_test_folder_outside_the_repository(caps):
             "(choose from topology, delay_backend, loss_backend, name, check)\""), out[-4000:]
         kind, msg = results["test_a_lab_without_a_topology"]
         assert kind == "error" and "the lab fixture needs a topology" in msg, (kind, msg)
+        kind, msg = results["test_a_lab_of_a_topology_that_is_not_there"]
+        assert kind == "error" and "@pytest.mark.lab: no-such-topology: no such topology file" in msg, (kind, msg)
         kind, msg = results["test_that_leaves_an_interface_behind"]
         assert kind == "error" and msg.startswith("failed on teardown"), (kind, msg)
         assert "left behind by this test: {'links': ['gtb-leak0', 'gtb-leak1']}" in msg, msg
