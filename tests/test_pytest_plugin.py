@@ -7,10 +7,10 @@ cleared, so only the installed ``testbed`` and its ``pytest11`` entry point are 
 editable install maps the package, not the checkout's tests).  The outcome of each test in
 there is read from its JUnit XML.  As root: a lab from a topology file beside the test file
 (marker) and one from an overridden ``lab_topology`` fixture ping across the WAN, see a link
-change, read counters, and so does README's example; a test that leaves an interface behind errs at its teardown, naming it; bad marker
-arguments, a lab without a topology and a topology file that is not there are one-line
-errors.  As ``nobody`` (``setpriv``): the
-lab tests skip with the reason.
+change, read counters, and so does README's example; a test that leaves an interface behind
+errs at its teardown, naming it; bad marker arguments, a lab without a topology and a
+topology file that is not there are one-line errors.  As ``nobody`` (``setpriv``): the lab
+tests skip with the reason.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def test_a_user_test_folder_outside_the_repository(caps):
         assert results.keys() == {"test_ping_across_the_wan_and_change_the_link", "test_a_misspelt_marker_argument",
                                   "test_a_lab_without_a_topology", "test_that_leaves_an_interface_behind",
                                   "test_a_lab_of_a_topology_that_is_not_there",
-                                  "test_the_lab_of_an_overridden_topology", "test_a_longer_link_reads_longer"}, out[-4000:]
+                                  "test_the_lab_of_an_overridden_topology",
+                                  "test_a_longer_link_reads_longer"}, out[-4000:]
         assert results["test_ping_across_the_wan_and_change_the_link"] == ("passed", ""), out[-4000:]
         assert results["test_a_longer_link_reads_longer"] == ("passed", ""), out[-4000:]  # README's, as written
         assert results["test_the_lab_of_an_overridden_topology"] == ("passed", ""), out[-4000:]

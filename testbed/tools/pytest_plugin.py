@@ -225,9 +225,9 @@ def lab(request: pytest.FixtureRequest):
     from testbed.run.lab import Lab, LabError
 
     opts = lab_options(request.node)
-    topology = opts.pop("topology", None)
+    topology, where = opts.pop("topology", None), "@pytest.mark.lab"
     if topology is None:
-        topology = request.getfixturevalue("lab_topology")
+        topology, where = request.getfixturevalue("lab_topology"), "lab_topology"
     opts["delay_backend"], opts["loss_backend"] = delay, loss = _backends(request)
     caps = request.node.stash.get(_CAPS_KEY, None)
     if caps is None:  # the network marker was not seen (e.g. the fixture asked for by name at run time)
@@ -235,7 +235,7 @@ def lab(request: pytest.FixtureRequest):
     try:
         the_lab = Lab(_resolve(topology, request.node), caps=caps, **opts)
     except (LabError, ValueError, TypeError) as exc:
-        pytest.fail(f"@pytest.mark.lab: {str(exc).strip().splitlines()[-1]}", pytrace=False)
+        pytest.fail(f"{where}: {str(exc).strip().splitlines()[-1]}", pytrace=False)
     try:
         the_lab.up()
     except (LabError, RuntimeError, OSError) as exc:  # Busy, NetworkError, BackendUnavailable: one line each
