@@ -1,13 +1,17 @@
-"""Shared fixtures: what the machine offers, and small topologies built in code.
+"""Shared fixtures and hooks: what the machine offers, small topologies built in code, and
+the project's own rules for network tests.
 
-Tests that build networks carry the ``network`` marker (``pytestmark = pytest.mark.network``,
-or ``@pytest.mark.network(delay="tun")`` where a test needs one backend).  They need root,
-Mininet and the kernel features the chosen backend uses, and skip with the reason where
-those are missing (CI installs and provides them).  A test that takes the ``delay_backend``
-fixture runs once per delay backend (``tun``, ``netem``), as Mininet's tests parametrize
-theirs; each variant skips where this kernel lacks its backend, except that the netem
-variants run in the netem VM on a kernel without netem (``tests/netem_vm.py``).  After every network test
-nothing the testbed made may be left: no process, namespace, interface or cgroup.
+The general part is the testbed's pytest plugin (``testbed/tools/pytest_plugin.py``, loaded
+through its entry point): the ``lab`` fixture, the ``network`` marker (``pytestmark =
+pytest.mark.network``, or ``@pytest.mark.network(delay="tun")`` where a test needs one
+backend), the skip with the reason where this machine cannot build a network, and the check
+that nothing the testbed made (process, namespace, interface, cgroup) is left after a network
+test.  This project adds, through the plugin's ``pytest_testbed_machine`` hook: its network
+tests need iperf3 too, and a netem variant whose body runs in the netem VM leaves its check
+to the guest.  A test that takes the ``delay_backend`` fixture runs once per delay backend
+(``tun``, ``netem``), as Mininet's tests parametrize theirs; each variant skips where this
+kernel lacks its backend, except that the netem variants run in the netem VM on a kernel
+without netem (``tests/netem_vm.py``).
 
 Tests marked ``fidelity`` assert a timing or throughput tolerance on a machine that is shared
 and noisy (CI's measured 0.75-0.88 of a link's rate in single tests that pass here at 0.95):
@@ -26,36 +30,34 @@ import pytest
 
 import netem_vm
 from netem_vm import (  # noqa: F401  (hooks: the netem variants run in the netem VM on a kernel without netem)
-    pytest_configure, pytest_pyfunc_call, pytest_runtest_logreport, runs_in_vm)
-from testbed.net.kernel import BackendUnavailable, Capabilities, choose_backends, probe
+    pytest_pyfunc_call, pytest_runtest_logreport, runs_in_vm)
+from testbed.net.kernel import Capabilities
 from testbed.spec.topology import Topology, parse_topology
+from testbed.tools import pytest_plugin
+from testbed.tools.pytest_plugin import capabilities  # noqa: F401  (netem_vm asks it)
 
 DELAY_BACKENDS = ["tun", "netem"]
-_CAPS: Capabilities | None = None
 
 
-def capabilities() -> Capabilities:
-    global _CAPS
-    if _CAPS is None:
-        _CAPS = probe()
-    return _CAPS
+def pytest_configure(config: pytest.Config) -> None:
+    netem_vm.pytest_configure(config)
+    # The plugin comes through its entry point; in a venv installed before the entry point
+    # existed (until ``pip install -e .`` again) it is registered here ("-p no:testbed" still
+    # leaves it out).
+    pm = config.pluginmanager
+    if not pm.is_blocked("testbed") and not pm.is_registered(pytest_plugin):
+        pm.register(pytest_plugin, "testbed")
 
 
-def _skip_unless_network(delay_backend: str = "auto", loss_backend: str = "auto") -> Capabilities:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (network namespaces, tc)")
-    caps = capabilities()
-    if not caps.mininet:
-        pytest.skip("needs Mininet (apt-get install mininet)")
-    if not caps.veth:
-        pytest.skip(f"kernel cannot create veth pairs: {caps.errors.get('veth', '')}")
-    if not caps.iperf3:
+@pytest.hookimpl(optionalhook=True)  # the plugin's hook ("-p no:testbed" leaves the plugin out)
+def pytest_testbed_machine(item, delay_backend: str, loss_backend: str) -> Capabilities | None:
+    """This project's network tests: a netem variant that runs in the netem VM is checked
+    there; every other needs iperf3 as well as what the plugin checks."""
+    if runs_in_vm(item):
+        return capabilities()  # the guest checks its own (tests/netem_vm.py)
+    if os.geteuid() == 0 and not capabilities().iperf3:
         pytest.skip("needs iperf3")
-    try:
-        choose_backends(caps, delay_backend, loss_backend)
-    except BackendUnavailable as exc:
-        pytest.skip(str(exc))
-    return caps
+    return None  # the plugin's checks
 
 
 # Inside the netem VM under TCG (software emulation), measured on this 2-core host while other
@@ -109,37 +111,10 @@ def loss_backend() -> str:
     return "auto"
 
 
-@pytest.fixture(autouse=True)
-def _network_requirements(request):
-    """Skip network tests that cannot run here; check that nothing was left behind after."""
-    marker = request.node.get_closest_marker("network")
-    if marker is None:
-        yield
-        return
-    delay = marker.kwargs.get("delay", "auto")
-    loss = marker.kwargs.get("loss", "auto")
-    if "delay_backend" in request.fixturenames:
-        delay = request.getfixturevalue("delay_backend")
-    if "loss_backend" in request.fixturenames:
-        loss = request.getfixturevalue("loss_backend")
-    if runs_in_vm(request.node):
-        request.node.stash[_CAPS_KEY] = capabilities()  # the guest checks its own (tests/netem_vm.py)
-    else:
-        request.node.stash[_CAPS_KEY] = _skip_unless_network(delay, loss)
-    yield
-    from testbed.registry import NOTHING_LEFT, leftovers
-
-    left = leftovers()
-    assert left == NOTHING_LEFT, f"left behind: {left}"
-
-
-_CAPS_KEY = pytest.StashKey[Capabilities]()
-
-
 @pytest.fixture
-def caps(request) -> Capabilities:
+def caps(testbed_caps) -> Capabilities:
     """What this machine offers (a network test has already been skipped where it cannot run)."""
-    return request.node.stash.get(_CAPS_KEY, None) or capabilities()
+    return testbed_caps
 
 
 def pytest_collection_modifyitems(config, items):

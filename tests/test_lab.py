@@ -6,7 +6,8 @@ trips), ``link`` changes the link in place and the next ping reads the new round
 ``down`` leaves nothing.  ``torchrun`` runs tests/data/lab_job.py across the three DCs; the
 bytes each WAN direction carried (metrics.json, from the link counters) must hold what the job
 sent point to point and no more than its headers add.  The bad inputs of issue 26 each give
-one line (or the job's own exit code) and leave nothing behind.
+one line (or the job's own exit code) and leave nothing behind.  The Python API goes through
+the ``lab`` fixture of the pytest plugin (``testbed/tools/pytest_plugin.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 
 from testbed.net.fidelity import rtt_tolerance_ms
 from testbed.registry import NOTHING_LEFT, leftovers
-from testbed.run.lab import Lab, LabError
+from testbed.run.lab import LabError
 from testbed.run.torchrun import nccl_sockets, parse_ranks, place_ranks, timeline
 from testbed.sim.build import PAYLOAD_FRACTION
 
@@ -249,18 +250,21 @@ def test_clean_after_sigkill_of_torchrun(tmp_path):
     assert leftovers() == NOTHING_LEFT
 
 
-# -- the Python API (README's example) -------------------------------------------------------
-@pytest.mark.network
-def test_lab_python_api():
-    with Lab("aws-us3") as lab:
-        oregon = lab.host("oregon").ip
-        before = lab.counters()[("virginia", "oregon")].tx_bytes
-        first = lab.exec("virginia", 0, ["ping", "-n", "-c", "5", "-i", "0.2", oregon])
-        lab.link("virginia", "oregon").set(delay_ms=10)
-        second = lab.exec("virginia", 0, f"ping -n -c 5 -i 0.2 {oregon}")
-        sent = lab.counters()[("virginia", "oregon")].tx_bytes - before
-        with pytest.raises(LabError, match="no DC 'mars'"):
-            lab.host("mars")
+# -- the Python API (README's example), through the pytest plugin's lab fixture -----------------
+@pytest.mark.lab("aws-us3")
+def test_lab_python_api(lab):
+    assert [h.name for h in lab.hosts("oregon")] == ["gtb3h1", "gtb3h2", "gtb3h3"]
+    assert len(lab.wan_check) == 6 and all(c["ok"] for c in lab.wan_check), lab.wan_check
+    oregon = lab.host("oregon").ip
+    before = lab.counters()[("virginia", "oregon")].tx_bytes
+    first = lab.exec("virginia", 0, ["ping", "-n", "-c", "5", "-i", "0.2", oregon])
+    lab.link("virginia", "oregon").set(delay_ms=10)
+    second = lab.exec("virginia", 0, f"ping -n -c 5 -i 0.2 {oregon}")
+    sent = lab.counters()[("virginia", "oregon")].tx_bytes - before
+    with pytest.raises(LabError, match="no DC 'mars'"):
+        lab.host("mars")
+    sleeper = lab.popen("ohio", 1, ["sleep", "600"])  # still running at the end: down() ends it
+    assert sleeper.poll() is None
     assert abs(_min_rtt(first) - 67.0) <= rtt_tolerance_ms(67.0)
     assert abs(_min_rtt(second) - 43.5) <= rtt_tolerance_ms(43.5)  # 10 there, 33.5 back
     assert 10 * 98 <= sent < 10 * 98 + 2000, sent  # ten echo requests of 84 bytes + Ethernet; little else

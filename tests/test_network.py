@@ -17,7 +17,6 @@ from conftest import two_dcs
 from testbed.net.fidelity import iperf3, ping
 from testbed.net.network import Network
 from testbed.registry import NOTHING_LEFT, PREFIX, leftovers
-from testbed.spec.topology import load_topology
 
 pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent
@@ -25,22 +24,21 @@ TESTBED = [sys.executable, "-m", "testbed.cli"]
 
 
 @pytest.mark.fidelity
-def test_each_pair_of_the_3dc_mesh_crosses_its_own_link(caps):
-    topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
-    with Network(topo, caps=caps) as net:
-        for link in topo.wan:
-            rtts = ping(net.host(link.a), net.host(link.b).ip, count=10, interval_s=0.05)
-            want = 2 * link.delay_ms
-            assert rtts and abs(min(rtts) - want) <= max(0.5, 0.03 * want), (link.a, link.b, rtts)
-        # the detour virginia -> ohio -> oregon is faster (60 ms) than the direct link (67 ms):
-        # routing must still use the direct link
-        assert net.topo.path("virginia", "oregon") == ["virginia", "oregon"]
+@pytest.mark.lab("aws-us3", check=False)  # the test is the check
+def test_each_pair_of_the_3dc_mesh_crosses_its_own_link(lab):
+    for link in lab.topo.wan:
+        rtts = ping(lab.host(link.a), lab.host(link.b).ip, count=10, interval_s=0.05)
+        want = 2 * link.delay_ms
+        assert rtts and abs(min(rtts) - want) <= max(0.5, 0.03 * want), (link.a, link.b, rtts)
+    # the detour virginia -> ohio -> oregon is faster (60 ms) than the direct link (67 ms):
+    # routing must still use the direct link
+    assert lab.topo.path("virginia", "oregon") == ["virginia", "oregon"]
 
 
-def test_hosts_inside_a_dc_reach_each_other_without_the_wan(caps):
-    with Network(two_dcs(delay_ms=20, hosts=2), caps=caps) as net:
-        a, b = net.hosts("east")
-        rtts = ping(a, b.ip, count=5, interval_s=0.05)
+@pytest.mark.lab(two_dcs(delay_ms=20, hosts=2), check=False)
+def test_hosts_inside_a_dc_reach_each_other_without_the_wan(lab):
+    a, b = lab.hosts("east")
+    rtts = ping(a, b.ip, count=5, interval_s=0.05)
     assert rtts and max(rtts) < 5.0
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import _skip_unless_network
+from testbed.tools.pytest_plugin import require_network
 
 pytestmark = pytest.mark.network
 
@@ -25,7 +25,7 @@ BASELINES = ("nearest-wan", "wan-lp", "titan", "greedy-internet")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     # module scope: set up before the autouse per-test check, so it skips by itself
-    caps = _skip_unless_network()
+    caps = require_network()
     from agents.titan import emulate
     from agents.titan.spec import EmulationSpec, load_spec
 

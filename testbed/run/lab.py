@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from testbed.net.kernel import Capabilities
 from testbed.net.network import HostInfo, Network, NetworkError, WanDirection
 from testbed.net.shaping import Counters
 from testbed.registry import Registry
@@ -99,10 +100,12 @@ class LabHandle(Protocol):
 
 class Lab:
     """One topology built, checked, driven and removed.  ``topology``: a ``Topology``, a file
-    or a shipped topology's name.  ``check``: run the WAN self-check in ``up()``."""
+    or a shipped topology's name.  ``check``: run the WAN self-check in ``up()``.  ``caps``:
+    what ``net.kernel.probe`` found, where the caller has it (else ``up()`` probes)."""
 
     def __init__(self, topology: Topology | str | Path, name: str | None = None, delay_backend: str = "auto",
-                 loss_backend: str = "auto", check: bool = True, progress: Callable[[str], None] | None = None):
+                 loss_backend: str = "auto", check: bool = True, progress: Callable[[str], None] | None = None,
+                 caps: Capabilities | None = None):
         if isinstance(topology, Topology):
             self.topo, self.topology_file = topology, None
         else:
@@ -111,6 +114,7 @@ class Lab:
         self.name = check_lab_name(name or self.topo.name)
         self.delay_backend, self.loss_backend = delay_backend, loss_backend
         self.check = check
+        self._caps = caps  # what this machine offers, when already probed
         self._progress = progress or (lambda msg: None)
         self.net: Network | None = None
         self.wan_check: list[dict] = []
@@ -123,7 +127,7 @@ class Lab:
         if self.net is not None:
             return self
         self.net = Network(self.topo, delay_backend=self.delay_backend, loss_backend=self.loss_backend,
-                           progress=self._progress)
+                           caps=self._caps, progress=self._progress)
         try:
             self.net.start()
         except BaseException:
