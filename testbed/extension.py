@@ -25,7 +25,10 @@ registry, and each extension owns everything of its own:
   SIGKILL one of its processes; the run must end as documented);
 * ``predict``: ``"module:func"``, ``func(exp, run_dir) -> dict`` of keyword arguments for
   the simulator (a sharing policy, start offsets) when ``compare:`` predicts a variant run
-  with it.
+  with it;
+* ``lab``: ``"module:Class"`` of its ``testbed.run.hooks.JobExtension``: what a ``testbed
+  torchrun`` job makes when the user passes ``--with NAME=VALUE`` (a user's own job on a lab,
+  not the project's trainer; ``job_extension(NAME)`` finds it).
 
 Device kinds (cpu, cuda, emulated) are not extensions yet: they are the run's own
 (``testbed.run.runner``, ``testbed.sim.device``).
@@ -88,6 +91,7 @@ class Extension:
     commands: dict[str, str] = field(default_factory=dict)
     faults: dict[str, ProcessFault] = field(default_factory=dict)
     predict: str | None = None
+    lab: str | None = None
 
     def load(self, target: str) -> Any:
         """The object behind one of this extension's ``"module:attr"`` targets."""
@@ -131,6 +135,17 @@ def commands() -> dict[str, Callable[[], Any]]:
 def faults() -> dict[str, tuple[Extension, ProcessFault]]:
     """Chaos faults extensions add: fault name -> (its extension, the fault)."""
     return {name: (ext, f) for ext in extensions().values() for name, f in ext.faults.items()}
+
+
+def job_extension(name: str) -> Extension:
+    """The extension ``name`` that acts on a ``testbed torchrun`` job (``lab``); a one-line
+    ExtensionError naming the ones that do otherwise."""
+    found = extensions()
+    if name in found and found[name].lab is not None:
+        return found[name]
+    offered = ", ".join(n for n, e in found.items() if e.lab is not None) or "none"
+    why = "has no torchrun hook" if name in found else "is not installed"
+    raise ExtensionError(f"--with {name}: extension {name!r} {why} (for torchrun jobs: {offered})")
 
 
 def in_use(exp: "Experiment") -> list[Extension]:

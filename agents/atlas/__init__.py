@@ -8,6 +8,8 @@ and publishes that plan; one ``agent`` per WAN gateway (a process) enforces it o
 gateway's egress through the delay line's strict-priority scheduler, under a lease so a
 dead agent or controller leaves plain fair sharing behind; ``precision`` measures how
 exactly a link follows a plan.  ``extension`` plugs the controller and agents into a
-training run; ``config`` holds what each process is started with; ``messages`` what the
-processes say to each other; ``plugin`` declares all of it to the testbed (its experiment section, run, ``testbed plan`` from ``cli``, chaos faults).
+training run; ``lab`` does temporal sharing for a user's own ``testbed torchrun`` job
+(pipelines and their order given by the user, no controller); ``config`` holds what each
+process is started with; ``messages`` what the processes say to each other; ``plugin`` declares all of it to the testbed (its experiment
+section, run, ``testbed plan`` from ``cli``, chaos faults, the torchrun hook).
 """

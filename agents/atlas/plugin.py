@@ -7,8 +7,9 @@ temporal``).  A run that shares the WAN other than fairly starts ``extension.Atl
 (the controller and the gateway agents); ``testbed plan`` is the planner's command
 (``cli.plan``); ``testbed chaos`` may kill an agent or the controller, after which training
 must go on under fair sharing; ``compare:`` predicts an Atlas variant with the plan its
-controller published (``extension.predict_options``).  Light imports only: this module is
-read whenever an experiment is.
+controller published (``extension.predict_options``); ``testbed torchrun --with atlas=FILE``
+shares a user's own job's WAN links among its pipelines (``lab.AtlasJob``).  Light imports
+only: this module is read whenever an experiment is.
 """
 
 from __future__ import annotations
@@ -59,4 +60,5 @@ EXTENSION = Extension(
         "kill-atlas-controller": ProcessFault(_CONTINUES, lambda exp: ["controller"]),
     },
     predict="agents.atlas.extension:predict_options",
+    lab="agents.atlas.lab:AtlasJob",
 )

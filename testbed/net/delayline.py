@@ -262,7 +262,8 @@ class _Scheduler:
         """Counters; with ``turns_since``, up to 200 completed turns after that index:
         ``[index, owner, start, {class: wire bytes}, backlogged s, end]``."""
         out = {"bytes_out": dict(self.bytes_out), "drops": dict(self.drops), "backlog": dict(self.backlog),
-               "order": list(self.order), "rate_bytes_s": self.rate, "turns_on": bool(self.turns)}
+               "order": list(self.order), "rate_bytes_s": self.rate, "turns_on": bool(self.turns),
+               "queue_bytes": self.queue_bytes}
         if turns_since is not None:
             out["turns"] = [t for t in self.turn_log if t[0] > turns_since][:200]
         return out

@@ -17,6 +17,11 @@ so) and names each one's ``RunExtension`` class; ``extensions_for(exp)`` makes t
 4. after training: ``stop(out_dir)`` (end its processes, keep their logs and files),
    ``steady_state_from()`` (the first iteration the summary may count), ``summarise``
    (figures merged into metrics.json's summary) and ``write_outputs`` (its own plots).
+
+A ``testbed torchrun`` job (a user's own script on a lab) drives a ``JobExtension`` instead,
+made from ``--with NAME=VALUE`` by ``job_extensions``: ``apply(lab, ranks)`` before the
+ranks start, ``remove()`` after they have ended (whatever the outcome), its figures going
+into the job's metrics.json under the extension's name.
 """
 
 from __future__ import annotations
@@ -25,16 +30,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from testbed import messages as m
-from testbed.extension import ExtensionError, in_use
+from testbed.extension import ExtensionError, in_use, job_extension
 
 if TYPE_CHECKING:
     from testbed.net.network import HostInfo, Network
     from testbed.run.procs import CpuContainers, Launcher
     from testbed.results.metrics import RunSummary
     from testbed.results.records import RunRecord, WorkerRecord
+    from testbed.run.lab import LabHandle
     from testbed.spec.experiment import Experiment, WorkerSlot
 
-__all__ = ["ExtensionError", "RunContext", "RunExtension", "WorkerView", "extensions_for"]
+__all__ = ["ExtensionError", "JobExtension", "RunContext", "RunExtension", "WorkerView", "extensions_for",
+           "job_extensions"]
 
 
 class WorkerView(Protocol):
@@ -131,4 +138,49 @@ def extensions_for(exp: "Experiment") -> list[RunExtension]:
             if not (isinstance(cls, type) and issubclass(cls, RunExtension)):
                 raise ExtensionError(f"extension {ext.name}: {ext.run} is not a RunExtension")
             out.append(cls(exp))
+    return out
+
+
+class JobExtension:
+    """Base class of an extension acting on a ``testbed torchrun`` job's network.
+
+    ``value`` is what the user passed (``--with NAME=VALUE``: a file of options, say); a bad
+    one raises ``ExtensionError`` with one line, before anything is built.  ``apply`` gets the
+    lab (``testbed.run.lab.LabHandle``: its hosts, and its links with each one's delay-line
+    control socket) and the ranks' placement (one dict per rank: ``rank``, ``dc``, ``index``,
+    ``name``, ``ip``, ``ifname``), and must leave the lab as it found it if it fails; ``remove``
+    undoes it (called once, after the ranks have ended, also after a failed job) and returns
+    its figures."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def apply(self, lab: "LabHandle", ranks: list[dict]) -> None:
+        pass
+
+    def remove(self) -> dict:
+        return {}
+
+
+def job_extensions(specs: list[str]) -> list[JobExtension]:
+    """``["NAME=VALUE", ...]`` (torchrun's ``--with``) -> the extensions made from them, in
+    the order given; a one-line ExtensionError for a malformed or unknown one."""
+    out: list[JobExtension] = []
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep or not name.strip():
+            raise ExtensionError(f"--with {spec!r}: NAME=VALUE, NAME an installed extension "
+                                 "(e.g. --with NAME=options.yaml)")
+        name = name.strip()
+        if any(e.name == name for e in out):
+            raise ExtensionError(f"--with {name}: given twice")
+        ext = job_extension(name)
+        cls = ext.load(ext.lab)
+        if not (isinstance(cls, type) and issubclass(cls, JobExtension)):
+            raise ExtensionError(f"extension {name}: {ext.lab} is not a JobExtension")
+        obj = cls(value)
+        obj.name = name
+        out.append(obj)
     return out

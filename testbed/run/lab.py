@@ -225,8 +225,11 @@ class Lab:
             raise
 
     def link_table(self) -> list[dict]:
-        """Every WAN direction with its settings now (``queue_bytes``: the queue in force)."""
-        return [{"src": wd.src, "dst": wd.dst, **wd.params.model_dump(), "queue_bytes": wd.shaper.queue_bytes}
+        """Every WAN direction with its settings now (``queue_bytes``: the queue in force) and
+        ``delay_line``: its delay line's control socket and lane (``{"control", "lane"}``, None
+        where netem delays it), through which extensions schedule its traffic."""
+        return [{"src": wd.src, "dst": wd.dst, **wd.params.model_dump(), "queue_bytes": wd.shaper.queue_bytes,
+                 "delay_line": {"control": wd.control_path, "lane": wd.lane} if wd.control_path else None}
                 for wd in self._net().links()]
 
     def counters(self) -> dict[tuple[str, str], Counters]:

@@ -31,13 +31,14 @@ out = Console()
 
 
 def _errors():
+    from testbed.extension import ExtensionError
     from testbed.net.kernel import BackendUnavailable
     from testbed.net.network import NetworkError
     from testbed.registry import Busy, CleanError
     from testbed.run.lab import LabError
     from testbed.spec.topology import SpecError
 
-    return (LabError, SpecError, BackendUnavailable, NetworkError, Busy, CleanError)
+    return (LabError, SpecError, BackendUnavailable, NetworkError, Busy, CleanError, ExtensionError)
 
 
 def _need_root(what: str) -> None:
@@ -240,9 +241,13 @@ def register(app: typer.Typer) -> None:
         timeout: Optional[float] = typer.Option(None, help="stop the job after this many seconds (exit 124)"),
         sample_ms: float = typer.Option(50.0, help="sample the WAN counters every this many ms (timeline.json)"),
         delay_backend: str = typer.Option("auto", help="auto, netem or tun (building TOPOLOGY)"),
+        with_: List[str] = typer.Option([], "--with", metavar="NAME=VALUE",
+                                        help="apply extension NAME to the job's network, VALUE its options "
+                                             "(e.g. a file); repeatable"),
     ) -> None:
         """Run SCRIPT as a torch.distributed job, one rank per host of the DCs in --ranks, across the
         emulated WAN (torchrun's environment; gloo and NCCL on the hosts' emulated interfaces)."""
+        from testbed.run.hooks import job_extensions
         from testbed.run.lab import Lab, LabError
         from testbed.run.torchrun import nccl_sockets, parse_ranks, provenance, run_job
         from testbed.spec.topology import load_topology, resolve_topology
@@ -262,12 +267,13 @@ def register(app: typer.Typer) -> None:
                 script, args = Path(items[0]), items[1:]
             if not script.is_file():
                 raise LabError(f"script {script}: no such file")
+            exts = job_extensions(with_)
             if lab is not None:
                 client = _client(lab)
                 prov = provenance(command, Path(client.info["topology_file"]) if client.info.get("topology_file")
                                   else None, client.info["topology"], client.name)
                 result = run_job(client, want, script, args, out_dir, connections, master_port, nproc_threads, timeout,
-                                 sample_ms, client.info.get("wan_check"), prov)
+                                 sample_ms, client.info.get("wan_check"), prov, extensions=exts)
             else:
                 from testbed.run.labserver import read_labs
                 from testbed.run.torchrun import check_ranks
@@ -286,7 +292,7 @@ def register(app: typer.Typer) -> None:
                         console.print(f"[bold yellow]warning:[/] {w}", highlight=False)
                     prov = provenance(command, topo_path, topo.name, job_lab.name)
                     result = run_job(job_lab, want, script, args, out_dir, connections, master_port, nproc_threads,
-                                     timeout, sample_ms, job_lab.wan_check, prov)
+                                     timeout, sample_ms, job_lab.wan_check, prov, extensions=exts)
                 finally:
                     job_lab.down()
         except _errors() as exc:

@@ -16,6 +16,9 @@ job at the first rank that fails (the others are ended: the job's exit code is t
 128 + N for a signal N).  It writes ``OUT/metrics.json`` (the job, each rank's exit, bytes
 per WAN direction from the counters before and after, the WAN self-check, provenance) and
 ``OUT/timeline.json`` (each direction's throughput and queue as Perfetto counter tracks).
+Extensions the user asked for (``--with NAME=VALUE``: ``hooks.JobExtension``) are applied to
+the lab after the ranks are placed and before they start, and removed after they end; what
+each returns goes into metrics.json under ``extensions``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from testbed.run.hooks import JobExtension
 from testbed.run.lab import LabError, LabHandle
 from testbed.run.procs import python_env
 
@@ -202,10 +206,24 @@ def provenance(command: list[str], topology_file: Path | None, topology_name: st
             "machine": platform.node()}
 
 
+def _remove(applied: list[JobExtension]) -> dict[str, dict]:
+    """Remove the extensions applied, last first; one that fails is named, the others still go."""
+    out: dict[str, dict] = {}
+    for ext in reversed(applied):
+        try:
+            out[ext.name] = ext.remove()
+        except Exception as exc:
+            why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            out[ext.name] = {"error": f"removing it failed: {why}"}
+            print(f"warning: {ext.name}: {out[ext.name]['error']}", file=sys.stderr, flush=True)
+    return out
+
+
 def run_job(lab: LabHandle, ranks: list[tuple[str, int]], script: Path, args: list[str], out: Path,
             connections: int = 1, master_port: int = 29500, threads: int = 1, timeout_s: float | None = None,
             sample_ms: float = 50.0, wan_check: list[dict] | None = None, prov: dict | None = None,
-            echo: bool = True, log: Callable[[str], None] = lambda m: None) -> JobResult:
+            echo: bool = True, log: Callable[[str], None] = lambda m: None,
+            extensions: list[JobExtension] = ()) -> JobResult:
     """Run ``script`` on ``lab`` as a torchrun job; write OUT/metrics.json and OUT/timeline.json."""
     placed = place_ranks(ranks, lab.host_table(), lab.name)
     nccl_sockets(connections)
@@ -214,6 +232,15 @@ def run_job(lab: LabHandle, ranks: list[tuple[str, int]], script: Path, args: li
     (out / "logs").mkdir(parents=True, exist_ok=True)
     master = placed[0]
     argv = [sys.executable, str(script.resolve()), *args]
+    applied: list[JobExtension] = []
+    try:
+        for ext in extensions:
+            ext.apply(lab, [dict(p) for p in placed])
+            applied.append(ext)
+            log(f"{ext.name} applied")
+    except BaseException:
+        _remove(applied)
+        raise
     links_before = lab.link_table()
     sampler = _Sampler(lab, sample_ms / 1000)
     before = lab.counter_table()
@@ -257,6 +284,7 @@ def run_job(lab: LabHandle, ranks: list[tuple[str, int]], script: Path, args: li
         for pump in pumps:
             pump.join(5)
         sampler.stop()
+        ext_out = _remove(applied)
     wall = time.monotonic() - t0
     after = lab.counter_table()
     samples = [before, *sampler.samples, after]
@@ -269,7 +297,8 @@ def run_job(lab: LabHandle, ranks: list[tuple[str, int]], script: Path, args: li
         links[key] = {"bytes": nbytes, "packets": c["tx_packets"] - b["tx_packets"], "drops": c["drops"] - b["drops"],
                       "mean_mbps": round(nbytes * 8 / wall / 1e6, 3) if wall > 0 else None,
                       "max_queue_bytes": max(series, default=0),
-                      "settings": {k: v for k, v in settings.get(key, {}).items() if k not in ("src", "dst")}}
+                      "settings": {k: v for k, v in settings.get(key, {}).items()
+                                   if k not in ("src", "dst", "delay_line")}}
     metrics = {
         "job": {"script": str(script), "args": list(args), "ranks": dict(ranks), "world_size": len(placed),
                 "master": f"{master['ip']}:{master_port}", "connections": connections,
@@ -281,6 +310,7 @@ def run_job(lab: LabHandle, ranks: list[tuple[str, int]], script: Path, args: li
                    "exit_code": None if procs[i].returncode is None else _code(procs[i].returncode),
                    "log": f"logs/rank{p['rank']}.log"} for i, p in enumerate(placed) if i < len(procs)],
         "links": links,
+        "extensions": ext_out,
         "wan_check": wan_check or [],
         "provenance": prov or {},
     }
