@@ -90,13 +90,16 @@ class _Line:
     def __init__(self, refuse: str, broken: bool = False):
         self.refuse, self.broken, self.lanes = refuse, broken, {}
 
-    def request(self, msg: dict) -> dict:
-        if self.broken or self.refuse in msg:
+    def request(self, msg):
+        from testbed import messages as m
+
+        given = {k: v for k, v in vars(msg).items() if v is not m.UNSET}  # a LaneSet's fields set
+        if self.broken or self.refuse in given:
             from testbed.net.network import NetworkError
 
             raise NetworkError(f"delay line: cannot set {self.refuse}")
-        self.lanes.update(msg)
-        return {}
+        self.lanes.update(given)
+        return m.Ok()
 
 
 class _Shaper:
