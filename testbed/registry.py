@@ -48,6 +48,19 @@ def _proc_start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), None when there is none: with its
+    PID, what tells a process from a later one that reuses the PID."""
+    return _proc_start_time(pid)
+
+
+def process_running(pid: int, start: int | None) -> bool:
+    """The process recorded as (``pid``, ``start``) still runs: the same start time and not a
+    zombie (an orphan killed by SIGKILL stays one until whatever adopted it reaps it, which a
+    container's init may never do)."""
+    return start is not None and _proc_start_time(pid) == start and not _is_zombie(pid)
+
+
 def netns_inode(pid: int | str) -> int | None:
     path = f"/proc/{pid}/ns/net" if isinstance(pid, int) else pid
     try:

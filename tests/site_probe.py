@@ -3,7 +3,7 @@ site's launcher as ``python -m tests.site_probe CONFIG.json`` (one machine: this
 on PYTHONPATH; the fake cluster's machines see the same checkout at the same path).
 
 ``mode: echo``: connect to the run's telemetry hub (``telemetry``: the agent puts its own
-hub's path there across machines), say hello as ``name``, send one message with this
+hub's path there across machines), say hello as ``name``, send one ``Log`` with this
 process's cgroups (``/proc/self/cgroup``), wait for the hub's answer, print it and exit
 with ``rc``.  ``mode: sleep``: print a line and sleep until ended.
 """
@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from testbed import messages as m
+
 
 def main() -> int:
     cfg = json.loads(Path(sys.argv[1]).read_text())
@@ -27,8 +29,8 @@ def main() -> int:
     sock.connect(cfg["telemetry"])
     cgroups = Path("/proc/self/cgroup").read_text()
     print(f"cgroups: {cgroups.strip()!r}", flush=True)
-    for msg in ({"type": "hello", "worker": cfg["name"]}, {"type": "probe", "cgroups": cgroups}):
-        sock.sendall((json.dumps(msg) + "\n").encode())
+    for msg in (m.Hello(worker=cfg["name"]), m.Log(msg=cgroups)):  # the core's typed kinds
+        sock.sendall(m.line(msg))
     buf = b""
     sock.settimeout(60)
     while b"\n" not in buf:
@@ -37,8 +39,8 @@ def main() -> int:
             print("the hub hung up", flush=True)
             return 1
         buf += chunk
-    reply = json.loads(buf.split(b"\n", 1)[0])
-    print(f"got {reply['n']}", flush=True)
+    reply = m.decode(buf.split(b"\n", 1)[0], expect=(m.Log,))
+    print(f"got {reply.msg}", flush=True)
     return int(cfg["rc"])
 
 

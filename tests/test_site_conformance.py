@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed import messages as m
+
 from test_cluster import _missing, _nothing_left, cluster  # noqa: F401  (cluster: the fake cluster fixture)
 from testbed.net.fidelity import check_wan
 from testbed.net.surface import HostProcess, Link, NetworkError, NetworkSurface, Node
@@ -204,10 +206,10 @@ def _processes(net, hub, path, launcher, containers, tmp_path) -> None:
     got, deadline = [], time.monotonic() + 60
     while not got and time.monotonic() < deadline:
         got = [m for n, m in hub.poll(0.2) if n == "probe" and m is not None]
-    assert got and got[0]["type"] == "probe", "no message from the probe through the hub"
+    assert got and isinstance(got[0], m.Log), "no message from the probe through the hub"
     assert hub.connected("probe")
-    assert _quota(got[0]["cgroups"], "probe") == (2500, 5000)  # 0.5 CPU of a 5 ms period, from before its start
-    assert hub.send("probe", {"type": "reply", "n": 7})
+    assert _quota(got[0].msg, "probe") == (2500, 5000)  # 0.5 CPU of a 5 ms period, from before its start
+    assert hub.send("probe", m.Log(msg="7"))
     assert proc.wait(30) == 3 and proc.returncode == 3 and proc.poll() == 3 and not proc.alive()
     assert proc.last_log_line() == "got 7"
     launcher.copy_logs(tmp_path / "logs", ["probe"], rename=lambda n: f"copied-{n}")

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.registry import Registry, STATE_DIR, _proc_start_time, clean
+from testbed.registry import STATE_DIR, Registry, clean, process_running, process_start_time
 from testbed.run.lab import Lab, LabError, pick_host, pick_link, start_in
 from testbed.run.procs import python_env
 
@@ -46,7 +46,7 @@ def labs_dir(state_dir: Path = STATE_DIR) -> Path:
 
 
 def _alive(info: dict) -> bool:
-    return info.get("start") is not None and _proc_start_time(info["pid"]) == info["start"]
+    return process_running(info["pid"], info.get("start"))
 
 
 def read_labs(state_dir: Path = STATE_DIR) -> list[dict]:
@@ -214,7 +214,7 @@ def _say(line: str) -> None:
 
 
 def _write_description(lab: Lab, path: Path, sock_path: Path) -> None:
-    info = lab.status() | {"pid": os.getpid(), "start": _proc_start_time(os.getpid()), "socket": str(sock_path),
+    info = lab.status() | {"pid": os.getpid(), "start": process_start_time(os.getpid()), "socket": str(sock_path),
                            "log": str(path.with_suffix(".log"))}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=1))
