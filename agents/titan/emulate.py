@@ -11,10 +11,10 @@ the model, so the emulator's measurements can be set beside the model's numbers.
 ``run`` then builds a testbed ``Lab`` of the world (``emunet.topology_data``) with the
 Internet paths on it (``emunet.InternetPaths``), starts every media agent and route checker
 through the lab's launcher (each waited for until it says ``ready``), and plays the day,
-compressed into ``day_seconds``, once per policy: every participant is an up stream (participant host -> media-server
-host of the call's DC) and a down stream back, at the Teams bitrate of the call's media
-times ``bitrate_scale``, ``packets_per_s`` packets a second, with the call's route in the
-packets' DSCP.  While it plays, every WAN direction's byte counter is sampled every 20 ms;
+compressed into ``day_seconds``, once per policy: every participant is an up stream
+(participant host -> media-server host of the call's DC) and a down stream back, at the
+Teams bitrate of the call's media times ``bitrate_scale``, ``packets_per_s`` packets a
+second, with the call's route in the packets' DSCP.  While it plays, every WAN direction's byte counter is sampled every 20 ms;
 afterwards the per-slot load of each WAN link (kbps, Ethernet frames as the counters count
 them) gives the measured sum of peaks, the receivers give each participant's RTT (median
 one-way delay up + down), loss and jitter, and the route checkers' per-interface counts
