@@ -268,3 +268,50 @@ def test_lab_python_api(lab):
     assert abs(_min_rtt(first) - 67.0) <= rtt_tolerance_ms(67.0)
     assert abs(_min_rtt(second) - 43.5) <= rtt_tolerance_ms(43.5)  # 10 there, 33.5 back
     assert 10 * 98 <= sent < 10 * 98 + 2000, sent  # ten echo requests of 84 bytes + Ethernet; little else
+
+
+# -- the lab's launcher: where a process runs, and its "ready" ----------------------------------
+@pytest.mark.lab("data/two-fast.yaml", check=False)
+def test_lab_starts_processes_in_a_host_a_router_and_a_namespace_and_waits_for_ready(lab):
+    from testbed.run.procs import ProcessError
+
+    module = "tests.data.ready_proc"
+
+    def netns_of(pid: int) -> int:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+    east = lab.host("east")
+    in_host = lab.start("in-host", module, {"say": ["hello", "ready"]}, host=east, ready=True)
+    in_router = lab.start("in-router", module, {"say": ["ready"]}, router="west", ready=True)
+    ns = lab.netns("gtbtestns")
+    in_ns = lab.start("in-ns", module, {"say": ["ready"]}, netns=ns, ready=True)
+    assert netns_of(in_host.pid) == netns_of(east.node.pid)
+    assert netns_of(in_router.pid) == netns_of(lab.net.router("west").pid)
+    assert netns_of(in_ns.pid) == os.stat(f"/run/netns/{ns}").st_ino != netns_of(os.getpid())
+    assert in_host.log.read_text() == "hello\nready\n" and json.loads(in_host.config.read_text())["say"][0] == "hello"
+
+    # ready-waits made together take as long as the slowest, not the sum
+    t0 = time.monotonic()
+    with lab.launcher.together():
+        for i in range(2):
+            lab.start(f"slow{i}", module, {"delay_s": 1.5, "say": ["ready"]}, host=east, ready=True)
+    assert 1.5 <= time.monotonic() - t0 < 2.6
+
+    with pytest.raises(ProcessError, match=r"^dies ended \(exit code 3\) before it was ready: cannot bind: in use$"):
+        lab.start("dies", module, {"say": ["starting", "cannot bind: in use"], "exit": 3}, router="east", ready=True)
+    with pytest.raises(ProcessError, match=r"^mute did not say ready within 1 s: waiting$"):
+        lab.start("mute", module, {"say": ["waiting"]}, netns=ns, ready=True, ready_timeout=1.0)
+    assert lab.launcher.processes["mute"].poll() is not None  # stopped, not left running
+    for where, match in (({"host": east, "router": "east"}, "one place to run it, not host and router"),
+                         ({"router": "mars"}, "no DC 'mars' with a gateway router here"),
+                         ({"netns": "gtbnosuchns"}, "no network namespace 'gtbnosuchns'")):
+        with pytest.raises(ProcessError, match=match):
+            lab.start("bad", module, {}, **where)
+        assert not (lab.launcher.dir / "bad.json").exists()  # refused before anything was written
+    with pytest.raises(LabError, match="must start with 'gtb'"):
+        lab.netns("other")
+    started = [p for p in lab.launcher.processes.values() if p.alive()]
+    assert len(started) == 5
+    lab.down()  # ends them and removes the namespace (the fixture's check: nothing left)
+    assert all(p.poll() is not None for p in started)
+    assert not os.path.exists(f"/run/netns/{ns}")

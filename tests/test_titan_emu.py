@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 import time
 
@@ -107,16 +108,21 @@ def test_scapy_sees_only_internet_marked_packets_at_the_hub(tmp_path, caps):
     """A spot check independent of the route counters: sniff the Internet hub with scapy
     while one host sends a WAN-marked and an Internet-marked stream to the same server."""
     from agents.titan.emulate import internet_model
-    from agents.titan.emunet import HUB_NS, DualPathNetwork
+    from agents.titan.emunet import HUB_NS, InternetPaths, participant_hosts, server_host, topology_data
     from agents.titan.media import INTERNET_TOS
     from agents.titan.regions import build_world
     from agents.titan.spec import EmulationSpec
+    from testbed.procutil import stop_all
+    from testbed.run.lab import Lab
+    from testbed.spec.topology import parse_topology
 
     spec = EmulationSpec(users=["uksouth", "westeurope"], dcs=["westeurope"])
     world = build_world(spec.users, spec.dcs, full_backbone=False, internet_model=internet_model(spec))
-    with DualPathNetwork(world, spec, caps=caps) as dpn:
-        src = dpn.participant_hosts("uksouth")[0]
-        dst = dpn.server_host("westeurope")
+    topo = parse_topology(topology_data(world, spec), spec.name)
+    with Lab(topo, check=False, caps=caps) as lab:
+        paths = InternetPaths(lab, world, spec).build()
+        src = participant_hosts(lab, world, spec, "uksouth")[0]
+        dst = server_host(lab, "westeurope")
         sniffer = tmp_path / "sniff.py"
         sniffer.write_text(
             "import sys\n"
@@ -132,11 +138,18 @@ def test_scapy_sees_only_internet_marked_packets_at_the_hub(tmp_path, caps):
             "    for _ in range(20):\n"
             "        s.sendto(tag + bytes(40), (sys.argv[1], 5004))\n"
             "        time.sleep(0.01)\n")
-        proc = dpn.popen_in_hub([sys.executable, str(sniffer), dpn.hub_ifname("westeurope"),
-                                 dpn.hub_ifname("uksouth")], "test:scapy")
-        time.sleep(1.5)
-        src.node.cmd(f"{sys.executable} {sender} {dst.ip} {INTERNET_TOS}")
-        out, err = proc.communicate(timeout=15)
+        # a script of the test's own, not a testbed process: started by hand in the hub, recorded
+        proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS, sys.executable, str(sniffer),
+                                 paths.hub_ifname("westeurope"), paths.hub_ifname("uksouth")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        lab.registry.process(proc.pid, "test:scapy", own_netns=False)
+        try:
+            time.sleep(1.5)
+            src.node.cmd(f"{sys.executable} {sender} {dst.ip} {INTERNET_TOS}")
+            out, err = proc.communicate(timeout=15)
+        finally:
+            stop_all([proc])
+            paths.close()
     seen = ast.literal_eval(out.strip().splitlines()[-1]) if out.strip() else []
     assert seen == [("0b", INTERNET_TOS)], (out, err)
     assert HUB_NS.startswith("gtb")

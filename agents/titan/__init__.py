@@ -18,7 +18,8 @@ the formulation is ours and stated where it is made).  How the pieces fit:
   within a bounded number of steps).
 * ``study.py`` / ``plots.py``: the offline week at scale, every baseline, JSON/CSV/plots.
 * ``emunet.py``, ``media.py``, ``routecheck.py``, ``emulate.py``: the emulated dual-path
-  network (testbed WAN + an Internet hub, DSCP marks and policy routing), real UDP calls
+  network (a testbed ``Lab`` for the WAN, with an Internet hub, DSCP marks and policy
+  routing built on it; every process started through the lab's launcher), real UDP calls
   measured at the receivers, per-link load from counters, per-stream route checks; ``messages.py``:
   what the emulation says to the agents (typed, on the testbed's base).
 * ``cli.py``: ``testbed titan study | emulate | backbone``; ``plugin.py`` declares it to the

@@ -30,11 +30,13 @@ def _user_errors() -> tuple:
     from testbed.net.kernel import BackendUnavailable
     from testbed.net.network import NetworkError
     from testbed.registry import Busy
+    from testbed.run.lab import LabError
+    from testbed.run.procs import ProcessError
     from testbed.spec.topology import SpecError
 
     from agents.titan.spec import TitanError
 
-    return (TitanError, SpecError, BackendUnavailable, NetworkError, Busy)
+    return (TitanError, SpecError, BackendUnavailable, NetworkError, Busy, LabError, ProcessError)
 
 
 def _split(text: Optional[str]) -> Optional[list[str]]:

@@ -8,11 +8,13 @@ history's forecast (Titan-Next also on the day's actual demand, as an oracle), a
 plan is realised call by call with quota counters.  It also evaluates each realisation on
 the model, so the emulator's measurements can be set beside the model's numbers.
 
-``run`` then plays the day, compressed into ``day_seconds``, once per policy on one
-``DualPathNetwork``: every participant is an up stream (participant host -> media-server
-host of the call's DC) and a down stream back, at the Teams bitrate of the call's media
-times ``bitrate_scale``, ``packets_per_s`` packets a second, with the call's route in the
-packets' DSCP.  While it plays, every WAN direction's byte counter is sampled every 20 ms;
+``run`` then builds a testbed ``Lab`` of the world (``emunet.topology_data``) with the
+Internet paths on it (``emunet.InternetPaths``), starts every media agent and route checker
+through the lab's launcher (each waited for until it says ``ready``), and plays the day,
+compressed into ``day_seconds``, once per policy: every participant is an up stream
+(participant host -> media-server host of the call's DC) and a down stream back, at the
+Teams bitrate of the call's media times ``bitrate_scale``, ``packets_per_s`` packets a
+second, with the call's route in the packets' DSCP.  While it plays, every WAN direction's byte counter is sampled every 20 ms;
 afterwards the per-slot load of each WAN link (kbps, Ethernet frames as the counters count
 them) gives the measured sum of peaks, the receivers give each participant's RTT (median
 one-way delay up + down), loss and jitter, and the route checkers' per-interface counts
@@ -32,6 +34,7 @@ injected on one Internet path part way through.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import threading
 import time
@@ -45,12 +48,14 @@ from agents.titan import lp
 from agents.titan import messages as tm
 from agents.titan import workload as wl
 from agents.titan.controller import Quality, TitanController
-from agents.titan.emunet import DualPathNetwork, wait_ready
+from agents.titan.emunet import HUB_NS, InternetPaths, participant_hosts, server_host, topology_data
 from agents.titan.media import INTERNET_TOS, PORT, ip_bytes_per_packet
 from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, Plan, Realisation, evaluate, incidence, realise,
                         realise_greedy, rule_plan)
 from agents.titan.regions import World, build_world
 from agents.titan.spec import EmulationSpec, TitanError
+from testbed.run.lab import Lab
+from testbed.spec.topology import parse_topology
 
 ETH_BYTES = 14
 _SAMPLE_S = 0.02
@@ -193,12 +198,14 @@ class PolicyRun:
 
 
 class Emulation:
-    """Agents and route checkers on a ``DualPathNetwork``; plays policies one after another."""
+    """Agents and route checkers on a ``Lab`` with ``InternetPaths``; plays policies one after
+    another."""
 
-    def __init__(self, prep: Prepared, dpn: DualPathNetwork, workdir: Path,
+    def __init__(self, prep: Prepared, lab: Lab, paths: InternetPaths, workdir: Path,
                  log: Callable[[str], None] | None = None):
         self.prep = prep
-        self.dpn = dpn
+        self.lab = lab
+        self.paths = paths
         self.workdir = workdir
         self.log = log or (lambda m: None)
         self.agents: dict[str, object] = {}  # host name -> ControlClient
@@ -207,49 +214,45 @@ class Emulation:
         self._sid = 1
         self.day_scale = prep.spec.day_seconds / wl.DAY_S
 
+    def participants(self, region: str):
+        return participant_hosts(self.lab, self.prep.world, self.prep.spec, region)
+
+    def server(self, dc: str):
+        return server_host(self.lab, dc)
+
     # -- set-up -------------------------------------------------------------------------
     def start_agents(self) -> None:
-        import sys
-
+        """A media agent in every participant and server host, a route checker in every
+        gateway router and in the hub, all through the lab's launcher, waited for together."""
         w = self.prep.world
+        lab, launcher = self.lab, self.lab.launcher
         self.workdir.mkdir(parents=True, exist_ok=True)
         hosts = []
         for r in w.backbone.nodes:
-            hosts += self.dpn.participant_hosts(r)
+            hosts += self.participants(r)
             if r in w.dcs:
-                hosts.append(self.dpn.server_host(r))
-        procs = []
-        state = self.dpn.net.registry.dir
-        for h in hosts:
-            control = state / f"gtbta-{h.name}.sock"
-            cfg = self.workdir / f"agent-{h.name}.json"
-            cfg.write_text(json.dumps({"control": str(control), "port": PORT}))
-            self.dpn.net.registry.file(control)
-            procs.append((h, control, self.dpn.popen_in_host(h, [sys.executable, "-m", "agents.titan.media", str(cfg)])))
-            self.host_ip[h.name] = h.ip
-        for r in w.backbone.nodes:
-            ifs = [ln.ifname for ln in self.dpn.net.links() if ln.src == r] + [self.dpn.router_hub_ifname(r)]
-            control = state / f"gtbtc-{r}.sock"
-            cfg = self.workdir / f"routecheck-{r}.json"
-            cfg.write_text(json.dumps({"control": str(control), "interfaces": ifs, "port": PORT}))
-            self.dpn.net.registry.file(control)
-            procs.append((r, control, self.dpn.popen_in_router(r, [sys.executable, "-m", "agents.titan.routecheck",
-                                                                   str(cfg)], f"titan:routecheck:{r}")))
-        control = state / "gtbtc-hub.sock"
-        cfg = self.workdir / "routecheck-hub.json"
-        cfg.write_text(json.dumps({"control": str(control), "interfaces": [self.dpn.hub_ifname(r) for r in
-                                                                           w.backbone.nodes], "port": PORT}))
-        self.dpn.net.registry.file(control)
-        procs.append(("hub", control, self.dpn.popen_in_hub([sys.executable, "-m", "agents.titan.routecheck",
-                                                             str(cfg)], "titan:routecheck:hub")))
-        for who, control, proc in procs:
-            name = who.name if hasattr(who, "name") else who
-            wait_ready(proc, f"titan agent {name}")
-            client = self.dpn.control_client(control, name)
-            if hasattr(who, "name"):
-                self.agents[name] = client
-            else:
-                self.sniffers[name] = client
+                hosts.append(self.server(r))
+        controls = []
+        with launcher.together():
+            for h in hosts:
+                control = launcher.file(f"gtbta-{h.name}.sock")
+                lab.start(f"titan-agent-{h.name}", "agents.titan.media", {"control": str(control), "port": PORT},
+                          host=h, ready=True)
+                controls.append((h.name, control, self.agents))
+                self.host_ip[h.name] = h.ip
+            for r in w.backbone.nodes:
+                ifs = [ln.ifname for ln in lab.net.links() if ln.src == r] + [self.paths.router_hub_ifname(r)]
+                control = launcher.file(f"gtbtc-{r}.sock")
+                lab.start(f"titan-routecheck-{r}", "agents.titan.routecheck",
+                          {"control": str(control), "interfaces": ifs, "port": PORT}, router=r, ready=True)
+                controls.append((r, control, self.sniffers))
+            control = launcher.file("gtbtc-hub.sock")
+            lab.start("titan-routecheck-hub", "agents.titan.routecheck",
+                      {"control": str(control), "interfaces": [self.paths.hub_ifname(r) for r in w.backbone.nodes],
+                       "port": PORT}, netns=HUB_NS, ready=True)
+            controls.append(("hub", control, self.sniffers))
+        for name, control, table in controls:
+            table[name] = self.paths.control_client(control, name)
 
     # -- streams ------------------------------------------------------------------------
     def _streams(self, policy: str, t0: float) -> list[Stream]:
@@ -262,14 +265,14 @@ class Emulation:
         out: list[Stream] = []
         for i in range(len(calls)):
             d = int(real.dc[i])
-            server = self.dpn.server_host(w.dcs[d])
+            server = self.server(w.dcs[d])
             start = t0 + calls.start_s[i] * self.day_scale
             end = start + calls.duration_s[i] * self.day_scale
             if end - start < 2.0 / pps:
                 end = start + 2.0 / pps
             for e in range(calls.ptr[i], calls.ptr[i + 1]):
                 u = int(calls.region[e])
-                hosts = self.dpn.participant_hosts(w.users[u])
+                hosts = self.participants(w.users[u])
                 for _ in range(int(calls.count[e])):
                     n = rr.get(w.users[u], 0)
                     rr[w.users[u]] = n + 1
@@ -301,7 +304,7 @@ class Emulation:
         t0 = time.monotonic() + _LEAD_S
         streams = self._streams(policy, t0)
         self._send_streams(streams)
-        links = self.dpn.net.links()
+        links = self.lab.net.links()
         samples: list[tuple[float, list[int]]] = []
         stop = threading.Event()
 
@@ -313,7 +316,7 @@ class Emulation:
         th = threading.Thread(target=sample, daemon=True)
         th.start()
         end = t0 + spec.day_seconds
-        max_owd = max([ln.delay_ms for ln in self.dpn.lanes.values()] + [ln.params.delay_ms * 4 for ln in links])
+        max_owd = max([ln.delay_ms for ln in self.paths.lanes.values()] + [ln.params.delay_ms * 4 for ln in links])
         time.sleep(max(0.0, end - time.monotonic()) + max_owd / 1000.0 + 0.3)
         stop.set()
         th.join()
@@ -356,9 +359,9 @@ class Emulation:
         if src == dst:
             return []
         if s.route == INTERNET:
-            return [self.dpn.router_hub_ifname(src), self.dpn.hub_ifname(dst)]
+            return [self.paths.router_hub_ifname(src), self.paths.hub_ifname(dst)]
         path = w.backbone.path(src, dst)
-        return [self.dpn.net.link(a, b).ifname for a, b in zip(path, path[1:])]
+        return [self.lab.net.link(a, b).ifname for a, b in zip(path, path[1:])]
 
     def _judge(self, policy, streams, rx, sent, seen, load, links) -> PolicyRun:
         prep = self.prep
@@ -452,8 +455,8 @@ class Emulation:
         stream_dir: dict[int, bool] = {}
         probes = []
         for (u, d) in paths:
-            host = self.dpn.participant_hosts(u)[0]
-            server = self.dpn.server_host(d)
+            host = self.participants(u)[0]
+            server = self.server(d)
             for up in (True, False):
                 sid = self._sid
                 self._sid += 1
@@ -497,10 +500,10 @@ class Emulation:
                 start = max(t0 + calls.start_s[ci] * scale, time.monotonic() + 0.02)
                 stop_t = start + max(calls.duration_s[ci] * scale, 2.0 / pps)
                 streams = []
-                server = self.dpn.server_host(w.dcs[d])
+                server = self.server(w.dcs[d])
                 for e in range(calls.ptr[ci], calls.ptr[ci + 1]):
                     u = int(calls.region[e])
-                    host = self.dpn.participant_hosts(w.users[u])[0]
+                    host = self.participants(w.users[u])[0]
                     for _ in range(int(calls.count[e])):
                         streams.append(Stream(self._sid, ci, u, True, host.name, server.ip, float(prep.ip_up[ci]),
                                               route, d, start, stop_t))
@@ -513,8 +516,8 @@ class Emulation:
                         self._sid += 2
                 self._send_streams(streams)
             if fault_at is not None and not fault_done and now >= fault_at:
-                lane = self.dpn.lanes[(fault.user, fault.dc)]
-                self.dpn.set_internet(fault.user, fault.dc, loss=fault.loss,
+                lane = self.paths.lanes[(fault.user, fault.dc)]
+                self.paths.set_internet(fault.user, fault.dc, loss=fault.loss,
                                       delay_ms=lane.delay_ms + fault.extra_delay_ms)
                 fault_done = True
                 self.log(f"fault injected on {fault.user}<->{fault.dc}: loss {fault.loss}")
@@ -534,8 +537,8 @@ class Emulation:
             time.sleep(0.005)
         time.sleep(0.5)
         if fault_done:  # leave the path as it was
-            lane = self.dpn.lanes[(fault.user, fault.dc)]
-            self.dpn.set_internet(fault.user, fault.dc, loss=prep.spec.internet_loss,
+            lane = self.paths.lanes[(fault.user, fault.dc)]
+            self.paths.set_internet(fault.user, fault.dc, loss=prep.spec.internet_loss,
                                   delay_ms=lane.delay_ms - fault.extra_delay_ms)
         return {"timeline": timeline, "fault_at_s": (fault_at - t0) if fault_at else None,
                 "fault_path": f"{fault.user}->{fault.dc}" if fault else None,
@@ -584,8 +587,11 @@ def run(spec: EmulationSpec, out: Path | None = None, caps=None,
         f"{prep.world.n_links // 2} backbone links")
     workdir = (out or Path("results") / spec.name) / "emu"
     result: dict = {"spec": json.loads(spec.model_dump_json()), "policies": {}}
-    with DualPathNetwork(prep.world, spec, caps=caps, progress=log) as dpn:
-        emu = Emulation(prep, dpn, workdir, log)
+    topo = parse_topology(topology_data(prep.world, spec), spec.name)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", spec.name)[:32].lstrip("_.-") or "titan"
+    with Lab(topo, name=name, check=False, caps=caps, progress=log) as lab:
+        paths = InternetPaths(lab, prep.world, spec, progress=log).build()
+        emu = Emulation(prep, lab, paths, workdir, log)
         try:
             emu.start_agents()
             for policy in spec.policies:
@@ -599,6 +605,8 @@ def run(spec: EmulationSpec, out: Path | None = None, caps=None,
                                                           spec.fault)
         finally:
             emu.close()
+            paths.close()
+            lab.launcher.copy_logs(workdir / "logs", list(lab.launcher.processes))
     result["world"] = {"users": prep.world.users, "dcs": prep.world.dcs,
                        "links": [prep.world.link_name(i) for i in range(prep.world.n_links)]}
     return result

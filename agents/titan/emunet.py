@@ -1,21 +1,24 @@
 """The dual-path network: Azure regions as testbed DCs on a WAN backbone, plus Internet paths.
 
-How it fits: the WAN half is the testbed's own ``Network`` (``testbed/net/network.py``): every
-region of a ``World`` (user regions and media-server DCs) is a testbed DC with participant
-hosts and, where it hosts a DC, one media-server host behind its gateway router; the
-backbone's edges are WAN links with half the edge's P95 RTT as one-way delay each way, a
-shaped rate, and counters (``WanDirection.counters``) that give each WAN link's load.  The
-testbed routes DC to DC over the direct link if there is one, else along the shortest-delay
-path: the rule ``regions.Backbone`` plans with, checked pair by pair when the network starts.
+How it fits: the WAN half is a testbed ``Lab`` (``testbed/run/lab.py``) of ``topology_data``:
+every region of a ``World`` (user regions and media-server DCs) is a testbed DC with
+participant hosts and, where it hosts a DC, one media-server host behind its gateway router
+(``participant_hosts``, ``server_host``); the backbone's edges are WAN links with half the
+edge's P95 RTT as one-way delay each way, a shaped rate, and counters
+(``WanDirection.counters``) that give each WAN link's load.  The testbed routes DC to DC over
+the direct link if there is one, else along the shortest-delay path: the rule
+``regions.Backbone`` plans with, checked pair by pair before the Internet half is built.
 
-The Internet half is built here, inside the same registry (so ``testbed clean`` removes it):
+The Internet half is ``InternetPaths``, built on that lab's network and registry (so the
+lab's ``down()`` and ``testbed clean`` remove it); it owns no network and no process:
 
-* a hub namespace ``gtbti`` ("the Internet"), joined to every gateway router by a veth pair
-  (``gtbti<i>`` on the hub, ``gtbtr<i>`` on router i, 10.254.i.0/30);
-* a TUN delay line (``testbed.net.delayline``) in the hub with one lane per ordered (region,
-  region) pair that has an Internet path: the pair's modelled one-way Internet delay,
-  jitter and loss (``regions.AzureWan.internet_rtt``; the spec's overrides); policy routing
-  in the hub sends packets from subnet a to subnet b through lane (a, b);
+* a hub namespace ``gtbti`` ("the Internet", ``Lab.netns``), joined to every gateway router
+  by a veth pair (``gtbti<i>`` on the hub, ``gtbtr<i>`` on router i, 10.254.i.0/30);
+* a TUN delay line (``testbed.net.delayline``, started in the hub through the lab's
+  launcher) with one lane per ordered (region, region) pair that has an Internet path: the
+  pair's modelled one-way Internet delay, jitter and loss (``regions.AzureWan.internet_rtt``;
+  the spec's overrides); policy routing in the hub sends packets from subnet a to subnet b
+  through lane (a, b);
 * marks and policy routing in every gateway: a packet from the router's own hosts with DSCP
   CS1 (``media.INTERNET_TOS``, set by the sender per call) is marked by an iptables mangle
   rule (chain ``GTB-TITAN``) and routed by an ``ip rule fwmark`` to the hub instead of onto
@@ -28,21 +31,17 @@ router and in the hub.  Addresses exist only inside these namespaces; nothing ro
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from testbed import messages as m
-from testbed.net.network import HostInfo, Network, NetworkError
-from testbed.procutil import DatagramClient, stop_all
-from testbed.run.procs import python_env
-from testbed.spec.topology import parse_topology
+from testbed.net.network import HostInfo, NetworkError
+from testbed.procutil import DatagramClient
+from testbed.run.lab import Lab
 
 from agents.titan.media import INTERNET_TOS
 from agents.titan.regions import World
@@ -77,28 +76,31 @@ def topology_data(world: World, spec: EmulationSpec) -> dict[str, Any]:
             "dcs": dcs, "wan": wan}
 
 
-class DualPathNetwork:
-    """Build, drive and tear down the WAN + Internet network for a ``World``."""
+def participant_hosts(lab: Lab, world: World, spec: EmulationSpec, region: str) -> list[HostInfo]:
+    """The participant hosts of a user region (none in a region without users)."""
+    return lab.hosts(region)[: spec.hosts_per_region] if region in world.users else []
 
-    def __init__(self, world: World, spec: EmulationSpec, caps=None,
+
+def server_host(lab: Lab, dc: str) -> HostInfo:
+    """The media-server host of a DC: the last host of its region."""
+    return lab.hosts(dc)[-1]
+
+
+class InternetPaths:
+    """The Internet half, built on a lab that is up (``testbed.run.lab.Lab`` of
+    ``topology_data``): the hub namespace, its veths, the hub's delay line, marks and policy
+    routing.  It owns no network and no process: everything is recorded in the lab's
+    registry and started through the lab's launcher, so the lab's ``down()`` removes it."""
+
+    def __init__(self, lab: Lab, world: World, spec: EmulationSpec,
                  progress: Callable[[str], None] | None = None):
+        self.lab = lab
         self.world = world
         self.spec = spec
-        self.topo = parse_topology(topology_data(world, spec), spec.name)
-        self.net = Network(self.topo, caps=caps, progress=progress)
         self._progress = progress or (lambda m: None)
         self.lanes: dict[tuple[str, str], InternetLane] = {}
-        self._hub_proc: subprocess.Popen | None = None
-        self._hub_ctl = None
-        self._procs: list[subprocess.Popen] = []
-        self.index: dict[str, int] = {}
-
-    # -- hosts ------------------------------------------------------------------------
-    def participant_hosts(self, region: str) -> list[HostInfo]:
-        return self.net.hosts(region)[: self.spec.hosts_per_region] if region in self.world.users else []
-
-    def server_host(self, dc: str) -> HostInfo:
-        return self.net.hosts(dc)[-1]
+        self._hub_ctl: ControlClient | None = None
+        self.index = {r: int(lab.net.subnet(r).split(".")[1]) for r in world.backbone.nodes}
 
     def hub_ifname(self, region: str) -> str:
         return f"{HUB_NS}{self.index[region]}"
@@ -106,40 +108,29 @@ class DualPathNetwork:
     def router_hub_ifname(self, region: str) -> str:
         return f"gtbtr{self.index[region]}"
 
-    # -- lifecycle --------------------------------------------------------------------
-    def __enter__(self) -> "DualPathNetwork":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> "DualPathNetwork":
-        self.net.start()
+    # -- building and closing ------------------------------------------------------------
+    def build(self) -> "InternetPaths":
+        self._check_routes()
+        self._progress("building the Internet paths")
         try:
-            self.index = {r: int(self.net.subnet(r).split(".")[1]) for r in self.world.backbone.nodes}
-            self._check_routes()
-            self._progress("building the Internet paths")
             self._build_internet()
         except BaseException:
-            self.stop()
+            self.close()
             raise
         return self
 
-    def stop(self) -> None:
+    def close(self) -> None:
+        """Hang up on the hub's delay line (it, the hub and the rest go with the lab)."""
         if self._hub_ctl is not None:
             self._hub_ctl.close()
             self._hub_ctl = None
-        stop_all(self._procs, timeout=3.0)
-        self._procs.clear()
-        # the hub namespace and its interfaces are in the registry: the network's clean-up
-        # (registry.clean) ends what runs inside it and deletes it
-        self.net.stop()
 
     def _check_routes(self) -> None:
+        topo = self.lab.topo
         for u in self.world.users:
             for d in self.world.dcs:
-                if u != d and self.world.backbone.path(u, d) != self.topo.path(u, d):
-                    raise TitanError(f"emulation: the testbed routes {u}->{d} over {self.topo.path(u, d)}, "
+                if u != d and self.world.backbone.path(u, d) != topo.path(u, d):
+                    raise TitanError(f"emulation: the testbed routes {u}->{d} over {topo.path(u, d)}, "
                                      f"the plan over {self.world.backbone.path(u, d)}")
 
     def _run(self, cmd: list[str]) -> None:
@@ -148,21 +139,19 @@ class DualPathNetwork:
             raise NetworkError(f"{' '.join(cmd[:6])}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
 
     def _router(self, region: str, cmd: str) -> None:
-        out = self.net.router(region).cmd(cmd + " && echo gtb-ok")
+        out = self.lab.net.router(region).cmd(cmd + " && echo gtb-ok")
         if "gtb-ok" not in out:
             raise NetworkError(f"router {region}: {cmd.split('&&')[0].strip()}: {out.strip().splitlines()[-1:]}")
 
     def _build_internet(self) -> None:
-        reg = self.net.registry
-        self._run(["ip", "netns", "add", HUB_NS])
-        reg.netns(HUB_NS)
+        net, reg = self.lab.net, self.lab.registry
+        self.lab.netns(HUB_NS)
         hub = ["ip", "netns", "exec", HUB_NS]
         self._run(hub + ["sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
                          "net.ipv4.conf.default.rp_filter=0", "net.ipv6.conf.all.disable_ipv6=1",
                          "net.ipv6.conf.default.disable_ipv6=1"])
-        self._run(hub + ["ip", "link", "set", "lo", "up"])
         for region, i in self.index.items():
-            router = self.net.router(region)
+            router = net.router(region)
             h_if, r_if = self.hub_ifname(region), self.router_hub_ifname(region)
             reg.link(h_if)
             reg.link(r_if)
@@ -170,8 +159,8 @@ class DualPathNetwork:
                        "netns", str(router.pid)])
             self._run(hub + ["ip", "addr", "add", f"10.254.{i}.1/30", "dev", h_if])
             self._run(hub + ["ip", "link", "set", h_if, "up"])
-            self._run(hub + ["ip", "route", "add", self.net.subnet(region), "via", f"10.254.{i}.2"])
-            subnet = self.net.subnet(region)
+            self._run(hub + ["ip", "route", "add", net.subnet(region), "via", f"10.254.{i}.2"])
+            subnet = net.subnet(region)
             self._router(region, " && ".join([
                 f"sysctl -qw net.ipv4.conf.{r_if}.rp_filter=0",
                 f"ip addr add 10.254.{i}.2/30 dev {r_if}",
@@ -198,34 +187,24 @@ class DualPathNetwork:
         return InternetLane(name, a, b, one_way, min(jitter, one_way), loss)
 
     def _start_hub_lanes(self) -> None:
+        net = self.lab.net
         pairs = sorted({(u, d) for u in self.world.users for d in self.world.dcs if u != d}
                        | {(d, u) for u in self.world.users for d in self.world.dcs if u != d})
         for a, b in pairs:
             self.lanes[(a, b)] = self._lane_params(a, b)
-        state = self.net.registry.dir
-        cfg_path = state / f"{HUB_NS}-delayline.json"
-        control = state / f"{HUB_NS}.sock"
+        control = self.lab.launcher.file(f"{HUB_NS}.sock")
         cfg = {"lanes": [{"name": ln.name, "delay_ms": ln.delay_ms, "jitter_ms": ln.jitter_ms, "loss": ln.loss}
                          for ln in self.lanes.values()],
-               "control_path": str(control), "compensation_ms": self.net.compensation_ms, "seed": 254,
-               "realtime": self.net.realtime}
-        self.net.registry.file(cfg_path)
-        self.net.registry.file(control)
-        cfg_path.write_text(json.dumps(cfg))
-        proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS, sys.executable, "-m", "testbed.net.delayline",
-                                 str(cfg_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=python_env())
-        self.net.registry.process(proc.pid, "titan:hub-delayline", own_netns=False)
-        self._procs.append(proc)
-        self._hub_proc = proc
-        wait_ready(proc, "the Internet hub's delay line")
+               "control_path": str(control), "compensation_ms": net.compensation_ms, "seed": 254,
+               "realtime": net.realtime}
+        self.lab.start("titan-hub-delayline", "testbed.net.delayline", cfg, netns=HUB_NS, ready=True)
         batch = []
         for n, ln in enumerate(self.lanes.values()):
             table = _TABLE_LANE0 + n
             batch += [f"link set {ln.name} up txqlen 10000",
                       f"route add default dev {ln.name} table {table}",
                       f"rule add iif {ln.name} lookup main priority 100",
-                      f"rule add from {self.net.subnet(ln.src)} to {self.net.subnet(ln.dst)} lookup {table} "
+                      f"rule add from {net.subnet(ln.src)} to {net.subnet(ln.dst)} lookup {table} "
                       f"priority {200 + n}"]
         res = subprocess.run(["ip", "-n", HUB_NS, "-batch", "-"], input="\n".join(batch) + "\n",
                              capture_output=True, text=True)
@@ -235,8 +214,8 @@ class DualPathNetwork:
 
     def control_client(self, server: Path | str, tag: str) -> "ControlClient":
         """A datagram client for an agent's control socket, its own path registered."""
-        path = self.net.registry.dir / f"{HUB_NS}-client-{os.getpid()}-{tag}.sock"
-        self.net.registry.file(path)
+        path = self.lab.registry.dir / f"{HUB_NS}-client-{os.getpid()}-{tag}.sock"
+        self.lab.registry.file(path)
         return ControlClient(Path(server), path)
 
     # -- run time ---------------------------------------------------------------------
@@ -249,24 +228,6 @@ class DualPathNetwork:
             self._hub_ctl.request(m.LaneSet(lane=lane.name, **changes))
             for k, v in changes.items():
                 setattr(lane, k, v)
-
-    def popen_in_router(self, region: str, cmd: list[str], role: str) -> subprocess.Popen:
-        proc = self.net.router(region).popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                             env=python_env())
-        self.net.registry.process(proc.pid, role, own_netns=False)
-        self._procs.append(proc)
-        return proc
-
-    def popen_in_hub(self, cmd: list[str], role: str) -> subprocess.Popen:
-        proc = subprocess.Popen(["ip", "netns", "exec", HUB_NS] + cmd, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=python_env())
-        self.net.registry.process(proc.pid, role, own_netns=False)
-        self._procs.append(proc)
-        return proc
-
-    def popen_in_host(self, host: HostInfo, cmd: list[str]) -> subprocess.Popen:
-        return self.net.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=python_env())
 
 
 class ControlClient(DatagramClient):
@@ -287,20 +248,3 @@ class ControlClient(DatagramClient):
         except RuntimeError as exc:  # refused
             raise NetworkError(f"{self.server}: {exc}") from None
 
-
-def wait_ready(proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
-    import select
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if r:
-            line = proc.stdout.readline()
-            if line.strip() == "ready":
-                return
-            if not line and proc.poll() is not None:
-                break
-        elif proc.poll() is not None:
-            break
-    err = proc.stderr.read() if proc.poll() is not None else "no answer"
-    raise NetworkError(f"{what} failed to start: {(err or 'no output').strip().splitlines()[-1:]}")

@@ -7,9 +7,16 @@ after a crash) and runs the per-run WAN self-check that ``testbed run`` makes
 (``net.fidelity.check_wan``: a ping and a one-way probe per direction; a direction outside
 tolerance is a warning, kept in ``warnings``).  ``exec`` runs a command in a host and waits,
 ``popen`` starts one and returns (both enter the host's namespaces with ``mnexec -a PID``,
-as Mininet does, and record the process), ``link(src, dst).set(..)`` changes a WAN direction
-in place, ``counters()`` samples every direction's counters, ``down()`` ends every process
-started here and removes the network.  A context manager: ``with Lab(..) as lab:``.
+as Mininet does, and record the process).  A workload on the lab (an extension's emulation,
+what comes next) starts the testbed's own processes through the lab's one
+``procs.Launcher``: ``start(name, module, config, host=|router=DC|netns=NAME, ready=True)``
+writes the JSON config and the log, records both and the process, and waits for its
+``ready`` line (``launcher.together()`` waits for several at once); ``netns(name)`` makes a
+named network namespace recorded in the registry, for the parts a workload adds to the
+network.  ``link(src, dst).set(..)`` changes a WAN direction in place, ``counters()``
+samples every direction's counters, ``down()`` ends every process started here (popen'd or
+launched) and removes the network with everything recorded in its registry.  A context
+manager: ``with Lab(..) as lab:``.
 
 The same questions answered about a lab another process holds up (``testbed up``, see
 ``labserver``) go through ``labserver.LabClient``; both answer ``host_table()``,
@@ -29,8 +36,9 @@ from typing import Any, Callable, Protocol
 from testbed.net.kernel import Capabilities
 from testbed.net.network import HostInfo, Network, NetworkError, WanDirection
 from testbed.net.shaping import Counters
-from testbed.registry import Registry
+from testbed.registry import PREFIX, Registry
 from testbed.procutil import stop_all
+from testbed.run.procs import Launcher, Process
 from testbed.spec.topology import Topology, load_topology, resolve_topology
 
 _LAB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
@@ -121,6 +129,7 @@ class Lab:
         self.warnings: list[str] = []
         self.started_at: float | None = None  # time.time() when up
         self._procs: list[subprocess.Popen] = []
+        self._launcher: Launcher | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     def up(self) -> "Lab":
@@ -134,6 +143,7 @@ class Lab:
             self.net = None
             raise
         try:
+            self._launcher = Launcher(self.net.registry, self.net)
             if self.check:
                 from testbed.net.fidelity import check_wan
 
@@ -150,6 +160,9 @@ class Lab:
 
     def down(self) -> None:
         """End every process started here and remove the network.  Safe to call twice."""
+        if self._launcher is not None:
+            launcher, self._launcher = self._launcher, None
+            launcher.stop()
         stop_all(self._procs)
         self._procs.clear()
         if self.net is not None:
@@ -197,6 +210,35 @@ class Lab:
         self.registry.process(proc.pid, f"lab:{self.name}:{h.name}", own_netns=False)
         self._procs.append(proc)
         return proc
+
+    @property
+    def launcher(self) -> Launcher:
+        """The one way to start the testbed's processes in this lab (``procs.Launcher``)."""
+        self._net()
+        assert self._launcher is not None
+        return self._launcher
+
+    def start(self, name: str, module: str, config: dict, **where: Any) -> Process:
+        """``launcher.start``: ``python -m module CONFIG.json`` in ``host=`` (a ``HostInfo``),
+        ``router=DC`` or ``netns=NAME`` (or beside the network), ``ready=True`` to wait for its
+        ``ready`` line; ended by ``down()``."""
+        return self.launcher.start(name, module, config, **where)
+
+    def netns(self, name: str) -> str:
+        """Make the named network namespace ``name`` (``ip netns``; it must start with the
+        testbed's prefix), recorded in the registry so ``down()`` and ``testbed clean``
+        remove it and end what runs in it; its loopback is up."""
+        net = self._net()
+        if not name.startswith(PREFIX):
+            raise LabError(f"network namespace {name!r}: the name must start with {PREFIX!r}")
+        res = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise LabError(f"network namespace {name}: {(res.stderr or res.stdout).strip()}")
+        net.registry.netns(name)
+        res = subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise LabError(f"network namespace {name}: loopback: {res.stderr.strip()}")
+        return name
 
     def exec(self, dc: str, index: int, argv: list[str] | str, input: str | None = None,
              timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -11,6 +11,15 @@ cgroup is recorded in the network's ``Registry`` as it is made, so ``testbed cle
 removes it after a crash.  ``Launcher``, ``Process`` and ``CpuContainers`` are this
 machine's side of ``site``'s protocols; ``cluster.remote`` has the side across machines.
 
+Where a process runs: in a host (``host=``), in a DC's gateway router (``router=DC``), in a
+named network namespace the lab made (``netns=NAME``), or beside the network.  ``ready=True``
+waits until the process has written a line ``ready`` (its log is stdout and stderr
+together) and raises a ``ProcessError`` naming it and its last log line when it ends first
+or stays silent past the timeout; inside ``with launcher.together():`` those waits are made
+at the end of the block, for all the processes started in it at once.  ``lab.Lab`` owns one
+launcher, so a workload on a lab (the training run, an extension's emulation) starts its
+processes only through it and the lab's ``down()`` ends them.
+
 CPU containers: a cgroup CPU quota per device stand-in (v1 ``cpu`` controller or v2
 ``cpu.max``) with a 5 ms CFS period (the brief measured 92% of computes within 15% of the
 ideal at 5 ms, 31% at the 100 ms default).  Mininet hosts remount /sys, so a process cannot
@@ -29,15 +38,17 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from testbed.procutil import stop_all
 from testbed.registry import PREFIX, Registry
 
 REPO = Path(__file__).resolve().parents[2]
 CFS_PERIOD_US = 5000
+READY_TIMEOUT_S = 20.0  # how long ``Launcher.start(.., ready=True)`` waits for a process's "ready"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _TORCH_WARNING = re.compile(r"\[W\d{4} [\d:.]+ [^\]]*\]")  # a torch C++ warning line
 
@@ -223,6 +234,14 @@ class Process:
         return lines[-1] if lines else ""
 
 
+def _said_ready(log: Path) -> bool:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    return any(line.strip() == "ready" for line in text.splitlines())
+
+
 class Launcher:
     """Starts a run's processes (``python -m MODULE CONFIG.json``), records them, ends them."""
 
@@ -232,31 +251,57 @@ class Launcher:
         self.dir = registry.dir / "procs"  # configs, logs and per-process files (boards, devices)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, Process] = {}
+        self._pending: list[tuple[Process, float, float]] | None = None  # ready-waits of a together() block
 
     def start(self, name: str, module: str, config: dict, host: Any = None, cgroup: Path | None = None,
-              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None) -> Process:
+              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None, *,
+              router: str | None = None, netns: str | None = None, ready: bool = False,
+              ready_timeout: float = READY_TIMEOUT_S) -> Process:
         """Start ``python -m module CONFIG`` with ``config`` written as JSON.
 
-        ``host``: a ``network.HostInfo`` to run inside (its network namespace); None runs it
-        beside the network (the root namespace, in a session of its own).  ``cgroup``: a CPU
-        container it enters before it starts.  ``cpu``: pin it to that core.  ``sched_idle``:
-        SCHED_IDLE (any waking task preempts it).  Its log is stdout and stderr together."""
+        Where, at most one of: ``host``, a ``network.HostInfo`` to run inside (its network
+        namespace); ``router``, a DC whose gateway router it runs in; ``netns``, a named
+        network namespace (``ip netns``) that the lab made.  None of them runs it beside the
+        network (the root namespace, in a session of its own).  ``cgroup``: a CPU container
+        it enters before it starts.  ``cpu``: pin it to that core.  ``sched_idle``:
+        SCHED_IDLE (any waking task preempts it).  ``ready``: wait up to ``ready_timeout``
+        seconds for its line ``ready`` (deferred to the end of a ``together()`` block).  Its
+        log is stdout and stderr together."""
         if name in self.processes:
             raise ProcessError(f"a process named {name!r} was already started in this run")
+        places = [k for k, v in (("host", host), ("router", router), ("netns", netns)) if v is not None]
+        if len(places) > 1:
+            raise ProcessError(f"{name}: one place to run it, not {' and '.join(places)}")
+        node = None
+        if host is not None or router is not None:
+            if self.net is None:
+                raise ProcessError(f"{name}: no network to run it in")
+            if router is not None:
+                if router not in self.net.local:
+                    raise ProcessError(f"{name}: no DC {router!r} with a gateway router here "
+                                       f"(DCs: {', '.join(self.net.local)})")
+                node = self.net.router(router)
+            else:
+                node = host
+        if netns is not None and not (Path("/run/netns") / netns).exists():
+            raise ProcessError(f"{name}: no network namespace {netns!r}")
         cfg_path, log_path = self.dir / f"{name}.json", self.dir / f"{name}.log"
         cfg_path.write_text(json.dumps(config))
         self.registry.file(cfg_path)
         self.registry.file(log_path)
         env = env if env is not None else python_env()
         argv = [sys.executable, "-m", module, str(cfg_path)]
+        launch = "exec " + " ".join(argv)
+        if cgroup is not None:
+            launch = f"kill -STOP $$; {launch}"  # moved into its container from here, then continued
         with open(log_path, "w") as log:
-            if host is not None:
-                launch = "exec " + " ".join(argv)
-                if cgroup is not None:
-                    launch = f"kill -STOP $$; {launch}"
-                popen = self.net.popen(host, ["sh", "-c", launch], env=env, stdout=log, stderr=subprocess.STDOUT)
+            if node is not None:
+                popen = self.net.popen(node, ["sh", "-c", launch], env=env, stdout=log, stderr=subprocess.STDOUT)
             else:
-                popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.dir),
+                cmd = argv if cgroup is None or netns is None else ["sh", "-c", launch]
+                if netns is not None:
+                    cmd = ["ip", "netns", "exec", netns, *cmd]  # execs: the PID is the program's
+                popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(self.dir),
                                          start_new_session=True)
                 self.registry.process(popen.pid, name, own_netns=False)
         proc = Process(name, popen, cfg_path, log_path)
@@ -267,13 +312,55 @@ class Launcher:
             if sched_idle:
                 os.sched_setscheduler(popen.pid, os.SCHED_IDLE, os.sched_param(0))
             if cgroup is not None:
-                if host is None:
+                if node is None and netns is None:
                     (cgroup / "cgroup.procs").write_text(str(popen.pid))
                 else:
                     enter_container(popen, cgroup)
         except (OSError, ProcessError) as exc:
             raise ProcessError(f"{name}: could not be placed on its core or in its container: {exc}") from None
+        if ready:
+            if self._pending is not None:
+                self._pending.append((proc, time.monotonic() + ready_timeout, ready_timeout))
+            else:
+                self._await_ready([(proc, time.monotonic() + ready_timeout, ready_timeout)])
         return proc
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Processes started with ``ready=True`` inside the block are waited for at its end,
+        all at once (each against its own deadline), rather than one after another."""
+        if self._pending is not None:  # nested: the outer block waits
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+            pending = self._pending
+        finally:
+            self._pending = None
+        self._await_ready(pending)
+
+    def _await_ready(self, pending: list[tuple[Process, float, float]]) -> None:
+        """Wait until every process has written its line ``ready``; the first that ends before
+        it or passes its deadline is stopped and named in a ``ProcessError``."""
+        pending = list(pending)
+        while pending:
+            for item in list(pending):
+                proc, deadline, timeout = item
+                if _said_ready(proc.log):
+                    pending.remove(item)
+                    continue
+                code = proc.poll()
+                if code is None and time.monotonic() < deadline:
+                    continue
+                if code is None:
+                    stop_all([proc.popen], timeout=1.0)
+                    why = f"did not say ready within {timeout:g} s"
+                else:
+                    why = f"ended (exit code {code}) before it was ready"
+                raise ProcessError(f"{proc.name} {why}: {proc.last_log_line() or 'no output'}")
+            if pending:
+                time.sleep(0.005)
 
     def file(self, name: str) -> Path:
         """``name`` in the launcher's folder, recorded so ``testbed clean`` removes it (the
