@@ -3,6 +3,7 @@ simulator's strict-priority sharing policy (closed forms)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,28 @@ def test_the_planner_takes_device_time_from_where_the_run_gets_it(tmp_path):
     flops = search(exp, stages=[3], replicas=[2])[0]
     # 4 microbatches of 75 ms forward + backward on the slowest stage: the FLOPs model's 1 TFLOP/s has none of it
     assert best.iteration_time_s - flops.iteration_time_s > 0.25, (best.iteration_time_s, flops.iteration_time_s)
+
+
+def test_a_compare_arm_sets_atlas_through_the_registry_and_predicts_with_its_plan(tmp_path):
+    """``compare:`` reaches Atlas only through its ``Extension``: the arm's ``sharing`` sets
+    ``atlas.sharing`` (a variant key), and predicting the temporal arm hands the simulator the
+    published plan's order as strict priority (the ``predict`` hook); fair arms get nothing."""
+    from agents.atlas.extension import predict_options
+    from testbed.extension import extensions, in_use
+    from testbed.run.compare import _settings
+    from testbed.sim.engine import PriorityPolicy
+    from testbed.spec.experiment import load_experiment
+
+    exp = load_experiment(REPO / "experiments" / "atlas-vs-baseline.yaml")
+    arms = {n: exp.variant(n) for n in exp.compare}
+    assert {n: v.atlas.sharing for n, v in arms.items()} == {"a": "fair", "b": "fair", "c": "temporal", "p": "paced"}
+    assert [e.name for e in in_use(arms["c"])] == ["atlas"] and in_use(arms["a"]) == []
+    assert _settings(exp, "c") == "connections=4, sharing=temporal"
+    assert extensions()["atlas"].load(extensions()["atlas"].predict) is predict_options
+    plans = [{"order": ["r1", "r0"], "offsets": {"0": 0.0, "1": 0.05}}]
+    (tmp_path / "atlas-plans.json").write_text(json.dumps(plans))
+    got = predict_options(arms["c"], tmp_path)
+    assert isinstance(got["policy"], PriorityPolicy) and got["policy"].rank == {"r1": 0, "r0": 1}
+    assert got["start_offsets"] == {0: 0.0, 1: 0.05}
+    assert predict_options(arms["b"], tmp_path) == {}
+    assert "policy" not in predict_options(arms["p"], tmp_path)  # paced: the stagger only
