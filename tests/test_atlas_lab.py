@@ -2,11 +2,16 @@
 pipelines in the order the user gave.
 
 Two backlogged pipelines (experiments/pipelines_job.py in stream mode: stage 0 in east sends
-2 MB messages back to back to stage 1 in west) on one 50 Mbit/s link under strict priority:
+2 MB messages back to back to stage 1 in west) on one 25 Mbit/s link under strict priority:
 while both are backlogged the first of the order gets nearly the whole link (the delay
 line's per-pipeline counters), and the job itself sees it (the bytes each stage 1 received
 in the window); swapping the order swaps the shares.  After the job the link is plain FIFO
 again.  Bad options are one-line errors and build nothing.
+
+The link must be the bottleneck for priority to mean anything (a work-conserving scheduler
+leaves an under-driven link to whoever sends): at 50 Mbit/s a slow host's gloo ranks did not
+always keep it full (CI, 2026-12-05: 8 of 18.75 MB crossed in the window, both queues mostly
+empty), at 25 Mbit/s they do with room to spare; the test says which it was when it fails.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ PIPES = "pipelines: {p0: [0, 2], p1: [1, 3]}"
 
 def _topology():
     return parse_topology({"name": "two", "dcs": [{"name": "east", "hosts": 2}, {"name": "west", "hosts": 2}],
-                           "wan": [{"a": "east", "b": "west", "delay_ms": 10, "rate_mbps": 50}]})
+                           "wan": [{"a": "east", "b": "west", "delay_ms": 10, "rate_mbps": 25}]})
 
 
 @pytest.mark.network(delay="tun")
@@ -42,7 +47,7 @@ def test_the_owner_gets_the_link_in_the_order_given(tmp_path):
             ext = job_extensions([f"atlas={{{PIPES}, order: [{', '.join(order)}], queue: deep}}"])
             report = tmp_path / f"{order[0]}.json"
             res = run_job(lab, [("east", 2), ("west", 2)], JOB,
-                          ["--mode", "stream", "--mb", "2", "--seconds", "3", "--out", str(report)],
+                          ["--mode", "stream", "--mb", "2", "--seconds", "4", "--out", str(report)],
                           tmp_path / order[0], echo=False, extensions=ext, timeout_s=60)
             assert res.exit_code == 0, res.message
             atlas = res.metrics["extensions"]["atlas"]
@@ -50,11 +55,16 @@ def test_the_owner_gets_the_link_in_the_order_given(tmp_path):
             seen[order[0]] = (atlas["links"]["east->west"], json.loads(report.read_text())["bytes_in_window"])
             after = lab.link("east", "west").delay_line_stats()
             assert after["sched"] is None, after  # removed: FIFO again
+    window = 25e6 / 8 * 4
     for first, second in (("p0", "p1"), ("p1", "p0")):
         link, got = seen[first]
+        assert sum(got.values()) >= 0.7 * window, (f"the link was not the bottleneck: {sum(got.values())} of "
+                                                   f"{window:.0f} bytes crossed in the window (host too slow?)", got)
         share = link["owner_share"]
         assert share["n"] >= 50 and share["mean"] >= 0.95 and share["p10"] >= 0.9, link
-        assert link["bytes"][first] > 2.5 * link["bytes"][second], link
+        # over the whole job, the tail included (the other alone on the link once the owner stops):
+        # 14.6 MB against 4.2-6.3 MB in 8 runs here; fair sharing would give about 1:1
+        assert link["bytes"][first] > 2 * link["bytes"][second], link
         # the job's own view: the owner's stage 1 received most of what crossed in the window
         assert got[first] >= 4 * max(got[second], 2_000_000), got
 
