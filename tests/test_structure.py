@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import json
 import subprocess
 import sys
 import tokenize
@@ -193,6 +194,33 @@ def test_the_wheel_holds_every_package_and_data_file(tmp_path):
         assert str(module.relative_to(REPO)) in names, module
     assert "agents/bubbletea/data/AzureLLMInferenceTrace_conv.csv" in names
     assert "testbed/data/aws-inter-region.csv" in names
+    shipped = {n.split(".data/data/share/geo-testbed/")[1] for n in names if ".data/data/share/geo-testbed/" in n}
+    for kind in ("topologies", "experiments", "playbooks"):
+        for f in (REPO / kind).rglob("*.y*ml"):
+            assert str(f.relative_to(REPO)) in shipped, f"{f.relative_to(REPO)} is not in the wheel"
+
+    # installed (not editable) into a prefix of its own, run from an empty folder: the shipped
+    # experiment by name, its topology by name, Titan's shipped spec by relative path
+    prefix, empty = tmp_path / "venv", tmp_path / "empty"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(prefix),
+                             str(wheel)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    site = next(prefix.glob("lib/python3*/site-packages"))
+    (site / "_deps.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")  # the deps only
+    empty.mkdir()
+    python = str(prefix / "bin" / "python")
+    probe = ("import json, testbed, agents.titan.spec as t; from testbed.spec.experiment import load_experiment; "
+             "e = load_experiment('default'); print(json.dumps([testbed.__file__, e._topo_file, "
+             "t.load_spec(t.EmulationSpec, 'experiments/titan/emu.yaml').name]))")
+    result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=empty, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    module, topology, titan = json.loads(result.stdout)
+    assert module.startswith(str(site)) and topology.startswith(str(prefix / "share" / "geo-testbed")), (module, topology)
+    assert titan == "titan-emu"
+    result = subprocess.run([python, "-m", "testbed.cli", "sim", "default", "--json"], capture_output=True, text=True,
+                            cwd=empty, timeout=120)
+    assert result.returncode == 0 and json.loads(result.stdout)["workers"] == 6, result.stderr[-2000:]
 
 
 # testbed's parts, bottom up: each may import only itself and those before it (the order of

@@ -184,6 +184,10 @@ def load_spec(model: type[BaseModel], path: str | Path | None, overrides: dict[s
     origin = "<defaults>"
     if path is not None:
         origin = str(path)
+        if not Path(path).exists():  # a shipped spec by name or relative path, from any folder
+            from testbed.spec.shipped import find_shipped
+
+            path = find_shipped("experiments", path) or path
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as exc:

@@ -55,9 +55,10 @@ from testbed import messages as m
 from testbed.extension import ProcessFault
 from testbed.extension import faults as _extension_faults
 from testbed.registry import leftovers
+from testbed.spec.shipped import shipped
 
 REPO = Path(__file__).resolve().parents[2]
-EXPERIMENT = REPO / "experiments" / "chaos.yaml"
+EXPERIMENT = shipped("experiments") / "chaos.yaml"
 
 # What each fault must end in, and within how long (seconds after the injection).
 DOCUMENTED: dict[str, tuple[str, str]] = {

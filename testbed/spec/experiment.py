@@ -353,6 +353,16 @@ def _parse_experiment(data: Any, origin: str, base_dir: Path | None, strict: boo
     return exp
 
 
+def resolve_experiment(name_or_path: str | Path) -> Path:
+    """An experiment given by path, or by the name of a shipped one (``default``, or
+    ``experiments/default.yaml`` from any folder)."""
+    from testbed.spec.shipped import find_shipped
+
+    p = Path(name_or_path)
+    return p if path_exists(p) else (find_shipped("experiments", p) or p)  # read_yaml names a missing file
+
+
 def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment YAML file (and the topology it names)."""
+    path = resolve_experiment(path)
     return parse_experiment(read_yaml(path), str(path), Path(path).parent, strict=True)

@@ -381,14 +381,16 @@ def path_exists(path: Path) -> bool:
 
 def resolve_topology(name_or_path: str | Path, near: Path | None = None) -> Path:
     """A topology given by path, or by name: from ``topologies/`` beside ``near`` (an
-    experiment file's folder), in the working directory, or in this checkout's."""
+    experiment file's folder), in the working directory, or the shipped ones (``shipped.py``)."""
+    from testbed.spec.shipped import shipped_folders
+
     p = Path(name_or_path)
     if path_exists(p):
         return p
     folders = []
     if near is not None:
         folders += [near, near.parent / "topologies"]
-    folders += [Path.cwd() / "topologies", Path(__file__).resolve().parents[2] / "topologies"]
+    folders += [Path.cwd() / "topologies", *shipped_folders("topologies")]
     for folder in folders:
         for candidate in (folder / f"{name_or_path}.yaml", folder / str(name_or_path)):
             if path_exists(candidate):

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[2]
-PLAYBOOK = REPO / "playbooks" / "site.yml"
-LOCAL_INVENTORY = REPO / "playbooks" / "inventory.local.ini"
+from testbed.spec.shipped import shipped
+
+PLAYBOOK = shipped("playbooks") / "site.yml"
+LOCAL_INVENTORY = shipped("playbooks") / "inventory.local.ini"
 
 
 class ProvisionError(RuntimeError):
