@@ -33,7 +33,7 @@ from test_cluster import _missing, _nothing_left, cluster  # noqa: F401  (cluste
 from testbed.net.fidelity import check_wan
 from testbed.net.surface import HostProcess, Link, NetworkError, NetworkSurface, Node
 from testbed.run.runner import LocalSite, TrainingRun
-from testbed.run.site import Containers, Hub, Launcher, Process, Site
+from testbed.run.site import Containers, Hub, Launcher, Process, Site, SiteLab
 from testbed.spec.experiment import parse_experiment
 
 pytestmark = pytest.mark.network
@@ -115,22 +115,22 @@ def site(request, experiment):
 def test_site_conforms(site, experiment, tmp_path):
     site, _fake = site
     assert isinstance(site, Site)
-    net = site.network(experiment.topo, "auto", {})
-    assert isinstance(net, NetworkSurface)
-    with net:
+    with site.lab(experiment.topo, "auto", {}) as lab:
+        assert isinstance(lab, SiteLab)  # inside: its network and launcher exist while it is up
+        net = lab.network
+        assert isinstance(net, NetworkSurface)
         assert net.started and net.backends.delay in ("tun", "netem")
         _host_index(net)
         _link_counters(net)
         _fidelity(net)
         run = TrainingRun(experiment, tmp_path / "out", site=site)  # what a site reads of its run
         hub, path = site.hub(run, net)
-        launcher = site.launcher(net)
+        launcher = lab.launcher
         containers = site.containers(net, experiment.name)
         assert isinstance(hub, Hub) and isinstance(launcher, Launcher) and isinstance(containers, Containers)
         try:
             _processes(net, hub, path, launcher, containers, tmp_path)
         finally:
-            launcher.stop()
             hub.close()
         assert net.link_state("east", "west") == "up"
         net.check()  # nothing broke

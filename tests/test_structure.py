@@ -203,7 +203,7 @@ def test_the_wheel_holds_every_package_and_data_file(tmp_path):
     # experiment by name, its topology by name, Titan's shipped spec by relative path
     prefix, empty = tmp_path / "venv", tmp_path / "empty"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True, timeout=120)
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(prefix),
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--prefix", str(prefix),
                              str(wheel)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     site = next(prefix.glob("lib/python3*/site-packages"))

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from testbed.tools.provision import REPO, ProvisionError, provision
+from testbed.spec.shipped import shipped
+from testbed.tools.provision import ProvisionError, provision
 from testbed.cluster.inventory import ClusterError
 
-PLAYBOOK = REPO / "playbooks" / "cluster.yml"
+PLAYBOOK = shipped("playbooks") / "cluster.yml"
 
 
 def testbed_command() -> str:

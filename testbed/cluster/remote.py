@@ -649,6 +649,40 @@ class Cluster:
                                        f"network failed)")
 
 
+class ClusterLab:
+    """The lab of a run across machines (``site.SiteLab``; ``lab.Lab`` on one): entering builds
+    every machine's part of the network, leaving ends what its launcher started and removes
+    the network everywhere."""
+
+    def __init__(self, cluster: Cluster, net: ClusterNetwork):
+        self.cluster = cluster
+        self._net = net
+        self._launcher: ClusterLauncher | None = None
+
+    @property
+    def network(self) -> ClusterNetwork:
+        return self._net
+
+    @property
+    def launcher(self) -> ClusterLauncher:
+        if self._launcher is None:
+            raise ClusterError("the lab across machines is not up")
+        return self._launcher
+
+    def __enter__(self) -> "ClusterLab":
+        self._net.__enter__()
+        self._launcher = ClusterLauncher(self.cluster)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        launcher, self._launcher = self._launcher, None
+        try:
+            if launcher is not None:
+                launcher.stop()
+        finally:
+            self._net.__exit__(*exc)
+
+
 class ClusterSite:
     """``runner.TrainingRun``'s parts across machines (``runner.LocalSite`` on one)."""
 
@@ -656,14 +690,14 @@ class ClusterSite:
         self.cluster = cluster
         self.net: ClusterNetwork | None = None
 
-    def network(self, topo: Topology, delay_backend: str, options: dict) -> ClusterNetwork:
+    def lab(self, topo: Topology, delay_backend: str, options: dict) -> ClusterLab:
         if options:
             raise ClusterError(f"a run across machines does not take {', '.join(sorted(options))} yet "
                                "(extensions' processes run on one machine, for now)")
         self.cluster.check_clocks(topo)
         self.net = ClusterNetwork(self.cluster, topo)
         self.net.delay_backend = delay_backend
-        return self.net
+        return ClusterLab(self.cluster, self.net)
 
     def hub(self, run, net: ClusterNetwork) -> tuple[ClusterHub, None]:
         slots = {(s.stage, s.replica): s.name for s in run.exp.workers()}
@@ -688,9 +722,6 @@ class ClusterSite:
         report["drift_corrected"] = correct_drift(
             {n: w.record for n, w in run.workers.items()}, hub.worker_machine, hub.sender_of,
             self.cluster.clock.get("start", {}), self.cluster.clock.get("end", {}))
-
-    def launcher(self, net: ClusterNetwork) -> ClusterLauncher:
-        return ClusterLauncher(self.cluster)
 
     def containers(self, net: ClusterNetwork, run_name: str) -> ClusterContainers:
         return ClusterContainers(self.cluster)

@@ -113,7 +113,7 @@ class Lab:
 
     def __init__(self, topology: Topology | str | Path, name: str | None = None, delay_backend: str = "auto",
                  loss_backend: str = "auto", check: bool = True, progress: Callable[[str], None] | None = None,
-                 caps: Capabilities | None = None):
+                 caps: Capabilities | None = None, network_options: dict | None = None):
         if isinstance(topology, Topology):
             self.topo, self.topology_file = topology, None
         else:
@@ -123,6 +123,7 @@ class Lab:
         self.delay_backend, self.loss_backend = delay_backend, loss_backend
         self.check = check
         self._caps = caps  # what this machine offers, when already probed
+        self._network_options = dict(network_options or {})  # a run's extensions' asks (Network's keywords)
         self._progress = progress or (lambda msg: None)
         self.net: Network | None = None
         self.wan_check: list[dict] = []
@@ -135,8 +136,8 @@ class Lab:
     def up(self) -> "Lab":
         if self.net is not None:
             return self
-        self.net = Network(self.topo, delay_backend=self.delay_backend, loss_backend=self.loss_backend,
-                           caps=self._caps, progress=self._progress)
+        options = {"loss_backend": self.loss_backend, "caps": self._caps, "progress": self._progress}
+        self.net = Network(self.topo, delay_backend=self.delay_backend, **(options | self._network_options))
         try:
             self.net.start()
         except BaseException:
@@ -178,6 +179,11 @@ class Lab:
     @property
     def registry(self) -> Registry:
         return self._net().registry
+
+    @property
+    def network(self) -> Network:
+        """The network, while the lab is up (``site.SiteLab``)."""
+        return self._net()
 
     def _net(self) -> Network:
         if self.net is None:

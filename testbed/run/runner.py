@@ -44,6 +44,7 @@ from testbed.train.device import create_device
 from testbed.spec.experiment import Experiment, WorkerSlot
 from testbed.run.hooks import ExtensionError, RunExtension, extensions_for
 from testbed.run.hub import TelemetryHub
+from testbed.run.lab import Lab
 from testbed.net.network import Network
 from testbed.net.surface import HostInfo, NetworkError, NetworkSurface
 from testbed.results.records import RunRecord, WorkerRecord
@@ -136,21 +137,18 @@ def nvidia_pci_devices(root: str | Path = "/sys/bus/pci/devices") -> list[str]:
 
 
 class LocalSite:
-    """Where a run's parts come from on one machine (``site.Site``): its ``Network``, a
-    Unix-socket ``TelemetryHub`` in the network's state folder, a ``procs.Launcher`` and
-    ``procs.CpuContainers``.  A run across machines passes ``cluster.remote.ClusterSite``
-    instead."""
+    """Where a run's parts come from on one machine (``site.Site``): a ``lab.Lab`` (its
+    ``Network`` and its ``procs.Launcher``; the run makes its own WAN check, to log it), a
+    Unix-socket ``TelemetryHub`` in the network's state folder and ``procs.CpuContainers``.
+    A run across machines passes ``cluster.remote.ClusterSite`` instead."""
 
-    def network(self, topo, delay_backend: str, options: dict) -> Network:
-        return Network(topo, delay_backend=delay_backend, **options)
+    def lab(self, topo, delay_backend: str, options: dict) -> Lab:
+        return Lab(topo, delay_backend=delay_backend, check=False, network_options=options)
 
     def hub(self, run: RunView, net: Network) -> tuple[TelemetryHub, Path]:
         path = net.registry.dir / "telemetry.sock"
         net.registry.file(path)
         return TelemetryHub(path), path
-
-    def launcher(self, net: Network) -> procs.Launcher:
-        return procs.Launcher(net.registry, net)
 
     def containers(self, net: Network, run_name: str) -> procs.CpuContainers:
         return procs.CpuContainers(net.registry, run_name)
@@ -256,13 +254,13 @@ class TrainingRun:
         options: dict = {}
         for ext in self.extensions:
             options.update(ext.network_options())
-        self.net = self.site.network(exp.topo, self.delay_backend, options)
-        with self.net as net:
+        with self.site.lab(exp.topo, self.delay_backend, options) as lab:
+            self.net = net = lab.network
             self.log(f"network {exp.topo.name} up in {net.startup_s:.2f} s (delay: {net.backends.delay})")
             self._check_wan(net)
             self._hub, self.telemetry_path = self.site.hub(self, net)
             self._hub.expect_peers(set(self._peer_owner))
-            self.launcher = self.site.launcher(net)
+            self.launcher = lab.launcher
             self.containers = self.site.containers(net, exp.name)
             try:
                 self._tcp_start = net.tcp_counters()

@@ -1,7 +1,9 @@
 """The written interface between a run and where it runs: one machine or several.
 
 How it fits: ``runner.TrainingRun`` gets every part that differs between one machine and
-several from a ``Site`` and uses it only through these protocols: the network
+several from a ``Site`` and uses it only through these protocols: the ``SiteLab`` it runs
+on (one lifecycle: entered, its network is up and its launcher ready; left, every process
+it started has ended and the network is gone), that lab's network
 (``testbed.net.surface.NetworkSurface``, with its hosts and links), the ``Hub`` its
 processes' telemetry arrives on, the ``Launcher`` that starts a process in a host and ends
 it, the ``Process`` it hands back, and the ``Containers`` that make a CPU quota per device
@@ -11,6 +13,7 @@ stand-in.  Two sides satisfy them:
 protocol        one machine                     several (``cluster.remote``)
 ==============  ==============================  =======================================
 ``Site``        ``runner.LocalSite``            ``ClusterSite``
+``SiteLab``     ``lab.Lab``                     ``ClusterLab``
 network         ``net.network.Network``         ``ClusterNetwork``
 ``Hub``         ``hub.TelemetryHub``            ``ClusterHub`` (relayed by the agents)
 ``Launcher``    ``procs.Launcher``              ``ClusterLauncher``
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from testbed.spec.experiment import Experiment
     from testbed.spec.topology import Topology
 
-__all__ = ["Containers", "Hub", "Launcher", "NetworkSurface", "Process", "RunView", "Site"]
+__all__ = ["Containers", "Hub", "Launcher", "NetworkSurface", "Process", "RunView", "Site", "SiteLab"]
 
 
 @runtime_checkable
@@ -156,22 +159,42 @@ class RunView(Protocol):
 
 
 NetT = TypeVar("NetT", bound=NetworkSurface)
+NetT_co = TypeVar("NetT_co", bound=NetworkSurface, covariant=True)
+
+
+@runtime_checkable
+class SiteLab(Protocol[NetT_co]):
+    """The lab a run happens on: ``with lab:`` brings its network up and its launcher with it;
+    leaving ends every process the launcher started and removes the network."""
+
+    @property
+    def network(self) -> NetT_co:
+        """Its network (up while the lab is entered)."""
+        ...
+
+    @property
+    def launcher(self) -> Launcher:
+        """The one way to start processes in it."""
+        ...
+
+    def __enter__(self) -> "SiteLab[NetT_co]": ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 @runtime_checkable
 class Site(Protocol[NetT]):
-    """Where a run's parts come from.  ``NetT``: the network it builds, which its other parts
-    take (``LocalSite`` is a ``Site[Network]``, ``ClusterSite`` a ``Site[ClusterNetwork]``)."""
+    """Where a run's parts come from.  ``NetT``: the network its lab builds, which its other
+    parts take (``LocalSite`` is a ``Site[Network]``, ``ClusterSite`` a ``Site[ClusterNetwork]``)."""
 
-    def network(self, topo: "Topology", delay_backend: str, options: dict) -> NetT:
-        """The network for ``topo``, not yet started (the run enters it)."""
+    def lab(self, topo: "Topology", delay_backend: str, options: dict) -> SiteLab[NetT]:
+        """The lab for ``topo``, not yet up (the run enters it); ``options``: what the run's
+        extensions ask of the network (``RunExtension.network_options``)."""
         ...
 
     def hub(self, run: RunView, net: NetT) -> tuple[Hub, Path | None]:
         """The telemetry hub and the path workers connect to (None: the agents say)."""
         ...
-
-    def launcher(self, net: NetT) -> Launcher: ...
 
     def containers(self, net: NetT, run_name: str) -> Containers: ...
 
