@@ -32,6 +32,17 @@ def test_ansible_lint_passes():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_example_inventory_is_one_a_run_across_machines_reads():
+    """README points at playbooks/inventory.example.ini for a fleet: it must be what
+    ``--inventory`` reads (every machine with its ``gtb_underlay``), not only what Ansible
+    reads.  In a process of its own: Ansible's inventory parser patches ``sys.intern``."""
+    probe = ("from testbed.cluster.inventory import load_inventory; "
+             "print(' '.join(f'{m.name}={m.underlay}/{m.gpus}' for m in load_inventory('playbooks/inventory.example.ini')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["lab-head=192.0.2.10/0", "gpu-a=192.0.2.21/1", "gpu-b=192.0.2.22/1"], result.stdout
+
+
 def test_vagrantfile_validates():
     if shutil.which("vagrant") is None:
         pytest.skip("vagrant is not installed (apt-get install vagrant; setup.sh test installs it)")
