@@ -18,8 +18,10 @@ files; ``GTB_BAD_INPUT_EXAMPLES`` scales it).
 
 from __future__ import annotations
 
+
 import copy
 import os
+import re
 import subprocess
 import sys
 import types
@@ -330,14 +332,20 @@ def _load_as_run_does(path: Path) -> None:
         device_profile(exp)
 
 
+def _each_line_names_the_file(msg: str, path: Path) -> None:
+    """One line per mistake (a file with several gets several), each ``FILE[:LINE]: ...``."""
+    assert "\r" not in msg and msg.strip() == msg, repr(msg)
+    for line in msg.split("\n"):
+        assert re.match(rf"{re.escape(str(path))}(:\d+)?: ", line), repr(msg)
+
+
 def _expect_one_line_error(load, path: Path, must: list[str], also: str | None = None) -> None:
     GENERATED["files"] += 1
     try:
         load(path)
     except SpecError as exc:
         msg = str(exc)
-        assert "\n" not in msg and "\r" not in msg, repr(msg)
-        assert msg.startswith(f"{path}: "), msg
+        _each_line_names_the_file(msg, path)
         for part in must + ([also] if also else []):
             assert part in msg, f"{part!r} not in {msg!r}"
         GENERATED["one_line_errors"] += 1
@@ -383,7 +391,7 @@ def test_a_bad_topology_named_by_an_experiment_names_both_files(tmp_path, defect
     (tmp_path / "topo.yaml").write_text(yaml.safe_dump(data, allow_unicode=True))
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(EXPERIMENT))
-    _expect_one_line_error(_load_as_run_does, path, must, also=f"topology: {tmp_path / 'topo.yaml'}: ")
+    _expect_one_line_error(_load_as_run_does, path, must, also=f"topology: {tmp_path / 'topo.yaml'}:")
 
 
 _VALID_TEXT = yaml.safe_dump(EXPERIMENT, sort_keys=False)
@@ -431,7 +439,7 @@ def test_files_that_are_not_valid_yaml_mappings_fail_in_one_line(tmp_path, raw):
         _load_as_run_does(path)
     except SpecError as exc:
         msg = str(exc)
-        assert "\n" not in msg and msg.startswith(f"{path}: "), repr(msg)
+        _each_line_names_the_file(msg, path)
         for part in must:
             assert part in msg, (part, msg)
         GENERATED["one_line_errors"] += 1

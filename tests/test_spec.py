@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +103,7 @@ def test_broken_files_get_one_line_naming_file_and_field(tmp_path, content, mess
         load_topology(path)
     text = str(err.value)
     assert "\n" not in text
-    assert text.startswith(f"{path}: ")
+    assert re.match(rf"{re.escape(str(path))}(:\d+)?: ", text), text  # the file, and its line where known
     assert message in text, text
 
 

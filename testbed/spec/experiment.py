@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from testbed.extension import extensions
 from testbed.spec.schedules import ScheduleError, check
-from testbed.spec.topology import (SpecError, Topology, key_text, load_topology, one_line, path_exists, read_yaml, resolve_topology,
+from testbed.spec.topology import (SpecError, SpecErrors, Topology, key_text, load_topology, one_line, path_exists, read_yaml, resolve_topology,
                    validation_error)
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a results folder and a cgroup are named after it
@@ -310,6 +310,8 @@ def parse_experiment(data: Any, origin: str = "<experiment>", base_dir: Path | N
     one-line message.  ``strict``: no coercion of types (what a file gets)."""
     try:
         return _parse_experiment(data, origin, base_dir, strict)
+    except SpecErrors:
+        raise  # several, one line each already
     except SpecError as exc:
         raise SpecError(one_line(str(exc))) from None
 
@@ -320,7 +322,7 @@ def _parse_experiment(data: Any, origin: str, base_dir: Path | None, strict: boo
     try:
         exp = Experiment.model_validate(data, strict=strict)
     except ValidationError as exc:
-        raise validation_error(exc, origin) from None
+        raise validation_error(exc, origin, Experiment) from None
     exp._origin = origin
     for variant in exp.compare or {}:
         if not re.match(NAME_PATTERN, f"{exp.name}-{variant}"):
@@ -362,7 +364,41 @@ def resolve_experiment(name_or_path: str | Path) -> Path:
     return p if path_exists(p) else (find_shipped("experiments", p) or p)  # read_yaml names a missing file
 
 
-def load_experiment(path: str | Path) -> Experiment:
-    """Read and validate an experiment YAML file (and the topology it names)."""
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...], origin: str) -> dict:
+    """``KEY.PATH=VALUE`` overrides (``training.iterations=3``, ``parallel.schedule=gpipe``), the
+    value read as YAML, into a copy of ``data``; validation then judges the result as if the
+    file said it.  A malformed one is a one-line SpecError."""
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise SpecError(f"{origin}: --set {text!r}: expected KEY.PATH=VALUE (for example training.iterations=3)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part) if isinstance(node, dict) else None
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise SpecError(f"{origin}: --set {text!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def load_experiment(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Experiment:
+    """Read and validate an experiment YAML file (and the topology it names), with
+    ``--set``-style ``overrides`` applied first (``apply_overrides``)."""
     path = resolve_experiment(path)
-    return parse_experiment(read_yaml(path), str(path), Path(path).parent, strict=True)
+    data = read_yaml(path)
+    if overrides:
+        data = apply_overrides(data, overrides, str(path))
+    return parse_experiment(data, str(path), Path(path).parent, strict=True)

@@ -20,6 +20,7 @@ are validated the same way, except that numbers may be coerced.
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import re
 from pathlib import Path
@@ -37,7 +38,12 @@ MAX_DEPTH = 64
 
 
 class SpecError(ValueError):
-    """A spec that cannot be used; ``str()`` is one line naming the file and the field."""
+    """A spec that cannot be used; ``str()`` is one line naming the file and the field (a
+    file with several mistakes: one such line per mistake, ``SpecErrors``)."""
+
+
+class SpecErrors(SpecError):
+    """Several mistakes in one file, each a line of ``str()``: ``FILE:LINE: field: problem``."""
 
 
 class _Strict(BaseModel):
@@ -265,11 +271,89 @@ def one_line(text: str) -> str:
     return str(text).replace("\r", "\\r").replace("\n", "\\n")
 
 
-def validation_error(exc: ValidationError, origin: str) -> SpecError:
-    """pydantic's first complaint as one line: origin, field path, problem."""
-    err = exc.errors()[0]
-    loc = _where(tuple(p for p in err["loc"] if p not in ("function-after",)))
-    return SpecError(one_line(f"{origin}: {loc}: {err['msg'].removeprefix('Value error, ')}"))
+MAX_REPORTED = 20  # mistakes listed at once
+
+
+def validation_error(exc: ValidationError, origin: str, model: type[BaseModel] | None = None) -> SpecError:
+    """Every complaint of pydantic's, one line each: origin (with the line, where ``origin`` is
+    a file), field path, problem, and for a misspelt key the closest the schema knows."""
+    lines_of = _key_lines(origin)
+    schema = _schema_of(model)
+    out = []
+    for err in exc.errors()[:MAX_REPORTED]:
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        line = next((lines_of[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines_of), None)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and loc and schema is not None:
+            close = difflib.get_close_matches(str(loc[-1]), _keys_at(schema, loc[:-1]), n=1, cutoff=0.6)
+            if close:
+                msg += f" (did you mean {close[0]!r}?)"
+        out.append(one_line(f"{origin}{f':{line}' if line else ''}: {_where(loc)}: {msg}"))
+    if len(out) == 1:
+        return SpecError(out[0])
+    return SpecErrors("\n".join(out))
+
+
+def _key_lines(origin: str) -> dict[tuple, int]:
+    """Where each key and list item of the YAML file ``origin`` starts (1-based lines); empty
+    where ``origin`` is not a readable file."""
+    try:
+        path = Path(origin)
+        if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+            return {}
+        root = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):
+        return {}
+    out: dict[tuple, int] = {}
+    stack = [(root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                here = prefix + (key.value,)
+                out.setdefault(here, key.start_mark.line + 1)
+                stack.append((value, here))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, value in enumerate(node.value):
+                out.setdefault(prefix + (i,), value.start_mark.line + 1)
+                stack.append((value, prefix + (i,)))
+    return out
+
+
+def _schema_of(model: type[BaseModel] | None) -> dict | None:
+    try:
+        return model.model_json_schema() if model is not None else None
+    except Exception:  # a schema pydantic cannot write only costs the suggestion
+        return None
+
+
+def _keys_at(schema: dict, loc: tuple) -> list[str]:
+    """The keys the JSON schema allows in the mapping at ``loc``."""
+    defs = schema.get("$defs", {})
+
+    def resolve(node: dict) -> dict:
+        for _ in range(8):
+            if "$ref" in node:
+                node = defs.get(node["$ref"].rsplit("/", 1)[-1], {})
+            elif "properties" not in node and ("anyOf" in node or "allOf" in node):
+                options = [resolve(o) for o in node.get("anyOf", node.get("allOf", []))]
+                node = next((o for o in options if "properties" in o or "items" in o
+                             or isinstance(o.get("additionalProperties"), dict)), {})
+            else:
+                break
+        return node
+
+    node = resolve(schema)
+    for part in loc:
+        if isinstance(part, int):
+            node = resolve(node.get("items", {}))
+        elif part in node.get("properties", {}):
+            node = resolve(node["properties"][part])
+        elif isinstance(node.get("additionalProperties"), dict):
+            node = resolve(node["additionalProperties"])
+        else:
+            return []
+    return list(node.get("properties", {}))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -363,7 +447,7 @@ def parse_topology(data: Any, origin: str = "<topology>", strict: bool = False) 
     try:
         return Topology.model_validate(data, strict=strict)
     except ValidationError as exc:
-        raise validation_error(exc, origin) from None
+        raise validation_error(exc, origin, Topology) from None
 
 
 def load_topology(path: str | Path) -> Topology:
