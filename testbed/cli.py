@@ -29,6 +29,23 @@ from testbed.cliutil import on_sigterm as _on_sigterm
 from testbed.extension import commands as _extension_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"testbed {version('geo-testbed')}")
+        except PackageNotFoundError:
+            print("testbed (not installed: run from a checkout)")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                           help="print the version and exit")) -> None:
+    """Geo-distributed training testbed."""
 topology_app = typer.Typer(no_args_is_help=True, help="Generate topology files.")
 app.add_typer(topology_app, name="topology")
 
@@ -79,6 +96,23 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
 
 
 @app.command()
+def schema(
+    kind: str = typer.Argument("experiment", help="experiment or topology"),
+) -> None:
+    """Print the JSON Schema of an experiment or a topology file (for editors: yaml-language-server)."""
+    from testbed.spec.experiment import Experiment
+    from testbed.spec.topology import Topology
+
+    models = {"experiment": Experiment, "topology": Topology}
+    if kind not in models:
+        _fail(f"schema: {kind!r} is not one of experiment, topology", 2)
+    doc = models[kind].model_json_schema()
+    doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    doc["title"] = f"geo-testbed {kind}"
+    print(json.dumps(doc, indent=1))
+
+
+@app.command()
 def fidelity(
     topology: str = typer.Argument(..., help="topology file or name in topologies/"),
     as_json: bool = typer.Option(False, "--json", help="print JSON (a list, one object per link direction)"),
@@ -120,9 +154,10 @@ def fidelity(
         _fail(str(exc))
     except KeyboardInterrupt as exc:
         fail_interrupted(exc)
+    bad = [f"{r.src} -> {r.dst}" for r in reports if not r.within_tolerance()]
     if as_json:
         out.print_json(json.dumps([r.to_dict() for r in reports]))
-        return
+        raise typer.Exit(1 if bad else 0)  # a direction out of tolerance is a failed check
     table = Table(title=f"{topo.name}: configured vs measured")
     for col in ("link", "RTT ms: conf / meas (source)", "one-way ms: conf / meas", "goodput Mbit/s (of rate)",
                 "retr", "ok"):
@@ -135,9 +170,10 @@ def fidelity(
                       f"{r.goodput_mbps_measured:.1f} / {r.rate_mbps_configured:g} ({r.goodput_ratio:.3f})",
                       str(r.retransmits), "[green]yes[/]" if r.within_tolerance() else "[red]no[/]")
     out.print(table)
-    bad = [f"{r.src} -> {r.dst}" for r in reports if not r.within_tolerance()]
     out.print(f"RTT within max(0.5 ms, 2%) and goodput 90-101% (steady state, slow start left out): "
               + ("every direction" if not bad else f"[red]not {', '.join(bad)}[/]"))
+    if bad:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -148,6 +184,10 @@ def run(
     inventory: Optional[Path] = typer.Option(None, help="an Ansible inventory: the DCs go to its machines "
                                                         "(README: several machines)"),
     machines: Optional[str] = typer.Option(None, help="with --inventory: DC=MACHINE,... (default: packed in order)"),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="KEY.PATH=VALUE over the file's own "
+                                                  "(repeatable), e.g. --set training.iterations=3"),
+    as_json: bool = typer.Option(False, "--json", help="print the run's summary as JSON on stdout (progress "
+                                                      "stays on stderr)"),
 ) -> None:
     """Build the topology, train across it, write metrics.json, timeline.json and plots."""
     import time
@@ -159,7 +199,7 @@ def run(
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        exp = load_experiment(experiment)
+        exp = load_experiment(experiment, overrides or ())
         if exp.device == "emulated":  # a bad profile fails before anything is made, variants or not
             from testbed.sim.device import device_profile
 
@@ -199,6 +239,11 @@ def run(
     except KeyboardInterrupt as exc:
         fail_interrupted(exc)
     s = result.summary
+    if as_json:
+        out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps({"experiment": exp.name, "topology": exp.topo.name, "results": str(out),
+                          "summary": s.to_dict()}, default=str))
+        return
     table = Table(title=f"{exp.name} on {exp.topo.name}")
     table.add_column("figure")
     table.add_column("value", justify="right")

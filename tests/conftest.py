@@ -30,7 +30,8 @@ import pytest
 
 import netem_vm
 from netem_vm import (  # noqa: F401  (hooks: the netem variants run in the netem VM on a kernel without netem)
-    pytest_pyfunc_call, pytest_runtest_logreport, runs_in_vm)
+    pytest_collection_finish, pytest_pyfunc_call, pytest_runtest_logreport, pytest_runtest_setup, pytest_sessionfinish,
+    runs_in_vm)
 from testbed.net.kernel import Capabilities
 from testbed.spec.topology import Topology, parse_topology
 from testbed.tools import pytest_plugin

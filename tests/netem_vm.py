@@ -10,6 +10,13 @@ stock Debian kernel, built and provisioned once and cached in ``/var/cache/geo-t
 read-only); each host test then passes, fails or skips as its twin did in the guest, with
 the guest's report.  The VM is gone before the first result is reported.
 
+The VM does not wait for its turn: once the session's tests are collected it starts in a
+thread of its own (``pytest_collection_finish``), the tests that build no network are moved
+to the front (``pytest_collection_modifyitems``) and run beside it, and the first test that
+builds a network waits for the VM to finish (``pytest_runtest_setup``), so no timing test on
+this machine shares its CPUs with the guest.  Under TCG the VM needs one core for about four
+minutes, which the tests that build nothing fill.
+
 ``GTB_NETEM_VM``: ``auto`` (default: use the VM where the host has no netem; skip with
 the reason where it cannot run), ``required`` (fail instead of skipping: ``setup.sh test``
 sets it) or ``off`` (never; the netem variants skip on a kernel without netem).  The guest
@@ -22,11 +29,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import pytest
 
 _KEY = pytest.StashKey[dict]()  # the session's VM run, on config.stash
+_THREAD = pytest.StashKey[threading.Thread]()  # the VM run started early
+_SAID = pytest.StashKey[list]()  # what the early run would have said, said when it is joined
+_CANCEL = threading.Event()  # set when the session ends first: the VM is stopped, not waited for
 # The guest's whole pytest run (~4 min under TCG here) gives up after this: CI stays bounded.
 _TIMEOUT_S = float(os.environ.get("GTB_NETEM_VM_TIMEOUT_S", 900))
 
@@ -51,10 +62,59 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "netem: a netem variant (runs in the netem VM on a kernel without netem)")
 
 
+def _builds_networks(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(m) is not None for m in ("network", "fidelity", "chaos", "netem"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _is_netem_variant(item):
             item.add_marker(pytest.mark.netem)
+    if any(runs_in_vm(item) for item in items):  # the tests that build nothing first, beside the VM
+        items[:] = sorted(items, key=_builds_networks)  # stable: each group keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the VM run now, in a thread, when some test's body runs in it."""
+    if session.config.option.collectonly or _THREAD in session.config.stash:
+        return
+    if not any(runs_in_vm(item) for item in session.items):
+        return
+    said: list[str] = []
+    session.config.stash[_SAID] = said
+    thread = threading.Thread(target=_run_now, args=(session, said.append), daemon=True, name="netem-vm")
+    session.config.stash[_THREAD] = thread
+    thread.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session that ends before its netem tests (``-x``, Ctrl-C) stops the VM."""
+    thread = session.config.stash.get(_THREAD, None)
+    if thread is not None and thread.is_alive():
+        _CANCEL.set()
+        thread.join(30)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The first test that builds a network here waits for the VM to be gone."""
+    if _builds_networks(item) and not runs_in_vm(item):
+        _join(item.session)
+
+
+def _join(session: pytest.Session) -> None:
+    thread = session.config.stash.get(_THREAD, None)
+    if thread is None:
+        return
+    say = _progress(session)
+    if thread.is_alive():
+        say("waiting for the netem VM before the tests that build networks here")
+        t0 = time.monotonic()
+        thread.join()
+        say(f"waited {time.monotonic() - t0:.0f} s")
+    for line in session.config.stash.get(_SAID, []):
+        say(line)
+    session.config.stash[_SAID] = []
 
 
 def runs_in_vm(item: pytest.Item) -> bool:
@@ -95,10 +155,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
 
 
 def _run_in_vm(session: pytest.Session) -> dict:
-    """Boot the VM once per session and run every selected netem variant in it."""
+    """The session's VM run: the early one's (waited for), else one now."""
+    _join(session)
     stash = session.config.stash
     if _KEY in stash:
         return stash[_KEY]
+    return _run_now(session, _progress(session))
+
+
+def _run_now(session: pytest.Session, say) -> dict:
+    """Boot the VM once per session and run every selected netem variant in it."""
+    stash = session.config.stash
     from testbed.tools import vm
 
     run: dict = {"results": {}, "accel": "?", "kernel": "?", "tail": ""}
@@ -108,7 +175,6 @@ def _run_in_vm(session: pytest.Session) -> dict:
         run["unavailable"] = why
         return run
     nodeids = [item.nodeid for item in session.items if _is_netem_variant(item)]
-    say = _progress(session)
     t0 = time.monotonic()
     try:
         image = vm.ensure_image(progress=say)
@@ -121,7 +187,7 @@ def _run_in_vm(session: pytest.Session) -> dict:
     verbose = os.environ.get("GTB_NETEM_VM_VERBOSE")
     try:
         result = vm.run_job(vm.pytest_job(nodeids), image=image, timeout_s=_TIMEOUT_S,
-                            on_line=(lambda line: say(f"  vm: {line}")) if verbose else None)
+                            on_line=(lambda line: say(f"  vm: {line}")) if verbose else None, cancel=_CANCEL)
     except Exception as exc:  # noqa: BLE001 - every netem test then fails with this
         run["tail"] = f"the VM did not run: {type(exc).__name__}: {exc}"
         return run

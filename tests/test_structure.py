@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import ast
 import io
-import re
 import json
+import os
+import re
 import subprocess
 import sys
 import tokenize
@@ -210,16 +211,17 @@ def test_the_wheel_holds_every_package_and_data_file(tmp_path):
     (site / "_deps.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")  # the deps only
     empty.mkdir()
     python = str(prefix / "bin" / "python")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed copy, not a checkout
     probe = ("import json, testbed, agents.titan.spec as t; from testbed.spec.experiment import load_experiment; "
              "e = load_experiment('default'); print(json.dumps([testbed.__file__, e._topo_file, "
              "t.load_spec(t.EmulationSpec, 'experiments/titan/emu.yaml').name]))")
-    result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=empty, timeout=120)
+    result = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=empty, timeout=120, env=clean)
     assert result.returncode == 0, result.stderr[-2000:]
     module, topology, titan = json.loads(result.stdout)
     assert module.startswith(str(site)) and topology.startswith(str(prefix / "share" / "geo-testbed")), (module, topology)
     assert titan == "titan-emu"
     result = subprocess.run([python, "-m", "testbed.cli", "sim", "default", "--json"], capture_output=True, text=True,
-                            cwd=empty, timeout=120)
+                            cwd=empty, timeout=120, env=clean)
     assert result.returncode == 0 and json.loads(result.stdout)["workers"] == 6, result.stderr[-2000:]
 
 

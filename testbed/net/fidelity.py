@@ -68,7 +68,8 @@ class LinkReport:
     window_bytes: int | None = None  # the goodput flow's window clamp (``measuring_window``)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Its fields, and ``ok``: within tolerance (``testbed fidelity`` exits 1 unless every one is)."""
+        return asdict(self) | {"ok": self.within_tolerance()}
 
     def within_tolerance(self) -> bool:
         """RTT within max(0.5 ms, 2%) of the configured round trip, goodput 90-101% of the rate

@@ -1,8 +1,11 @@
 """The emulated network: DCs of hosts behind gateway routers, joined by shaped WAN links.
 
-How it fits: hosts and routers are Mininet nodes (unnamed network namespaces, one bash
-each), each DC's hosts hang off a Linux bridge (``LinuxBridge``, no controller), and each
-DC has one gateway router.  WAN links are veth pairs between gateways with static routes
+How it fits: hosts and routers are Mininet hosts (unnamed network namespaces, one bash
+each, their shells started all at once), each DC's hosts hang off a Linux bridge, and each
+DC has one gateway router.  The bridges and veth pairs are made through netlink
+(pyroute2) and the addresses by every shell at once, rather than by Mininet's ``Link``
+and ``LinuxBridge``, which run a few commands per interface one after the other: the
+network comes up faster than bare Mininet does for the same hosts.  WAN links are veth pairs between gateways with static routes
 (shortest delay), so traffic between two DCs crosses exactly their link.  Each direction of
 a WAN link is shaped at the sending gateway:
 
@@ -56,14 +59,70 @@ _DELAYLINE_START_TIMEOUT_S = 20.0
 
 
 def _import_mininet():
+    """Mininet's ``Host``, made to start its shell without waiting for the others'
+    (``_start_together``)."""
     mininet_on_path()
     from mininet.log import setLogLevel
-    from mininet.net import Mininet
     from mininet.node import Host
-    from mininet.nodelib import LinuxBridge
 
     setLogLevel("error")
-    return Mininet, Host, LinuxBridge
+    return _start_together(Host)
+
+
+def _start_together(cls):
+    """``cls`` whose shells start without waiting for each other: Mininet's ``startShell``
+    spawns the node's shell and then waits for its prompt and for one command, node after
+    node, which is most of a large network's start-up.  Here it returns once the shell is
+    spawned; ``_finish_shells`` then waits for every prompt at once and sends the same first
+    command to all (what Mininet does for one, for every shell in parallel).  Mininet's own
+    code runs unchanged: only its two waits are put off."""
+
+    class Together(cls):
+        _putting_off = False
+
+        def startShell(self, mnopts=None):
+            self._putting_off = True
+            try:
+                super().startShell(mnopts)
+            finally:
+                self._putting_off = False
+            self._pending_prompt = True
+
+        def read(self, *args, **kwargs):
+            return chr(127) if self._putting_off else super().read(*args, **kwargs)
+
+        def cmd(self, *args, **kwargs):
+            return "" if self._putting_off else super().cmd(*args, **kwargs)
+
+    Together.__name__ = Together.__qualname__ = f"Together{cls.__name__}"
+    return Together
+
+
+def _finish_shells(nodes: list, timeout_s: float = 60.0) -> None:
+    """Wait for the prompt of every shell ``_start_together`` left pending, then run Mininet's
+    first command in all of them at once."""
+    import select
+
+    pending = {n.stdout.fileno(): n for n in nodes if getattr(n, "_pending_prompt", False)}
+    poller = select.poll()
+    for fd in pending:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(pending)
+    while waiting:
+        if time.monotonic() > deadline:
+            raise NetworkError(f"the shells of {', '.join(sorted(n.name for n in waiting.values()))} gave no "
+                               f"prompt in {timeout_s:.0f} s")
+        for fd, _ in poller.poll(1000):
+            node = waiting.get(fd)
+            if node is not None and node.read(1024).endswith(chr(127)):
+                poller.unregister(fd)
+                del waiting[fd]
+    for node in pending.values():
+        node._pending_prompt = False
+        node.sendCmd("unset HISTFILE; stty -echo; set +m")
+    for node in pending.values():
+        node.waitOutput()
 
 
 @dataclass
@@ -301,7 +360,7 @@ class Network(HostIndex):
         self._lanes = self.backends.delay == "tun" or scheduling
         self.registry = Registry()
         self._progress = progress or (lambda msg: None)
-        self._net = None
+        self._nodes: list[Any] = []  # every Mininet host made here (gateways too), in order
         self._hosts: dict[str, list[HostInfo]] = {}
         self._routers: dict[str, Any] = {}
         self._iprs: dict[str, Any] = {}
@@ -451,39 +510,46 @@ class Network(HostIndex):
         self.startup_s = time.monotonic() - t0
         return self
 
+    def _host_tcp_problem(self) -> str | None:
+        """Why the hosts cannot run cubic TCP (None when they can): a new namespace starts with
+        the machine's default congestion control and may switch only to an allowed one."""
+        try:
+            allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+        except OSError:
+            return None  # no such file: nothing to check
+        if "cubic" in allowed:
+            return None
+        return (f"the emulated hosts' TCP must be cubic, and this machine lets a namespace choose only "
+                f"{' '.join(allowed)} (net.ipv4.tcp_allowed_congestion_control; testbed provision adds cubic)")
+
     def _build(self) -> None:
-        Mininet, Host, LinuxBridge = _import_mininet()
+        """Hosts and gateways are Mininet hosts (a shell in a network namespace of its own,
+        started all at once); the DC bridges, the veth pairs and the addresses are made here
+        through netlink and the shells in parallel, not by Mininet's ``Link``, which runs a few
+        shell commands per interface one after the other (``_wire``)."""
+        why = self._host_tcp_problem()
+        if why:
+            raise NetworkError(why)
+        Host = _import_mininet()
         topo = self.topo
         self._progress("creating hosts")
-        net = Mininet(
-            topo=None, switch=LinuxBridge, controller=None, build=False,
-            autoSetMacs=False, autoStaticArp=False, waitConnected=False,
-        )
-        self._net = net
         for dc in topo.dcs:
             if dc.name not in self.local:
                 continue
             i = self._index[dc.name]
-            sw_name = self._node_name(dc.name, "s")
-            self.registry.link(sw_name)
-            net.addSwitch(sw_name, dpid=f"{i:016x}")
-            router = net.addHost(self._node_name(dc.name, "r"), ip=f"10.{i}.0.254/24")
+            router = Host(self._node_name(dc.name, "r"))
+            self._nodes.append(router)
             self.registry.process(router.pid, f"router:{dc.name}")
             self._routers[dc.name] = router
             self._hosts[dc.name] = []
             for j in range(1, dc.hosts + 1):
                 name = self._node_name(dc.name, "h", j)
-                node = net.addHost(name, ip=f"10.{i}.0.{j}/24")
+                node = Host(name)
+                self._nodes.append(node)
                 self.registry.process(node.pid, f"host:{dc.name}")
                 self._hosts[dc.name].append(HostInfo(dc.name, j - 1, name, f"10.{i}.0.{j}", node))
-        self._progress("creating links")
-        for dc in topo.dcs:
-            if dc.name not in self.local:
-                continue
-            sw = net[self._node_name(dc.name, "s")]
-            net.addLink(self._routers[dc.name], sw)
-            for h in self._hosts[dc.name]:
-                net.addLink(h.node, sw)
+        _finish_shells(self._nodes)
+        wan: list[tuple[str, str, str, str]] = []  # (dc a, dc b, a's address, b's address)
         for n, link in enumerate(topo.wan):
             base = ipaddress.ip_address("10.255.0.0") + 4 * n
             a_ip, b_ip = f"{base + 1}", f"{base + 2}"
@@ -497,20 +563,60 @@ class Network(HostIndex):
                     self._tunnel_addr[(here[0], link.b if here[0] == link.a else link.a)] = \
                         a_ip if here[0] == link.a else b_ip
                 continue
-            net.addLink(
-                self._routers[link.a], self._routers[link.b],
-                intfName1=self._wan_ifname(link.a, link.b), intfName2=self._wan_ifname(link.b, link.a),
-                params1={"ip": f"{a_ip}/30"}, params2={"ip": f"{b_ip}/30"},
-            )
-        net.build()
-        net.start()
+            wan.append((link.a, link.b, a_ip, b_ip))
+        self._progress("creating links")
+        self._wire(wan, self._host_commands() | self._router_commands())
         self._quiet_root_side()
-        self._progress("configuring hosts")
-        self._configure_hosts()
         self._progress("configuring gateways")
         self._configure_routers()
         self._progress("shaping WAN links")
         self._shape_links()
+
+    def _wire(self, wan: list[tuple[str, str, str, str]], then: dict[Any, str]) -> None:
+        """Each DC's bridge with a veth to every host and to the gateway, a veth between the two
+        gateways of each WAN link, every end up with its address (Mininet's names: a host's
+        end ``NAME-eth0``, a bridge port ``BRIDGE-ethK``, a WAN end ``_wan_ifname``), then
+        each node's ``then`` command, in the same round of every shell at once."""
+        from pyroute2 import IPRoute
+
+        def ns(node) -> str:
+            return f"/proc/{node.pid}/ns/net"
+
+        per_node: dict[Any, list[str]] = {node: ["ip link set lo up"] for node in self._nodes}
+        with IPRoute() as ipr:
+            for dc in self.topo.dcs:
+                if dc.name not in self.local:
+                    continue
+                i = self._index[dc.name]
+                bridge = self._node_name(dc.name, "s")
+                self.registry.link(bridge)
+                ipr.link("add", ifname=bridge, kind="bridge")
+                master = ipr.link_lookup(ifname=bridge)[0]
+                members = [(self._routers[dc.name], f"10.{i}.0.254/24")] + \
+                          [(h.node, f"{h.ip}/24") for h in self._hosts[dc.name]]
+                for k, (node, cidr) in enumerate(members, start=1):
+                    port, inside = f"{bridge}-eth{k}", f"{node.name}-eth0"
+                    ipr.link("add", ifname=port, kind="veth", peer={"ifname": inside, "net_ns_fd": ns(node)})
+                    ipr.link("set", index=ipr.link_lookup(ifname=port)[0], master=master, state="up")
+                    per_node[node] += [f"ip addr add {cidr} dev {inside}", f"ip link set {inside} up"]
+                ipr.link("set", index=master, state="up")
+            for a, b, a_ip, b_ip in wan:
+                ra, rb = self._routers[a], self._routers[b]
+                end_a, end_b = self._wan_ifname(a, b), self._wan_ifname(b, a)
+                tmp = f"{PREFIX}w{os.getpid() % 100000}"  # made here, moved to a's namespace at once
+                ipr.link("add", ifname=tmp, kind="veth", peer={"ifname": end_b, "net_ns_fd": ns(rb)})
+                ipr.link("set", index=ipr.link_lookup(ifname=tmp)[0], net_ns_fd=ns(ra), ifname=end_a)
+                per_node[ra] += [f"ip addr add {a_ip}/30 dev {end_a}", f"ip link set {end_a} up"]
+                per_node[rb] += [f"ip addr add {b_ip}/30 dev {end_b}", f"ip link set {end_b} up"]
+        for node, cmds in per_node.items():  # in parallel: every shell works at once
+            node.sendCmd("; ".join(cmds + ([then[node]] if node in then else [])))
+        failed = []
+        for node in per_node:
+            out = node.waitOutput().strip()
+            if out:
+                failed.append(f"{node.name}: {out.splitlines()[0]}")
+        if failed:
+            raise NetworkError(f"configuring interfaces failed: {'; '.join(failed[:3])}")
 
     def _quiet_root_side(self) -> None:
         """Our interfaces in the root namespace carry no IP: switch off IPv6 there too."""
@@ -522,8 +628,9 @@ class Network(HostIndex):
                 except OSError:
                     pass
 
-    def _configure_hosts(self) -> None:
-        cmds = []
+    def _host_commands(self) -> dict[Any, str]:
+        """Each host's settings: sysctls, its default route, its MTU and shaping."""
+        cmds = {}
         for dc in self.topo.dcs:
             if dc.name not in self.local:
                 continue
@@ -541,25 +648,21 @@ class Network(HostIndex):
                 if rate > 0:
                     burst = max(32000, int(rate * 1e6 / 8 * 0.002))
                     cmd += f"; tc qdisc add dev {h.name}-eth0 root tbf rate {rate}mbit burst {burst} latency 20ms"
-                cmds.append((h.node, cmd))
-        for node, cmd in cmds:  # in parallel: every shell works at once
-            node.sendCmd(cmd)
-        for node, _ in cmds:
-            node.waitOutput()
+                cmds[h.node] = cmd
+        return cmds
+
+    def _router_commands(self) -> dict[Any, str]:
+        """Each gateway's settings: it forwards, with no reverse-path filter or redirects."""
+        return {router: ("sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0 "
+                         "net.ipv4.conf.default.rp_filter=0 net.ipv6.conf.all.disable_ipv6=1 "
+                         "net.ipv6.conf.default.disable_ipv6=1 net.ipv4.conf.all.send_redirects=0 "
+                         "net.ipv4.conf.default.send_redirects=0; "
+                         "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")
+                for router in self._routers.values()}
 
     def _configure_routers(self) -> None:
         from pyroute2 import IPRoute
 
-        for dc, router in self._routers.items():
-            router.sendCmd(
-                "sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0 "
-                "net.ipv4.conf.default.rp_filter=0 net.ipv6.conf.all.disable_ipv6=1 "
-                "net.ipv6.conf.default.disable_ipv6=1 net.ipv4.conf.all.send_redirects=0 "
-                "net.ipv4.conf.default.send_redirects=0; "
-                "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done"
-            )
-        for router in self._routers.values():
-            router.waitOutput()
         for dc, router in self._routers.items():
             self._iprs[dc] = IPRoute(netns=f"/proc/{router.pid}/ns/net", flags=0)
         self._make_tunnels()
@@ -719,16 +822,14 @@ class Network(HostIndex):
             except Exception:
                 pass
         self._iprs.clear()
-        if self._net is not None:
-            # Not Mininet's net.stop(): it drives every shell to delete interfaces one by
-            # one, and hangs on a shell whose command was interrupted.  Ending the shells
-            # removes their namespaces and veth pairs; clean() removes the bridges.
-            for node in self._net.hosts:
-                try:
-                    node.terminate()
-                except Exception:
-                    pass
-            self._net = None
+        # Ending the shells removes their namespaces and veth pairs; clean() removes the
+        # bridges (and whatever a crash left).
+        for node in self._nodes:
+            try:
+                node.terminate()
+            except Exception:
+                pass
+        self._nodes.clear()
         from testbed.registry import clean
 
         clean(self.registry.dir, holding_lock=True)

@@ -199,27 +199,37 @@ def register(app: typer.Typer) -> None:
         client = _client(lab)
         signal.signal(signal.SIGTERM, on_sigterm)
         rows = 0
+        state: dict = {"t0": None, "prev": None}
+
+        def take(w) -> None:
+            nonlocal rows
+            sample = client.counter_table()
+            if state["t0"] is None:
+                state["t0"] = min(c["time"] for c in sample.values())
+            prev = state["prev"]
+            for key, c in sample.items():
+                p = prev.get(key) if prev else None
+                mbps = "" if p is None or c["time"] <= p["time"] else \
+                    f"{(c['tx_bytes'] - p['tx_bytes']) * 8 / (c['time'] - p['time']) / 1e6:.3f}"
+                w.writerow([f"{c['time'] - state['t0']:.4f}", key, c["tx_bytes"], c["tx_packets"], c["drops"],
+                            c["backlog_bytes"], mbps])
+                rows += 1
+            state["prev"] = sample
+
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             path = out_dir / "counters.csv"
             with open(path, "w", newline="") as fh:
                 w = csv.writer(fh)
                 w.writerow(["time_s", "link", "tx_bytes", "tx_packets", "drops", "backlog_bytes", "mbps"])
-                t0 = prev = None
                 end = None if duration is None else time.monotonic() + duration
-                while end is None or time.monotonic() < end:
-                    sample = client.counter_table()
-                    t0 = t0 if t0 is not None else min(c["time"] for c in sample.values())
-                    for key, c in sample.items():
-                        p = prev.get(key) if prev else None
-                        mbps = "" if p is None or c["time"] <= p["time"] else \
-                            f"{(c['tx_bytes'] - p['tx_bytes']) * 8 / (c['time'] - p['time']) / 1e6:.3f}"
-                        w.writerow([f"{c['time'] - t0:.4f}", key, c["tx_bytes"], c["tx_packets"], c["drops"],
-                                    c["backlog_bytes"], mbps])
-                        rows += 1
-                    fh.flush()
-                    prev = sample
-                    time.sleep(interval_ms / 1000)
+                try:
+                    while end is None or time.monotonic() < end:
+                        take(w)
+                        fh.flush()
+                        time.sleep(interval_ms / 1000)
+                except KeyboardInterrupt:
+                    take(w)  # Ctrl-C ends it with one last sample: what crossed until then is counted
         except KeyboardInterrupt:
             pass
         except OSError as exc:

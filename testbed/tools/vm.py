@@ -507,8 +507,10 @@ def _bootable(image: Image | None, accel: str | None) -> tuple[Image, str]:
 
 def run_job(script: str, image: Image | None = None, network: bool = False, writable: bool = False,
             share_src: bool = True, timeout_s: float = _DEFAULT_TIMEOUT_S, accel: str | None = None,
-            on_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None) -> JobResult:
-    """Boot the VM, run ``script`` (sh) as root in it, power off; the VM is gone when this returns.
+            on_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None,
+            cancel: "threading.Event | None" = None) -> JobResult:
+    """Boot the VM, run ``script`` (sh) as root in it, power off; the VM is gone when this returns
+    (also once ``cancel`` is set: a job run from a thread, given up).
 
     The project is at ``/mnt/gtb`` (read-only) unless ``share_src`` is false; the script
     may leave files in ``/mnt/gtbjob``, which come back in ``JobResult.files``.
@@ -526,10 +528,17 @@ def run_job(script: str, image: Image | None = None, network: bool = False, writ
         tail = _ConsoleTail(job_dir / "console.log", t0, on_line)
         timed_out = False
         try:
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            deadline = t0 + timeout_s
+            while True:
+                try:
+                    proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())) if cancel else timeout_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    if cancel is not None and cancel.is_set():
+                        break
+                    if time.monotonic() >= deadline:
+                        timed_out = True
+                        break
         finally:
             _stop_qemu(proc)  # also on Ctrl-C: the VM never outlives this call
             tail.stop()
