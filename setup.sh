@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this machine for the testbed (idempotent), then run what was asked:
 #   bash setup.sh demo   -> the main job (experiments/default.yaml) on its default topology
-#   bash setup.sh test   -> the test suite
+#   bash setup.sh test   -> the test suite (more arguments go to pytest: test -m "not slow",
+#                           test tests/test_lab.py, test -k wan)
 #   bash setup.sh        -> set up only
 # Needs root. It bootstraps only what Ansible needs to start (Python, a venv with the
 # project and ansible-runner), then runs playbooks/site.yml through `testbed provision`:
@@ -48,10 +49,11 @@ case "$what" in
     apt_install vagrant  # the tests validate the Vagrantfile
     # Where this kernel has no netem, the netem variants run in a VM with Debian's stock kernel
     # (testbed/tools/vm.py, tests/netem_vm.py; its image is built once, ~8 min, into
-    # /var/cache/geo-testbed/vm). Required here: a VM that cannot be built or run fails those
-    # tests with the one-line reason instead of skipping them; a build gives up after 20 min.
+    # /var/cache/geo-testbed/vm; it builds and runs beside the tests that build no network).
+    # Required here: a VM that cannot be built or run fails those tests with the one-line
+    # reason instead of skipping them; a build gives up after 20 min.
     apt_install qemu-system-x86 debootstrap e2fsprogs
     export GTB_NETEM_VM="${GTB_NETEM_VM:-required}"
-    exec .venv/bin/python -m pytest -ra --durations=15 ;;
+    exec .venv/bin/python -m pytest -ra --durations=15 "${@:2}" ;;
   *) echo "usage: bash setup.sh [setup|demo|test]" >&2; exit 2 ;;
 esac

@@ -143,26 +143,38 @@ def _bare_mininet(n_dcs: int, hosts_per_dc: int) -> tuple[float, float]:
     return start, stop
 
 
-def startup(caps, sizes) -> list[dict]:
+def startup(caps, sizes, repeats: int = 3) -> list[dict]:
+    """Each size built ``repeats`` times, alternating with bare Mininet; medians, and the
+    ratio of each pair (the testbed's start over bare Mininet's, measured back to back)."""
+    import statistics
+
     names = [r for r in ["Virginia", "Ohio", "Oregon", "London", "Frankfurt", "Ireland", "Tokyo", "Seoul",
                          "Singapore", "Sydney"] if r in regions()]
     rows = []
     for n_dcs, per_dc in sizes:
         topo = parse_topology(aws_topology(f"bench-{n_dcs}x{per_dc}", names[:n_dcs], 10, per_dc))
-        net = Network(topo, caps=caps)
-        net.start()
-        t0 = time.monotonic()
-        net.stop()
-        stop = time.monotonic() - t0
-        bare_start, bare_stop = _bare_mininet(n_dcs, per_dc)
-        row = {"dcs": n_dcs, "hosts": n_dcs * per_dc, "wan_directions": len(topo.directions()),
-               "start_s": round(net.startup_s, 2), "stop_s": round(stop, 2),
-               "bare_mininet_start_s": round(bare_start, 2), "bare_mininet_stop_s": round(bare_stop, 2),
-               "start_ratio": round(net.startup_s / bare_start, 2)}
+        starts, stops, bare_starts, bare_stops, ratios = [], [], [], [], []
+        for _ in range(repeats):
+            net = Network(topo, caps=caps)
+            net.start()
+            t0 = time.monotonic()
+            net.stop()
+            stops.append(time.monotonic() - t0)
+            starts.append(net.startup_s)
+            bare_start, bare_stop = _bare_mininet(n_dcs, per_dc)
+            bare_starts.append(bare_start)
+            bare_stops.append(bare_stop)
+            ratios.append(net.startup_s / bare_start)
+        med = statistics.median
+        row = {"dcs": n_dcs, "hosts": n_dcs * per_dc, "wan_directions": len(topo.directions()), "repeats": repeats,
+               "start_s": round(med(starts), 2), "stop_s": round(med(stops), 2),
+               "bare_mininet_start_s": round(med(bare_starts), 2), "bare_mininet_stop_s": round(med(bare_stops), 2),
+               "start_ratio": round(med(ratios), 2), "start_ratio_range": [round(min(ratios), 2), round(max(ratios), 2)]}
         rows.append(row)
         print(f"  {n_dcs} DCs x {per_dc} hosts ({row['hosts']} hosts, {row['wan_directions']} WAN directions): "
               f"start {row['start_s']} s, stop {row['stop_s']} s; bare Mininet start {row['bare_mininet_start_s']} s, "
-              f"stop {row['bare_mininet_stop_s']} s; ratio {row['start_ratio']}", flush=True)
+              f"stop {row['bare_mininet_stop_s']} s; ratio {row['start_ratio']} "
+              f"({row['start_ratio_range'][0]}-{row['start_ratio_range'][1]} over {repeats})", flush=True)
     return rows
 
 
@@ -170,6 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller start-up sizes, shorter runs")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--only", choices=["goodput", "cpu", "rtt", "startup", "shaping"], help="one section")
     args = ap.parse_args()
     caps = probe()
     results = {"machine": {"cores": os.cpu_count(), "kernel": os.uname().release}}
@@ -178,16 +191,21 @@ def main() -> None:
     results["backends"] = vars(choose_backends(caps))
     print(f"backends: {results['backends']}", flush=True)
     print("1. TCP goodput through one link, no rate limit", flush=True)
-    results["goodput_unshaped"] = goodput_unshaped(caps, seconds=3 if args.quick else 5)
+    if args.only in (None, "goodput"):
+        results["goodput_unshaped"] = goodput_unshaped(caps, seconds=3 if args.quick else 5)
     print("2. delay-backend CPU cost", flush=True)
-    results["cpu"] = cpu_per_100mbit(caps, seconds=3 if args.quick else 5)
+    if args.only in (None, "cpu"):
+        results["cpu"] = cpu_per_100mbit(caps, seconds=3 if args.quick else 5)
     print("3. RTT error", flush=True)
-    results["rtt"] = rtt_error(caps)
+    if args.only in (None, "rtt"):
+        results["rtt"] = rtt_error(caps)
     print("4. start-up and stop", flush=True)
     sizes = [(3, 8), (8, 8)] if args.quick else [(3, 8), (8, 8), (8, 32)]
-    results["startup"] = startup(caps, sizes)
+    if args.only in (None, "startup"):
+        results["startup"] = startup(caps, sizes)
     print("5. shaping", flush=True)
-    results["shaping"] = shaping(caps, seconds=3 if args.quick else 4)
+    if args.only in (None, "shaping"):
+        results["shaping"] = shaping(caps, seconds=3 if args.quick else 4)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

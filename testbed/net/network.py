@@ -572,7 +572,8 @@ class Network(HostIndex):
         self._progress("shaping WAN links")
         self._shape_links()
 
-    def _wire(self, wan: list[tuple[str, str, str, str]], then: dict[Any, str]) -> None:
+    def _wire(self, wan: list[tuple[str, str, str, str]],
+              then: dict[Any, tuple[dict[str, str], list[str], str]]) -> None:
         """Each DC's bridge with a veth to every host and to the gateway, a veth between the two
         gateways of each WAN link, every end up with its address (Mininet's names: a host's
         end ``NAME-eth0``, a bridge port ``BRIDGE-ethK``, a WAN end ``_wan_ifname``), then
@@ -582,7 +583,7 @@ class Network(HostIndex):
         def ns(node) -> str:
             return f"/proc/{node.pid}/ns/net"
 
-        per_node: dict[Any, list[str]] = {node: ["ip link set lo up"] for node in self._nodes}
+        per_node: dict[Any, list[str]] = {node: ["link set lo up"] for node in self._nodes}  # ip -batch lines
         with IPRoute() as ipr:
             for dc in self.topo.dcs:
                 if dc.name not in self.local:
@@ -596,20 +597,24 @@ class Network(HostIndex):
                           [(h.node, f"{h.ip}/24") for h in self._hosts[dc.name]]
                 for k, (node, cidr) in enumerate(members, start=1):
                     port, inside = f"{bridge}-eth{k}", f"{node.name}-eth0"
-                    ipr.link("add", ifname=port, kind="veth", peer={"ifname": inside, "net_ns_fd": ns(node)})
-                    ipr.link("set", index=ipr.link_lookup(ifname=port)[0], master=master, state="up")
-                    per_node[node] += [f"ip addr add {cidr} dev {inside}", f"ip link set {inside} up"]
+                    # one request: the pair made, its far end in the node, its near end on the bridge and up
+                    ipr.link("add", ifname=port, kind="veth", master=master, state="up",
+                             peer={"ifname": inside, "net_ns_fd": ns(node)})
+                    per_node[node] += [f"addr add {cidr} dev {inside}", f"link set {inside} up"]
                 ipr.link("set", index=master, state="up")
             for a, b, a_ip, b_ip in wan:
                 ra, rb = self._routers[a], self._routers[b]
                 end_a, end_b = self._wan_ifname(a, b), self._wan_ifname(b, a)
-                tmp = f"{PREFIX}w{os.getpid() % 100000}"  # made here, moved to a's namespace at once
-                ipr.link("add", ifname=tmp, kind="veth", peer={"ifname": end_b, "net_ns_fd": ns(rb)})
-                ipr.link("set", index=ipr.link_lookup(ifname=tmp)[0], net_ns_fd=ns(ra), ifname=end_a)
-                per_node[ra] += [f"ip addr add {a_ip}/30 dev {end_a}", f"ip link set {end_a} up"]
-                per_node[rb] += [f"ip addr add {b_ip}/30 dev {end_b}", f"ip link set {end_b} up"]
-        for node, cmds in per_node.items():  # in parallel: every shell works at once
-            node.sendCmd("; ".join(cmds + ([then[node]] if node in then else [])))
+                ipr.link("add", ifname=end_a, kind="veth", net_ns_fd=ns(ra),  # both ends made in place
+                         peer={"ifname": end_b, "net_ns_fd": ns(rb)})
+                per_node[ra] += [f"addr add {a_ip}/30 dev {end_a}", f"link set {end_a} up"]
+                per_node[rb] += [f"addr add {b_ip}/30 dev {end_b}", f"link set {end_b} up"]
+        for node, lines in per_node.items():  # in parallel: every shell works at once
+            sysctls, more, shell = then.get(node, ({}, [], ""))
+            # sysctls written by the shell itself and one ``ip`` for the rest: few processes per node
+            writes = [f"echo '{v}' > /proc/sys/{k.replace('.', '/')}" for k, v in sysctls.items()]
+            batch = " ".join(f"'{x}'" for x in lines + more)
+            node.sendCmd("; ".join(writes + [f"ip -batch <(printf '%s\\n' {batch})"] + ([shell] if shell else [])))
         failed = []
         for node in per_node:
             out = node.waitOutput().strip()
@@ -628,8 +633,9 @@ class Network(HostIndex):
                 except OSError:
                     pass
 
-    def _host_commands(self) -> dict[Any, str]:
-        """Each host's settings: sysctls, its default route, its MTU and shaping."""
+    def _host_commands(self) -> dict[Any, tuple[dict[str, str], list[str], str]]:
+        """Each host's settings: (sysctls, ``ip -batch`` lines, a shell command): IPv6 off, TCP
+        cubic with WAN-sized buffers, its default route, its MTU and shaping."""
         cmds = {}
         for dc in self.topo.dcs:
             if dc.name not in self.local:
@@ -637,27 +643,26 @@ class Network(HostIndex):
             gw = self.gateway_ip(dc.name)
             rate = self.topo.intra_dc.rate_mbps
             for h in self._hosts[dc.name]:
-                cmd = (
-                    "sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 "
-                    "net.ipv4.tcp_congestion_control=cubic net.ipv4.tcp_no_metrics_save=1 "
-                    f"'net.ipv4.tcp_rmem={_TCP_MEM}' 'net.ipv4.tcp_wmem={_TCP_MEM}'; "
-                    f"ip route add default via {gw}"
-                )
+                sysctls = {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1",
+                           "net.ipv4.tcp_congestion_control": "cubic", "net.ipv4.tcp_no_metrics_save": "1",
+                           "net.ipv4.tcp_rmem": _TCP_MEM, "net.ipv4.tcp_wmem": _TCP_MEM}
+                ip = [f"route add default via {gw}"]
                 if self.mtu:
-                    cmd += f"; ip link set dev {h.name}-eth0 mtu {self.mtu}"
+                    ip.append(f"link set dev {h.name}-eth0 mtu {self.mtu}")
+                shell = ""
                 if rate > 0:
                     burst = max(32000, int(rate * 1e6 / 8 * 0.002))
-                    cmd += f"; tc qdisc add dev {h.name}-eth0 root tbf rate {rate}mbit burst {burst} latency 20ms"
-                cmds[h.node] = cmd
+                    shell = f"tc qdisc add dev {h.name}-eth0 root tbf rate {rate}mbit burst {burst} latency 20ms"
+                cmds[h.node] = (sysctls, ip, shell)
         return cmds
 
-    def _router_commands(self) -> dict[Any, str]:
+    def _router_commands(self) -> dict[Any, tuple[dict[str, str], list[str], str]]:
         """Each gateway's settings: it forwards, with no reverse-path filter or redirects."""
-        return {router: ("sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0 "
-                         "net.ipv4.conf.default.rp_filter=0 net.ipv6.conf.all.disable_ipv6=1 "
-                         "net.ipv6.conf.default.disable_ipv6=1 net.ipv4.conf.all.send_redirects=0 "
-                         "net.ipv4.conf.default.send_redirects=0; "
-                         "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")
+        sysctls = {"net.ipv4.ip_forward": "1", "net.ipv4.conf.all.rp_filter": "0",
+                   "net.ipv4.conf.default.rp_filter": "0", "net.ipv6.conf.all.disable_ipv6": "1",
+                   "net.ipv6.conf.default.disable_ipv6": "1", "net.ipv4.conf.all.send_redirects": "0",
+                   "net.ipv4.conf.default.send_redirects": "0"}
+        return {router: (sysctls, [], "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done")
                 for router in self._routers.values()}
 
     def _configure_routers(self) -> None:
@@ -673,8 +678,7 @@ class Network(HostIndex):
                         ipr.link("set", index=link["index"], mtu=self.mtu)
         if self._lanes:
             self._start_delay_lines()
-        for dc in self._routers:
-            self._install_routes(dc)
+        self._install_routes()
 
     def _make_tunnels(self) -> None:
         """Each WAN link to a DC on another machine: a unicast VXLAN made in this machine's
@@ -747,27 +751,47 @@ class Network(HostIndex):
                 err = (proc.stderr.read() if proc.poll() is not None else "") or line or "no answer"
                 raise NetworkError(f"delay line in {dc} failed to start: {err.strip().splitlines()[-1]}")
 
-    def _install_routes(self, dc: str) -> None:
-        ipr = self._iprs[dc]
+    def _route_batch(self, dc: str) -> list[str]:
+        """``dc``'s gateway routes, as ``ip -batch`` lines: to each other DC by the shortest-delay
+        next hop; with delay-line lanes, policy routing sends what leaves for a WAN link into its
+        lane first and what comes back out of the lane to the main table."""
+        lines = []
         hops = self.topo.next_hops(dc)
-        tun = self._lanes
-        if tun:
-            for n, nb in enumerate(self._neighbours(dc)):
+        neighbours = self._neighbours(dc)
+        if self._lanes:
+            for n, nb in enumerate(neighbours):
                 lane = self._lane_name(dc, nb)
-                idx = ipr.link_lookup(ifname=lane)[0]
-                ipr.link("set", index=idx, state="up", txqlen=10000)
-                table = 1000 + n
-                ipr.route("add", dst="0.0.0.0/0", oif=idx, table=table)
-                ipr.rule("add", iifname=lane, table=254, priority=100)
+                lines += [f"link set dev {lane} up txqueuelen 10000",
+                          f"route add 0.0.0.0/0 dev {lane} table {1000 + n}",
+                          f"rule add iif {lane} table 254 priority 100"]
         for other in self.topo.dcs:
             if other.name == dc:
                 continue
             nh = hops[other.name]
-            ipr.route("add", dst=self.subnet(other.name), gateway=self._wan_addr[(dc, nh)])
-            if tun:
-                table = 1000 + self._neighbours(dc).index(nh)
-                net, plen = self.subnet(other.name).split("/")
-                ipr.rule("add", dst=net, dst_len=int(plen), table=table, priority=200)
+            lines.append(f"route add {self.subnet(other.name)} via {self._wan_addr[(dc, nh)]}")
+            if self._lanes:
+                lines.append(f"rule add to {self.subnet(other.name)} table {1000 + neighbours.index(nh)} priority 200")
+        return lines
+
+    def _install_routes(self) -> None:
+        """Every gateway's routes at once: one ``ip -batch`` file per gateway, run by all the
+        gateways' shells in parallel (a netlink request from Python per route was a quarter of
+        a large network's start-up)."""
+        state = self.registry.dir
+        runs = []
+        for dc, router in self._routers.items():
+            path = state / f"{router.name}.routes"
+            path.write_text("\n".join(self._route_batch(dc)) + "\n")
+            self.registry.file(path)
+            router.sendCmd(f"ip -batch {path}")
+            runs.append((dc, router))
+        failed = []
+        for dc, router in runs:
+            out = router.waitOutput().strip()
+            if out:
+                failed.append(f"{dc}: {out.splitlines()[0]}")
+        if failed:
+            raise NetworkError(f"installing routes failed: {'; '.join(failed[:3])}")
 
     def _shape_links(self) -> None:
         for src, dst, params in self.topo.directions():
