@@ -135,7 +135,10 @@ def test_up_exec_link_record_down(tmp_path):
 
         # counters to a CSV while traffic crosses virginia -> oregon
         rec = subprocess.Popen(TESTBED + ["record", "--out", str(tmp_path), "--interval-ms", "50"], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               # Ctrl-C as a terminal delivers it, also from a suite started in the
+                               # background (its SIGINT ignored, which a child would keep)
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(1.0)
         tb("exec", "virginia", "--", "ping", "-n", "-q", "-c", "20", "-i", "0.01", "-s", "1400", oregon)
         rec.send_signal(signal.SIGINT)

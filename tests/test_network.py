@@ -112,6 +112,9 @@ def _fidelity_measuring() -> subprocess.Popen:
     proc = subprocess.Popen(
         TESTBED + ["fidelity", str(REPO / "topologies" / "aws-us3.yaml"), "--seconds", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+        # Ctrl-C as a terminal delivers it: a suite started in the background (nohup, &) has
+        # SIGINT ignored, and a child keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     up = _wait_for(lambda: any(n.startswith(PREFIX) for n in os.listdir("/sys/class/net")), 60)
     assert up and _wait_for(lambda: len(leftovers()["processes"]) > 6, 60), _output_of(proc)
