@@ -252,7 +252,8 @@ class Emulation:
                        "port": PORT}, netns=HUB_NS, ready=True)
             controls.append(("hub", control, self.sniffers))
         for name, control, table in controls:
-            table[name] = self.paths.control_client(control, name)
+            # a sniffer counts what it still holds before it answers a dump: give it time
+            table[name] = self.paths.control_client(control, name, 30.0 if table is self.sniffers else 5.0)
 
     # -- streams ------------------------------------------------------------------------
     def _streams(self, policy: str, t0: float) -> list[Stream]:
@@ -585,7 +586,9 @@ def run(spec: EmulationSpec, out: Path | None = None, caps=None,
     prep = prepare(spec)
     log(f"{len(prep.calls)} calls over {len(prep.world.users)} user regions and {len(prep.world.dcs)} DCs; "
         f"{prep.world.n_links // 2} backbone links")
-    workdir = (out or Path("results") / spec.name) / "emu"
+    # absolute: the agents that write into it run in other namespaces from other folders (a
+    # relative --out once made every route dump fail, the sniffer never answering)
+    workdir = ((out or Path("results") / spec.name) / "emu").resolve()
     result: dict = {"spec": json.loads(spec.model_dump_json()), "policies": {}}
     topo = parse_topology(topology_data(prep.world, spec), spec.name)
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", spec.name)[:32].lstrip("_.-") or "titan"

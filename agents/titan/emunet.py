@@ -212,11 +212,11 @@ class InternetPaths:
             raise NetworkError(f"hub routing: {res.stderr.strip().splitlines()[-1:]}")
         self._hub_ctl = self.control_client(control, f"{HUB_NS}-dl")
 
-    def control_client(self, server: Path | str, tag: str) -> "ControlClient":
+    def control_client(self, server: Path | str, tag: str, timeout: float = 5.0) -> "ControlClient":
         """A datagram client for an agent's control socket, its own path registered."""
         path = self.lab.registry.dir / f"{HUB_NS}-client-{os.getpid()}-{tag}.sock"
         self.lab.registry.file(path)
-        return ControlClient(Path(server), path)
+        return ControlClient(Path(server), path, timeout)
 
     # -- run time ---------------------------------------------------------------------
     def set_internet(self, a: str, b: str, **changes: float) -> None:

@@ -55,6 +55,26 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda s, f: running.__setitem__(0, False))
     print("ready", flush=True)
     watch = list(socks) + [ctl]
+
+    def drain(s, limit: int | None) -> None:
+        """Count what ``s`` holds (at most ``limit`` packets: a busy interface must not keep
+        the control socket waiting)."""
+        table = counts[socks[s]]
+        n = 0
+        while limit is None or n < limit:
+            try:
+                pkt, addr = s.recvfrom(128)
+            except BlockingIOError:
+                return
+            n += 1
+            if addr[2] != _PACKET_OUTGOING or addr[1] != _ETH_P_IP or len(pkt) < 32 or pkt[9] != _UDP:
+                continue
+            ihl = (pkt[0] & 0x0F) * 4
+            if len(pkt) < ihl + 12 or struct.unpack_from("!H", pkt, ihl + 2)[0] != port:
+                continue
+            sid = struct.unpack_from("!I", pkt, ihl + 8)[0]
+            table[sid] = table.get(sid, 0) + 1
+
     while running[0]:
         r, _, _ = select.select(watch, [], [], 0.2)
         for s in r:
@@ -69,9 +89,16 @@ def main() -> None:
                 except m.MessageError as exc:
                     msg, reply = None, m.Refused(error=str(exc))
                 if isinstance(msg, tm.Dump):
-                    with open(msg.path, "w") as fh:
-                        json.dump(counts, fh)
+                    for sock in socks:  # everything that went out before the request, counted
+                        drain(sock, None)
+                    try:
+                        with open(msg.path, "w") as fh:
+                            json.dump(counts, fh)
+                    except OSError as exc:  # answered, not a silent death
+                        reply = m.Refused(error=f"dump to {msg.path}: {exc.strerror or exc}")
                 elif isinstance(msg, tm.Reset):
+                    for sock in socks:
+                        drain(sock, None)
                     counts = {name: {} for name in socks.values()}
                 elif isinstance(msg, tm.Quit):
                     running[0] = False
@@ -81,20 +108,7 @@ def main() -> None:
                     except OSError:
                         pass
                 continue
-            name = socks[s]
-            table = counts[name]
-            while True:
-                try:
-                    pkt, addr = s.recvfrom(128)
-                except BlockingIOError:
-                    break
-                if addr[2] != _PACKET_OUTGOING or addr[1] != _ETH_P_IP or len(pkt) < 32 or pkt[9] != _UDP:
-                    continue
-                ihl = (pkt[0] & 0x0F) * 4
-                if len(pkt) < ihl + 12 or struct.unpack_from("!H", pkt, ihl + 2)[0] != port:
-                    continue
-                sid = struct.unpack_from("!I", pkt, ihl + 8)[0]
-                table[sid] = table.get(sid, 0) + 1
+            drain(s, 512)
     ctl.close()
     try:
         os.unlink(control)

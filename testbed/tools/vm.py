@@ -260,7 +260,9 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
         global _build_deadline
         _build_deadline = time.monotonic() + BUILD_TIMEOUT_S
         work = CACHE / f"build-{os.getpid()}"
-        _remove_tree(work)
+        for stale in CACHE.glob("build-*"):  # a build killed outright leaves its folder; the lock is ours
+            if stale.is_dir():
+                _remove_tree(stale)
         work.mkdir()
         root = work / "rootfs"
         t0 = time.monotonic()
