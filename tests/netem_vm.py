@@ -63,7 +63,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _builds_networks(item: pytest.Item) -> bool:
-    return any(item.get_closest_marker(m) is not None for m in ("network", "fidelity", "chaos", "netem"))
+    """A network test, a timing test, or one on the fake cluster (its machines are namespaces
+    with networks; its module keeps them up, so it carries no ``network`` marker)."""
+    return (any(item.get_closest_marker(m) is not None for m in ("network", "fidelity", "chaos", "netem"))
+            or "cluster" in getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
