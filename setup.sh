@@ -49,7 +49,7 @@ case "$what" in
     apt_install vagrant  # the tests validate the Vagrantfile
     # Where this kernel has no netem, the netem variants run in a VM with Debian's stock kernel
     # (testbed/tools/vm.py, tests/netem_vm.py; its image is built once, ~8 min, into
-    # /var/cache/geo-testbed/vm; it builds and runs beside the tests that build no network).
+    # /var/cache/geo-testbed/vm).
     # Required here: a VM that cannot be built or run fails those tests with the one-line
     # reason instead of skipping them; a build gives up after 20 min.
     apt_install qemu-system-x86 debootstrap e2fsprogs
