@@ -98,6 +98,20 @@ def _start_together(cls):
     return Together
 
 
+def _in_every_shell(cmds: dict, what: str) -> None:
+    """Run each node's command in its shell, all at once; a node whose command printed anything
+    (every command used here is silent when it succeeds) fails ``what``, naming the node."""
+    for node, cmd in cmds.items():
+        node.sendCmd(cmd)
+    failed = []
+    for node in cmds:
+        out = node.waitOutput().strip()
+        if out:
+            failed.append(f"{node.name}: {out.splitlines()[0]}")
+    if failed:
+        raise NetworkError(f"{what} failed: {'; '.join(failed[:3])}")
+
+
 def _finish_shells(nodes: list, timeout_s: float = 60.0) -> None:
     """Wait for the prompt of every shell ``_start_together`` left pending, then run Mininet's
     first command in all of them at once."""
@@ -609,19 +623,14 @@ class Network(HostIndex):
                          peer={"ifname": end_b, "net_ns_fd": ns(rb)})
                 per_node[ra] += [f"addr add {a_ip}/30 dev {end_a}", f"link set {end_a} up"]
                 per_node[rb] += [f"addr add {b_ip}/30 dev {end_b}", f"link set {end_b} up"]
-        for node, lines in per_node.items():  # in parallel: every shell works at once
+        cmds = {}
+        for node, lines in per_node.items():
             sysctls, more, shell = then.get(node, ({}, [], ""))
             # sysctls written by the shell itself and one ``ip`` for the rest: few processes per node
             writes = [f"echo '{v}' > /proc/sys/{k.replace('.', '/')}" for k, v in sysctls.items()]
             batch = " ".join(f"'{x}'" for x in lines + more)
-            node.sendCmd("; ".join(writes + [f"ip -batch <(printf '%s\\n' {batch})"] + ([shell] if shell else [])))
-        failed = []
-        for node in per_node:
-            out = node.waitOutput().strip()
-            if out:
-                failed.append(f"{node.name}: {out.splitlines()[0]}")
-        if failed:
-            raise NetworkError(f"configuring interfaces failed: {'; '.join(failed[:3])}")
+            cmds[node] = "; ".join(writes + [f"ip -batch <(printf '%s\\n' {batch})"] + ([shell] if shell else []))
+        _in_every_shell(cmds, "configuring interfaces")
 
     def _quiet_root_side(self) -> None:
         """Our interfaces in the root namespace carry no IP: switch off IPv6 there too."""
@@ -777,21 +786,13 @@ class Network(HostIndex):
         """Every gateway's routes at once: one ``ip -batch`` file per gateway, run by all the
         gateways' shells in parallel (a netlink request from Python per route was a quarter of
         a large network's start-up)."""
-        state = self.registry.dir
-        runs = []
+        cmds = {}
         for dc, router in self._routers.items():
-            path = state / f"{router.name}.routes"
+            path = self.registry.dir / f"{router.name}.routes"
             path.write_text("\n".join(self._route_batch(dc)) + "\n")
             self.registry.file(path)
-            router.sendCmd(f"ip -batch {path}")
-            runs.append((dc, router))
-        failed = []
-        for dc, router in runs:
-            out = router.waitOutput().strip()
-            if out:
-                failed.append(f"{dc}: {out.splitlines()[0]}")
-        if failed:
-            raise NetworkError(f"installing routes failed: {'; '.join(failed[:3])}")
+            cmds[router] = f"ip -batch {path}"
+        _in_every_shell(cmds, "installing routes")
 
     def _shape_links(self) -> None:
         for src, dst, params in self.topo.directions():
