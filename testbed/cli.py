@@ -200,10 +200,10 @@ def run(
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         exp = load_experiment(experiment, overrides or ())
-        if exp.device == "emulated":  # a bad profile fails before anything is made, variants or not
-            from testbed.sim.device import device_profile
+        from testbed.extension import device_kind
 
-            device_profile(exp)
+        device = device_kind(exp.device)
+        device(exp).check()  # a bad profile fails before anything is made, variants or not
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if exp.compare and inventory is None:
             _run_comparison(exp, out, delay_backend)
@@ -213,7 +213,7 @@ def run(
             from testbed.cluster.inventory import ClusterError
             from testbed.extension import in_use
 
-            refused = ("compare:" if exp.compare else "device: emulated" if exp.device == "emulated" else
+            refused = ("compare:" if exp.compare else f"device: {exp.device}" if device.one_machine_only else
                        ", ".join(e.name for e in in_use(exp)))
             if refused:
                 raise ClusterError(f"--inventory: {refused} runs on one machine only, for now")
@@ -402,8 +402,10 @@ def chaos(
     unknown = [f for f in chosen if f not in FAULTS]
     if unknown:
         _fail(f"--faults: no fault {unknown[0]!r} (known: {', '.join(FAULTS)})")
-    if device not in ("cpu", "emulated"):
-        _fail(f"--device: {device!r} is not cpu or emulated")
+    from testbed.extension import device_kinds
+
+    if device not in device_kinds():
+        _fail(f"--device: no device kind {device!r} (known: {', '.join(sorted(device_kinds()))})")
     if report:
         outcomes = [Outcome(**o) for o in _read_jsonl(out_dir / "chaos.jsonl")]
     else:

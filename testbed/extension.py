@@ -30,8 +30,9 @@ registry, and each extension owns everything of its own:
   torchrun`` job makes when the user passes ``--with NAME=VALUE`` (a user's own job on a lab,
   not the project's trainer; ``job_extension(NAME)`` finds it).
 
-Device kinds (cpu, cuda, emulated) are not extensions yet: they are the run's own
-(``testbed.run.runner``, ``testbed.sim.device``).
+* ``devices``: device kinds, name -> ``"module:Class"`` of a ``DeviceKind``: what an
+  experiment's ``device: NAME`` makes of each worker's device.  The core's own (``cpu``,
+  ``cuda``, ``emulated``, ``auto``) are declared the same way, by ``testbed.run.devices``.
 
 An ``Extension``'s module is imported whenever the command or an experiment is loaded, so it
 must import only light things at the top (pydantic, typer, this module).
@@ -43,7 +44,7 @@ import importlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -79,6 +80,42 @@ class ProcessFault:
     log_says: str = "training continues"
 
 
+class DeviceKind:
+    """Base class of a device kind (``device: NAME``): one per run, ``Kind(exp)``.  The run
+    calls ``check()`` before it builds anything, ``plan`` once, ``configure`` per worker,
+    ``dp_backend`` per data-parallel group and ``describe`` for its record; see
+    ``testbed.run.devices`` for the core's kinds.  Raise ``ExtensionError`` (one line) where
+    the kind cannot serve the experiment."""
+
+    name: ClassVar[str] = ""
+    computes_model: ClassVar[bool] = True  # False: device time only (no losses, no reference)
+    profiled: ClassVar[bool] = False  # device times come from ``exp.emulation`` (the simulator draws the same)
+    one_machine_only: ClassVar[bool] = False  # refused with ``--inventory``
+
+    def __init__(self, exp: "Experiment"):
+        self.exp = exp
+
+    def check(self) -> None:
+        """Fail before anything is built where the experiment asks what cannot be had."""
+
+    def plan(self, site: Any, count: int, warn: Callable[[str], None]) -> list[str]:
+        """One device label per worker (``site.gpus()`` says how many GPUs the site has)."""
+        raise NotImplementedError
+
+    def configure(self, run: Any, worker: Any, cfg: Any, env: dict[str, str]) -> float:
+        """Set up one worker's device: ``cfg.compute`` (``"module:Class"`` the worker computes
+        with) and ``cfg.device``, its environment; returns its CPU quota in cores (0: none)."""
+        raise NotImplementedError
+
+    def dp_backend(self, labels: list[str]) -> str:
+        """How the replicas of one stage, on these devices, all-reduce."""
+        return "gloo"
+
+    def describe(self, run: Any) -> dict:
+        """The ``device`` section of the run's record."""
+        return {}
+
+
 @dataclass(frozen=True)
 class Extension:
     """What one extension adds to the testbed (see the module docstring)."""
@@ -92,6 +129,7 @@ class Extension:
     faults: dict[str, ProcessFault] = field(default_factory=dict)
     predict: str | None = None
     lab: str | None = None
+    devices: dict[str, str] = field(default_factory=dict)
 
     def load(self, target: str) -> Any:
         """The object behind one of this extension's ``"module:attr"`` targets."""
@@ -135,6 +173,26 @@ def commands() -> dict[str, Callable[[], Any]]:
 def faults() -> dict[str, tuple[Extension, ProcessFault]]:
     """Chaos faults extensions add: fault name -> (its extension, the fault)."""
     return {name: (ext, f) for ext in extensions().values() for name, f in ext.faults.items()}
+
+
+def device_kinds() -> dict[str, Callable[[], type[DeviceKind]]]:
+    """Every device kind extensions declare: name -> a loader of its class."""
+    out: dict[str, Callable[[], type[DeviceKind]]] = {}
+    for ext in extensions().values():
+        for name, target in ext.devices.items():
+            out.setdefault(name, lambda e=ext, t=target: e.load(t))
+    return out
+
+
+def device_kind(name: str) -> type[DeviceKind]:
+    """The class of device kind ``name``; a one-line ExtensionError naming the known ones otherwise."""
+    kinds = device_kinds()
+    if name not in kinds:
+        raise ExtensionError(f"device: no device kind {name!r} (known: {', '.join(sorted(kinds))})")
+    cls = kinds[name]()
+    if not (isinstance(cls, type) and issubclass(cls, DeviceKind)):
+        raise ExtensionError(f"device kind {name}: not a DeviceKind")
+    return cls
 
 
 def job_extension(name: str) -> Extension:

@@ -146,6 +146,21 @@ def test_extensions_are_found_through_entry_points_only():
     assert {"atlas", "bubbletea"} <= set(Experiment.model_fields)  # their sections, from the registry
 
 
+def test_device_kinds_are_plug_ins_of_the_registry():
+    """cpu, cuda, emulated and auto come through the same entry points as any extension, and
+    outside the module that declares them (and the worker's side, which computes on them)
+    the core names no device kind: it asks the kind."""
+    from testbed.extension import device_kinds, extensions
+
+    assert {"auto", "cpu", "cuda", "emulated"} <= set(device_kinds())
+    assert set(extensions()["devices"].devices) == {"auto", "cpu", "cuda", "emulated"}
+    allowed = {"testbed/run/devices.py", "testbed/sim/device.py", "testbed/train/torch_compute.py"}
+    named = [f"{p.relative_to(REPO)}:{tok.start[0]}: {tok.string}"
+             for p in sorted((REPO / "testbed").rglob("*.py")) if str(p.relative_to(REPO)) not in allowed
+             for tok in _code_tokens(p) if tok.type == tokenize.STRING and tok.string.strip("'\"") in ("emulated", "cuda")]
+    assert not named, "\n".join(named)
+
+
 def test_every_package_is_installed():
     """pyproject's package search finds every package that holds Python code."""
     import tomllib

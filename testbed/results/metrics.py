@@ -233,7 +233,7 @@ def summarise(run: RunRecord) -> RunSummary:
             tokens_per_s=round(tokens / mean_time, 2) if mean_time > 0 else None,
             final_loss=iterations[-1].loss,
             **({"loss_note": "no loss: the devices are emulated (device time from a profile, no model is "
-                             "computed)"} if run.device.get("kind") == "emulated" else {}),
+                             "computed)"} if run.device.get("computes_model") is False else {}),
             **_tcp_summary(run.tcp),
             warnings=list(run.warnings),
         ),

@@ -173,7 +173,9 @@ def plan(runs: int, seed: int, exp, faults: tuple[str, ...] = FAULTS) -> list[In
 
 def reference(exp) -> list[float] | None:
     """The losses of one process training the same model on the same samples (None: emulated)."""
-    if exp.device == "emulated":
+    from testbed.extension import device_kind
+
+    if not device_kind(exp.device).computes_model:
         return None
     from testbed.train.reference import reference_losses
 

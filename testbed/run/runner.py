@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from testbed import messages as m
-from testbed.train.config import DataParallel, Emulation, Me, Peer, WorkerConfig, socket_buffer_bytes
-from testbed.train.device import create_device
+from testbed.extension import DeviceKind, device_kind
+from testbed.train.config import DataParallel, Me, Peer, WorkerConfig, socket_buffer_bytes
 
 from testbed.spec.experiment import Experiment, WorkerSlot
 from testbed.run.hooks import ExtensionError, RunExtension, extensions_for
@@ -89,53 +89,6 @@ class WorkerState:
         return f"worker {self.name} (stage {self.slot.stage}, replica {self.slot.replica}, {self.host.name} in {self.slot.dc})"
 
 
-def detect_gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
-def cuda_problem() -> str | None:
-    """Why torch cannot use a GPU here, in words (None when it can)."""
-    try:
-        import torch
-    except Exception as exc:
-        return f"torch cannot be imported ({type(exc).__name__}: {exc})"
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a build without CUDA"
-    try:
-        torch.cuda.init()
-    except Exception as exc:
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        return f"CUDA does not initialise: {lines[0] if lines else type(exc).__name__}"
-    if torch.cuda.device_count() == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return "torch sees no CUDA device" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
-    return None
-
-
-def nvidia_pci_devices(root: str | Path = "/sys/bus/pci/devices") -> list[str]:
-    """PCI addresses of NVIDIA display or 3D controllers on this machine (vendor 0x10de,
-    class 0x03xxxx), whether or not a driver is bound."""
-    found = []
-    try:
-        entries = sorted(Path(root).iterdir())
-    except OSError:
-        return []
-    for dev in entries:
-        try:
-            vendor = (dev / "vendor").read_text().strip().lower()
-            cls = (dev / "class").read_text().strip().lower()
-        except OSError:
-            continue
-        if vendor == "0x10de" and cls.startswith("0x03"):
-            found.append(dev.name)
-    return found
-
-
 class LocalSite:
     """Where a run's parts come from on one machine (``site.Site``): a ``lab.Lab`` (its
     ``Network`` and its ``procs.Launcher``; the run makes its own WAN check, to log it), a
@@ -154,6 +107,8 @@ class LocalSite:
         return procs.CpuContainers(net.registry, run_name)
 
     def gpus(self) -> int:
+        from testbed.run.devices import detect_gpus
+
         return detect_gpus()
 
     def finish(self, run: RunView) -> None:
@@ -191,7 +146,7 @@ class TrainingRun:
         self.warnings: list[str] = []
         self.tcp: dict = {}  # per host: TCP counters over the run (retransmissions, timeouts)
         self.wan_check: list[dict] = []
-        self.device_profile = None  # device: emulated: where op times come from
+        self.device: DeviceKind | None = None  # the experiment's device kind (a registry plug-in)
         self._devices: list[str] = []
         self._iterations_file = None
         self._iterations_written = 0
@@ -232,11 +187,12 @@ class TrainingRun:
     # -- the run --------------------------------------------------------------------
     def run(self) -> "RunSummary":
         exp = self.exp
-        if exp.device == "emulated":  # a bad profile fails here, before anything is built
-            from testbed.sim.device import device_profile
-
-            self.device_profile = device_profile(exp)
-        self._devices = self._device_plan()  # device: cuda without a usable GPU fails here, before anything is built
+        try:  # a bad profile, or device: cuda without a usable GPU, fails here, before anything is built
+            self.device = device_kind(exp.device)(exp)
+            self.device.check()
+            self._devices = self.device.plan(self.site, len(exp.workers()), self.warn)
+        except ExtensionError as exc:
+            raise RunError(str(exc)) from None
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._iterations_file = open(self.out_dir / "iterations.jsonl", "w")
@@ -327,17 +283,7 @@ class TrainingRun:
     def record(self) -> RunRecord:
         """What this run has recorded so far, as the metrics read it."""
         steady = max((ext.steady_state_from() for ext in self.extensions), default=0)
-        device = {}
-        if self.device_profile is not None:
-            from testbed.train.device import timing_report
-
-            device = self.device_profile.describe()
-            reports = {n: (w.report or {}).get("op_timing", {}) for n, w in self.workers.items()}
-            device["op_timing_per_worker"] = reports
-            medians = [r["median_us"] for r in reports.values() if r.get("ops")]
-            worst = [r["p99_us"] for r in reports.values() if r.get("ops")]
-            device["op_timing"] = {"workers": len(medians), "median_us_worst_worker": max(medians, default=None),
-                                   "p99_us_worst_worker": max(worst, default=None)}
+        device = self.device.describe(self) if self.device is not None else {}
         return RunRecord(self.exp, {n: w.record for n, w in self.workers.items()}, self.go_time,
                          self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
                          device=device, tcp=self.tcp, out_dir=self.out_dir)
@@ -356,29 +302,10 @@ class TrainingRun:
         self.log(f"WAN check: {len(checks) - len(bad)}/{len(checks)} directions within max(0.5 ms, 2%) of their "
                  f"configured delay ({time.monotonic() - t0:.1f} s)")
 
-    def _device_plan(self) -> list[str]:
-        slots = self.exp.workers()
-        want = self.exp.device
-        if want == "emulated":
-            return ["emulated"] * len(slots)
-        gpus = self.site.gpus() if want in ("auto", "cuda") else 0
-        if want == "cuda" and gpus == 0:
-            raise RunError(f"device: cuda asked for, but torch cannot use a GPU here: {cuda_problem() or 'no GPU'}")
-        if want == "auto" and gpus == 0:
-            nvidia = nvidia_pci_devices()
-            if nvidia:  # a GPU is there and will not be used: say so, loudly, in metrics.json too
-                self.warn(f"device: auto: an NVIDIA GPU is present (PCI {', '.join(nvidia)}) but torch cannot use it "
-                          f"({cuda_problem() or 'no CUDA device'}): the workers run in CPU containers")
-        if gpus == 0:
-            return ["cpu"] * len(slots)
-        if gpus < len(slots):
-            self.log(f"{gpus} GPU(s) for {len(slots)} workers: GPUs are shared round-robin")
-        return [f"cuda:{i % gpus}" for i in range(len(slots))]
-
     def _launch(self, net: NetworkSurface) -> None:
         exp = self.exp
         slots = exp.workers()
-        devices = self._devices or self._device_plan()
+        devices = self._devices
         quotas = sorted({s.dc for s, d in zip(slots, devices) if d == "cpu" and exp.topo.dc(s.dc).host.cpus > 0})
         problem = self.containers.problem() if quotas else None
         if problem:  # the figures would not be one device's per worker: say so, loudly, in metrics.json too
@@ -404,14 +331,10 @@ class TrainingRun:
         for slot, device in zip(slots, devices):
             w = self.workers[slot.name]
             cfg = self._worker_config(slot, device)
+            # gloo/NCCL otherwise bind to what the hostname resolves to
             env = python_env(GLOO_SOCKET_IFNAME=f"{w.host.name}-eth0", NCCL_SOCKET_IFNAME=f"{w.host.name}-eth0")
-            if device.startswith("cuda"):  # gloo/NCCL otherwise bind to what the hostname resolves to
-                env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
-                cfg.device = "cuda:0"
-            cpus = exp.topo.dc(slot.dc).host.cpus if device == "cpu" else 0.0
+            cpus = self.device.configure(self, w, cfg, env)
             w.cgroup = self.containers.make(slot.name, cpus)
-            if device == "emulated":
-                self._emulated(w, cfg)
             if pin and w.cgroup is not None:
                 w.cpu = pinned % (os.cpu_count() or 1)
                 pinned += 1
@@ -438,26 +361,12 @@ class TrainingRun:
         if exp.parallel.replicas > 1:
             stage_slots = [by_key[(slot.stage, r)] for r in range(exp.parallel.replicas)]
             ips = [self.workers[s.name].host.ip for s in stage_slots]
-            group_devices = {self.workers[s.name].record.device for s in stage_slots}
-            nccl = device.startswith("cuda") and len(group_devices) == exp.parallel.replicas
-            backend = "ring" if device == "emulated" else "nccl" if nccl else "gloo"
+            backend = self.device.dp_backend([self.workers[s.name].record.device for s in stage_slots])
             cfg.dp = DataParallel(ips[0], _DP_PORT, backend, ring=ips)
         for ext in self.extensions:
             for key, value in ext.worker_options(self, slot).items():
                 setattr(cfg, key, value)
         return cfg
-
-    def _emulated(self, w: WorkerState, cfg: WorkerConfig) -> None:
-        """An emulated device for this worker: its stream (a file its co-tenants share) and
-        its stage's op times."""
-        prof = self.device_profile
-        w.device_file = self.launcher.file(f"{w.name}.device")
-        create_device(w.device_file)
-        stage = w.slot.stage
-        slow = self.exp.emulation.slowdown.get(w.slot.replica, 1.0)
-        cfg.emulation = Emulation(str(w.device_file), self.exp.training.seed, prof.times_for(stage, w.name, slow),
-                                  prof.message_bytes, prof.grad_bytes[stage], prof.message_latency_s,
-                                  sequence=prof.sequence and w.name in prof.workers)
 
     def _peer(self, me: WorkerSlot, peer: WorkerSlot) -> Peer:
         ip = self.workers[peer.name].host.ip

@@ -14,6 +14,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from testbed.extension import device_kind
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
 from testbed.spec.experiment import Experiment
@@ -91,6 +92,11 @@ class TcpWindow:
             t += self.rtt
             self.grow()
         return t
+
+
+def _profiled(exp: Experiment) -> bool:
+    """Whether ``exp``'s devices take their times from its ``emulation`` section (its kind says)."""
+    return device_kind(exp.device).profiled
 
 
 def stage_params(exp: Experiment) -> list[int]:
@@ -251,7 +257,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     D = exp.parallel.replicas
     if fold_replicas is None:
         fold_replicas = D > 8 and type(sim.policy) is SharingPolicy and not (
-            exp.device == "emulated" and exp.emulation.slowdown)
+            _profiled(exp) and exp.emulation.slowdown)
     share = D if fold_replicas else 1
     # the topology's rate is the link's (wire) capacity, of which TCP payload is MSS/(MSS +
     # TCP/IP/Ethernet headers); or (wan_link_gbps set) one connection's measured goodput
@@ -273,7 +279,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             continue
         program = sch.ops(exp.parallel.schedule, slot.stage, P, M, exp.parallel.extra_warmup)
         times = stage_times[slot.stage]
-        slow = exp.emulation.slowdown.get(slot.replica, 1.0) if exp.device == "emulated" else 1.0
+        slow = exp.emulation.slowdown.get(slot.replica, 1.0) if _profiled(exp) else 1.0
         if slow != 1.0:  # a heterogeneous job: this pipeline's devices are slower
             times = StageTimes(times.forward * slow, times.backward * slow, times.optimizer * slow,
                                times.send * slow, times.recv * slow,

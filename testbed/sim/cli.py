@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from testbed.extension import device_kind
 from testbed.spec.experiment import load_experiment, parse_experiment
 from testbed.spec.topology import SpecError
 from testbed.sim.build import profiled_stage_times, simulate, wan_utilization
@@ -73,7 +74,7 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
         for point in points:
             e = _with(exp, point, Path(workdir)) if point else exp
             stage_times, overhead = profiled if profile is not None else (None, None)
-            if profile is None and e.device == "emulated":  # what the emulated devices will draw from
+            if profile is None and device_kind(e.device).profiled:  # what the emulated devices will draw from
                 from testbed.sim.device import stage_times as emulated_stage_times
 
                 stage_times, overhead = emulated_stage_times(e)

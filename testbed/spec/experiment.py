@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model
 
-from testbed.extension import extensions
+from testbed.extension import device_kinds, extensions
 from testbed.spec.schedules import ScheduleError, check
 from testbed.spec.topology import (SpecError, SpecErrors, Topology, key_text, load_topology, one_line, path_exists, read_yaml, resolve_topology,
                    validation_error)
@@ -143,7 +143,7 @@ class _CoreExperiment(_Strict):
     training: TrainingSpec = TrainingSpec()
     parallel: ParallelSpec = ParallelSpec()
     placement: dict[str, list[int]] | None = None
-    device: Literal["auto", "cpu", "cuda", "emulated"] = Field(
+    device: str = Field(
         "auto", description="auto: a GPU per worker where there are GPUs, else a CPU container; emulated: the "
                             "network is real, device time comes from a profile (emulation)")
     emulation: EmulationSpec = EmulationSpec()
@@ -233,6 +233,9 @@ def _with_extensions() -> tuple[type[_CoreExperiment], type[VariantSpec], dict[s
             keys[key] = (name, field)
     variant = create_model("VariantSpec", __base__=_CoreVariantSpec, __doc__=_CoreVariantSpec.__doc__,
                            **variant_fields)
+    kinds = tuple(sorted(device_kinds()))  # device kinds are plug-ins of the registry too
+    info = _CoreExperiment.model_fields["device"]
+    fields["device"] = (Literal[kinds] if kinds else str, Field(info.default, description=info.description))
     fields["compare"] = (dict[str, variant] | None, Field(
         None, description="run these variants back to back (each a full run) and write comparison.json"))
     return create_model("Experiment", __base__=_CoreExperiment, __doc__=_CoreExperiment.__doc__,

@@ -72,7 +72,8 @@ class WorkerConfig:
     training: dict  # testbed.spec.experiment.TrainingSpec's fields
     telemetry: str  # the run's hub (Unix socket path)
     port: int  # this worker's listening port for pipeline channels
-    device: str = "cpu"  # cpu, cuda:N
+    device: str = "cpu"  # cpu, cuda:N, emulated (the device kind's label; torch's device for TorchCompute)
+    compute: str = "testbed.train.torch_compute:TorchCompute"  # "module:Class": what computes (the device kind says)
     extra_warmup: int = 0
     next: Peer | None = None
     prev: Peer | None = None

@@ -24,6 +24,7 @@ send (handing a tensor to the transport), allreduce, idle (the device is free).
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 import time
@@ -216,11 +217,8 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
 def main() -> int:
     cfg = WorkerConfig.load(sys.argv[1])
     try:
-        if cfg.device == "emulated":
-            from testbed.train.emulated import EmulatedCompute as factory
-        else:
-            from testbed.train.torch_compute import TorchCompute as factory
-        run(cfg, factory)
+        module, _, name = cfg.compute.partition(":")  # the device kind chose it (testbed.run.devices)
+        run(cfg, getattr(importlib.import_module(module), name))
     except Exception as exc:  # report, then fail: the orchestrator ends the run
         msg = f"{type(exc).__name__}: {exc}"
         try:
