@@ -37,7 +37,6 @@ import ipaddress
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from pydantic import ValidationError
 
 from testbed import messages as m
 from testbed.net.kernel import Backends, Capabilities, choose_backends, mininet_on_path, probe, require_runtime
-from testbed.procutil import DatagramClient, stop_all
+from testbed.procutil import DatagramClient, Launcher, Process, ProcessError, stop_all
 from testbed.registry import PREFIX, Registry
 from testbed.net.shaping import Counters, EgressShaper, NetemParams
 from testbed.net.surface import HostIndex, HostInfo, NetworkError
@@ -379,7 +378,8 @@ class Network(HostIndex):
         self._routers: dict[str, Any] = {}
         self._iprs: dict[str, Any] = {}
         self._links: dict[tuple[str, str], WanDirection] = {}
-        self._delay_procs: dict[str, subprocess.Popen] = {}
+        self._delay_procs: dict[str, Process] = {}  # started by ``_lines``, the same launcher class as a lab's
+        self._lines: Launcher | None = None
         self._clients: list[_DelayLineClient] = []
         self._popened: list[subprocess.Popen] = []
         self._index = {dc.name: i + 1 for i, dc in enumerate(topo.dcs)}  # global: every machine agrees
@@ -722,43 +722,34 @@ class Network(HostIndex):
         return [d for (s, d) in self._wan_addr if s == dc]
 
     def _start_delay_lines(self) -> None:
+        """One delay line per gateway with WAN links, in the gateway, started together by a
+        ``Launcher`` of the network's own (the class a lab starts its processes with) and
+        waited for until each says ``ready``."""
         state = self.registry.dir
-        for dc, router in self._routers.items():
-            lanes = []
-            for nb in self._neighbours(dc):
-                p = self.topo.direction(dc, nb)
-                delays = self.backends.delay == "tun"  # else netem delays and the line only schedules
-                lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms if delays else 0.0,
-                              "jitter_ms": p.jitter_ms if delays else 0.0,
-                              "loss": p.loss if self.backends.loss == "delayline" else 0.0,
-                              "rate_mbps": p.rate_mbps,
-                              "link_queue_bytes": default_queue_bytes(p, self.topo.rtt_ms(dc, nb))})
-            if not lanes:
-                continue
-            cfg = {
-                "lanes": lanes,
-                "control_path": str(state / f"{router.name}.sock"),
-                "compensation_ms": self.compensation_ms,
-                "seed": self._index[dc],
-                "realtime": self.realtime,
-            }
-            cfg_path = state / f"{router.name}.json"
-            cfg_path.write_text(json.dumps(cfg))
-            self.registry.file(cfg_path)
-            self.registry.file(cfg["control_path"])
-            proc = router.popen(
-                [sys.executable, "-m", "testbed.net.delayline", str(cfg_path)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])),
-            )
-            self.registry.process(proc.pid, f"delayline:{dc}", own_netns=False)
-            self._delay_procs[dc] = proc
-        deadline = time.monotonic() + _DELAYLINE_START_TIMEOUT_S
-        for dc, proc in self._delay_procs.items():
-            line = _readline_until(proc, deadline)
-            if line.strip() != "ready":
-                err = (proc.stderr.read() if proc.poll() is not None else "") or line or "no answer"
-                raise NetworkError(f"delay line in {dc} failed to start: {err.strip().splitlines()[-1]}")
+        self._lines = Launcher(self.registry, self)
+        try:
+            with self._lines.together():
+                for dc, router in self._routers.items():
+                    lanes = []
+                    for nb in self._neighbours(dc):
+                        p = self.topo.direction(dc, nb)
+                        delays = self.backends.delay == "tun"  # else netem delays and the line only schedules
+                        lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms if delays else 0.0,
+                                      "jitter_ms": p.jitter_ms if delays else 0.0,
+                                      "loss": p.loss if self.backends.loss == "delayline" else 0.0,
+                                      "rate_mbps": p.rate_mbps,
+                                      "link_queue_bytes": default_queue_bytes(p, self.topo.rtt_ms(dc, nb))})
+                    if not lanes:
+                        continue
+                    control = state / f"{router.name}.sock"
+                    self.registry.file(control)
+                    cfg = {"lanes": lanes, "control_path": str(control), "compensation_ms": self.compensation_ms,
+                           "seed": self._index[dc], "realtime": self.realtime}
+                    self._delay_procs[dc] = self._lines.start(
+                        f"delayline-{dc}", "testbed.net.delayline", cfg, router=dc, ready=True,
+                        ready_timeout=_DELAYLINE_START_TIMEOUT_S)
+        except ProcessError as exc:
+            raise NetworkError(f"a delay line failed to start: {exc}") from None
 
     def _route_batch(self, dc: str) -> list[str]:
         """``dc``'s gateway routes, as ``ip -batch`` lines: to each other DC by the shortest-delay
@@ -838,7 +829,7 @@ class Network(HostIndex):
         for client in self._clients:
             client.close()
         self._clients.clear()
-        stop_all(self._popened + list(self._delay_procs.values()))
+        stop_all(self._popened)  # the delay lines among them (``Launcher`` starts them through ``popen``)
         self._popened.clear()
         self._delay_procs.clear()
         for ipr in self._iprs.values():
@@ -903,15 +894,3 @@ def _tcp_counters(text: str) -> dict[str, int]:
             if name:
                 out[name] = int(value)
     return out
-
-
-def _readline_until(proc: subprocess.Popen, deadline: float) -> str:
-    import select
-
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if r:
-            return proc.stdout.readline()
-        if proc.poll() is not None:
-            return ""
-    return ""
