@@ -226,3 +226,28 @@ def test_nothing_routes_out_of_the_testbed(caps):
         # the root-namespace side of the testbed carries no IPv4 address
         addrs = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
         assert not [ln for ln in addrs.splitlines() if f" {PREFIX}" in ln], addrs
+
+
+def test_the_batched_tc_tree_is_the_one_pyroute2_makes(caps):
+    """A gateway's shapers go in as one ``tc -batch``; the kernel must hold, byte for byte in
+    tc's raw listing, the tree ``EgressShaper.install`` makes through netlink."""
+    from pyroute2 import IPRoute
+
+    from testbed.net.shaping import EgressShaper
+
+    with Network(two_dcs(delay_ms=3, rate_mbps=37.5), caps=caps) as net:
+        if net.backends.delay == "netem":
+            pytest.skip("netem trees are installed through pyroute2 only")
+        wd = net.link("east", "west")
+        router = net.router("east")
+        assert router.cmd(f"ip link add {PREFIX}cmp0 type veth peer name {PREFIX}cmp1 && echo ok").strip() == "ok"
+        with IPRoute(netns=f"/proc/{router.pid}/ns/net") as ipr:
+            EgressShaper(ipr, f"{PREFIX}cmp0", wd.shaper.rate_mbps, wd.shaper.queue_bytes).install()
+
+        def tree(dev: str) -> str:
+            out = router.cmd(f"tc -d -raw qdisc show dev {dev}; tc -d -raw class show dev {dev}")
+            return "\n".join(sorted(out.replace(dev, "DEV").replace("refcnt 2", "refcnt N").splitlines()))
+
+        batched, netlink = tree(wd.ifname), tree(f"{PREFIX}cmp0")
+        assert "htb 1:10" in batched and "bfifo" in batched, batched
+        assert batched == netlink

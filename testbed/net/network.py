@@ -583,8 +583,19 @@ class Network(HostIndex):
         self._quiet_root_side()
         self._progress("configuring gateways")
         self._configure_routers()
-        self._progress("shaping WAN links")
-        self._shape_links()
+        # the delay lines start (each a Python process) while the WAN links are shaped here;
+        # the routes into their lanes need the lanes, which exist once each line says ready
+        self._lines = Launcher(self.registry, self)
+        try:
+            with self._lines.together():
+                if self._lanes:
+                    self._start_delay_lines()
+                self._progress("shaping WAN links")
+                self._shape_links()
+        except ProcessError as exc:
+            raise NetworkError(f"a delay line failed to start: {exc}") from None
+        self._install_routes()
+        self._connect_delay_lines()
 
     def _wire(self, wan: list[tuple[str, str, str, str]],
               then: dict[Any, tuple[dict[str, str], list[str], str]]) -> None:
@@ -685,9 +696,6 @@ class Network(HostIndex):
                 for link in ipr.get_links():
                     if link.get_attr("IFLA_IFNAME") != "lo":
                         ipr.link("set", index=link["index"], mtu=self.mtu)
-        if self._lanes:
-            self._start_delay_lines()
-        self._install_routes()
 
     def _make_tunnels(self) -> None:
         """Each WAN link to a DC on another machine: a unicast VXLAN made in this machine's
@@ -722,34 +730,28 @@ class Network(HostIndex):
         return [d for (s, d) in self._wan_addr if s == dc]
 
     def _start_delay_lines(self) -> None:
-        """One delay line per gateway with WAN links, in the gateway, started together by a
-        ``Launcher`` of the network's own (the class a lab starts its processes with) and
-        waited for until each says ``ready``."""
+        """One delay line per gateway with WAN links, in the gateway, started by the network's
+        own ``Launcher`` (the class a lab starts its processes with) inside its ``together()``
+        block: the caller's block waits for every line's ``ready``."""
         state = self.registry.dir
-        self._lines = Launcher(self.registry, self)
-        try:
-            with self._lines.together():
-                for dc, router in self._routers.items():
-                    lanes = []
-                    for nb in self._neighbours(dc):
-                        p = self.topo.direction(dc, nb)
-                        delays = self.backends.delay == "tun"  # else netem delays and the line only schedules
-                        lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms if delays else 0.0,
-                                      "jitter_ms": p.jitter_ms if delays else 0.0,
-                                      "loss": p.loss if self.backends.loss == "delayline" else 0.0,
-                                      "rate_mbps": p.rate_mbps,
-                                      "link_queue_bytes": default_queue_bytes(p, self.topo.rtt_ms(dc, nb))})
-                    if not lanes:
-                        continue
-                    control = state / f"{router.name}.sock"
-                    self.registry.file(control)
-                    cfg = {"lanes": lanes, "control_path": str(control), "compensation_ms": self.compensation_ms,
-                           "seed": self._index[dc], "realtime": self.realtime}
-                    self._delay_procs[dc] = self._lines.start(
-                        f"delayline-{dc}", "testbed.net.delayline", cfg, router=dc, ready=True,
-                        ready_timeout=_DELAYLINE_START_TIMEOUT_S)
-        except ProcessError as exc:
-            raise NetworkError(f"a delay line failed to start: {exc}") from None
+        for dc, router in self._routers.items():
+            lanes = []
+            for nb in self._neighbours(dc):
+                p = self.topo.direction(dc, nb)
+                delays = self.backends.delay == "tun"  # else netem delays and the line only schedules
+                lanes.append({"name": self._lane_name(dc, nb), "delay_ms": p.delay_ms if delays else 0.0,
+                              "jitter_ms": p.jitter_ms if delays else 0.0,
+                              "loss": p.loss if self.backends.loss == "delayline" else 0.0,
+                              "rate_mbps": p.rate_mbps,
+                              "link_queue_bytes": default_queue_bytes(p, self.topo.rtt_ms(dc, nb))})
+            if not lanes:
+                continue
+            control = state / f"{router.name}.sock"
+            self.registry.file(control)
+            cfg = {"lanes": lanes, "control_path": str(control), "compensation_ms": self.compensation_ms,
+                   "seed": self._index[dc], "realtime": self.realtime}
+            self._delay_procs[dc] = self._lines.start(f"delayline-{dc}", "testbed.net.delayline", cfg, router=dc,
+                                                      ready=True, ready_timeout=_DELAYLINE_START_TIMEOUT_S)
 
     def _route_batch(self, dc: str) -> list[str]:
         """``dc``'s gateway routes, as ``ip -batch`` lines: to each other DC by the shortest-delay
@@ -786,6 +788,12 @@ class Network(HostIndex):
         _in_every_shell(cmds, "installing routes")
 
     def _shape_links(self) -> None:
+        """Each WAN direction's tc tree on its sending gateway: every gateway's trees as one
+        ``tc -batch`` file, run by all the gateways' shells at once (netem trees through
+        pyroute2, ``EgressShaper.install``)."""
+        indices = {dc: {link.get_attr("IFLA_IFNAME"): link["index"] for link in ipr.get_links()}
+                   for dc, ipr in self._iprs.items()}
+        batches: dict[str, list[str]] = {}
         for src, dst, params in self.topo.directions():
             if src not in self.local:
                 continue
@@ -794,8 +802,13 @@ class Network(HostIndex):
             netem = (
                 NetemParams(params.delay_ms, params.jitter_ms, params.loss) if self.backends.delay == "netem" else None
             )
-            shaper = EgressShaper(self._iprs[src], self._wan_ifname(src, dst), params.rate_mbps, queue, netem)
-            shaper.install()
+            ifname = self._wan_ifname(src, dst)
+            shaper = EgressShaper(self._iprs[src], ifname, params.rate_mbps, queue, netem, index=indices[src][ifname])
+            lines = shaper.install_commands()
+            if lines is None:
+                shaper.install()
+            else:
+                batches.setdefault(src, []).extend(lines)
             wd = WanDirection(
                 src, dst, params, self._wan_ifname(src, dst), self._routers[src], shaper, self.backends,
                 _loss_chain=f"GTB-LOSS-{self._index[dst]}",
@@ -805,6 +818,16 @@ class Network(HostIndex):
             if params.loss > 0 and self.backends.loss == "iptables":
                 wd._set_iptables_loss(params.loss)
             self._links[(src, dst)] = wd
+        cmds = {}
+        for dc, lines in batches.items():
+            path = self.registry.dir / f"{self._routers[dc].name}.tc"
+            path.write_text("\n".join(lines) + "\n")
+            self.registry.file(path)
+            cmds[self._routers[dc]] = f"tc -batch {path}"
+        _in_every_shell(cmds, "shaping WAN links")
+
+    def _connect_delay_lines(self) -> None:
+        """A control client per delay line (ready by now), given to its WAN directions."""
         if self._lanes:
             for dc in self._delay_procs:
                 client_path = self.registry.dir / f"client-{os.getpid()}-{self._index[dc]}.sock"

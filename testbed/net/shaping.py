@@ -54,6 +54,11 @@ def _handle(major: int, minor: int = 0) -> int:
     return (major << 16) | minor
 
 
+def _tc(handle: int) -> str:
+    """A handle as tc spells it (hex major:minor)."""
+    return f"{handle >> 16:x}:{handle & 0xFFFF:x}"
+
+
 @dataclass
 class NetemParams:
     delay_ms: float = 0.0
@@ -112,10 +117,11 @@ class EgressShaper:
         rate_mbps: float,
         queue_bytes: int,
         netem: NetemParams | None = None,
+        index: int | None = None,
     ):
         self._ipr = ipr
         self.ifname = ifname
-        self.index = ipr.link_lookup(ifname=ifname)[0]
+        self.index = index if index is not None else ipr.link_lookup(ifname=ifname)[0]
         self.rate_mbps = rate_mbps
         self.queue_bytes = queue_bytes
         self.netem = netem  # None: bfifo leaves (the delay line sits upstream)
@@ -131,6 +137,25 @@ class EgressShaper:
         ipr.tc("add-class", "htb", idx, _LINK, parent=_ROOT, **self._class_args(rate, rate))
         ipr.tc("add-class", "htb", idx, _DEFAULT, parent=_LINK, **self._class_args(rate, rate))
         self._leaf("add", _DEFAULT)
+
+    def install_commands(self) -> list[str] | None:
+        """What ``install`` makes, as ``tc -batch`` lines, for a gateway's shell to run with
+        its other shapers' (a large network's start-up: one tc process per gateway, all at
+        once, instead of four netlink requests from Python per direction).  The kernel holds
+        the same tree either way (``tests/test_network.py`` compares them).  None with netem:
+        its order-keeping rate is a 32-bit netlink field that tc spells differently, so
+        ``install`` makes that tree."""
+        if self.netem is not None:
+            return None
+        rate = self._rate()
+        a = self._class_args(rate, rate)
+        cls = (f"htb rate {rate * 8}bit ceil {rate * 8}bit burst {a['burst']}b cburst {a['cburst']}b "
+               f"quantum {a['quantum']} mtu {a['mtu']}")
+        dev = self.ifname
+        return [f"qdisc add dev {dev} root handle {_ROOT >> 16:x}: htb default {_DEFAULT & 0xFFFF:x} r2q 10",
+                f"class add dev {dev} parent {_ROOT >> 16:x}: classid {_tc(_LINK)} {cls}",
+                f"class add dev {dev} parent {_tc(_LINK)} classid {_tc(_DEFAULT)} {cls}",
+                f"qdisc add dev {dev} parent {_tc(_DEFAULT)} handle {_DEFAULT & 0xFFFF:x}: bfifo limit {self.queue_bytes}"]
 
     def _rate(self) -> int:
         return int(self.rate_mbps * 1e6 / 8)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, PrivateAttr, field_validator, model_validator
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 MAX_DCS = 250
@@ -107,19 +107,28 @@ class WanLink(Direction):
     def _reverse_is_a_direction(self) -> "WanLink":
         if self.reverse is not None:  # b -> a: the overrides merged with a -> b must make a direction
             try:
-                self.backward()
+                self.backward(validate=True)
             except ValidationError as exc:
                 raise ValueError(f"reverse: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
         return self
 
     def forward(self) -> Direction:
-        return Direction(**self.model_dump(include=set(Direction.model_fields)))
+        return self._direction(False)
 
-    def backward(self) -> Direction:
-        values = self.forward().model_dump()
-        if self.reverse is not None:
-            values.update({k: v for k, v in self.reverse.model_dump().items() if v is not None})
-        return Direction(**values)
+    def backward(self, validate: bool = False) -> Direction:
+        return self._direction(True, validate)
+
+    def _direction(self, reverse: bool, validate: bool = False) -> Direction:
+        """a -> b (or b -> a, the overrides merged).  Built without validating again: this link
+        was validated as a whole, the reverse merge included (``validate=True`` checks it); the
+        network builder asks for directions thousands of times on a large topology."""
+        values = {k: getattr(self, k) for k in Direction.model_fields}
+        if reverse and self.reverse is not None:
+            for k in ReverseOverrides.model_fields:
+                v = getattr(self.reverse, k)
+                if v is not None:
+                    values[k] = v
+        return Direction(**values) if validate else Direction.model_construct(**values)
 
 
 class IntraDC(_Strict):
@@ -133,6 +142,8 @@ class Topology(_Strict):
     dcs: list[DataCenter] = Field(min_length=1, max_length=MAX_DCS)
     wan: list[WanLink] = Field([], max_length=MAX_DCS * (MAX_DCS - 1) // 2)
     intra_dc: IntraDC = IntraDC()
+    _hops: dict = PrivateAttr(default_factory=dict)  # next_hops by source DC, for the delays in _hops_key
+    _hops_key: tuple = PrivateAttr(())
 
     @model_validator(mode="after")
     def _check_graph(self) -> "Topology":
@@ -172,9 +183,11 @@ class Topology(_Strict):
         return out
 
     def direction(self, src: str, dst: str) -> Direction:
-        for s, d, params in self.directions():
-            if (s, d) == (src, dst):
-                return params
+        for link in self.wan:
+            if (link.a, link.b) == (src, dst):
+                return link.forward()
+            if (link.b, link.a) == (src, dst):
+                return link.backward()
         raise KeyError(f"no WAN link {src} -> {dst}")
 
     def next_hops(self, src: str) -> dict[str, str]:
@@ -182,13 +195,20 @@ class Topology(_Strict):
 
         A DC with a direct link is reached over that link (traffic between two DCs crosses
         exactly their link, even where a detour would be faster); others over the
-        shortest-delay path.
+        shortest-delay path.  Kept for the links' delays as they are now (a large network's
+        build asks for paths thousands of times; a changed delay computes them afresh).
         """
-        first = self._shortest_first_hops(src)
-        for s, d, _ in self.directions():
-            if s == src:
-                first[d] = d
-        return first
+        key = tuple((link.a, link.b, link.delay_ms, link.reverse.delay_ms if link.reverse else None)
+                    for link in self.wan)
+        if self._hops_key != key:
+            self._hops, self._hops_key = {}, key
+        if src not in self._hops:
+            first = self._shortest_first_hops(src)
+            for s, d, _ in self.directions():
+                if s == src:
+                    first[d] = d
+            self._hops[src] = first
+        return dict(self._hops[src])
 
     def _shortest_first_hops(self, src: str) -> dict[str, str]:
         adj: dict[str, list[tuple[float, str]]] = {dc.name: [] for dc in self.dcs}
