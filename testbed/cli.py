@@ -122,6 +122,8 @@ def fidelity(
     loss_backend: str = typer.Option("auto", help="auto, netem, iptables or delayline"),
     inventory: Optional[Path] = typer.Option(None, help="an Ansible inventory: the DCs go to its machines"),
     machines: Optional[str] = typer.Option(None, help="with --inventory: DC=MACHINE,... (default: packed in order)"),
+    time_dilation: float = typer.Option(1.0, "--time-dilation", help="k: the emulated world runs k times slower than "
+                                        "the wall clock (delays x k, rates / k on the wire); figures in emulated terms"),
 ) -> None:
     """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down."""
     import contextlib
@@ -134,6 +136,8 @@ def fidelity(
     cluster = None
     try:
         topo = load_topology(resolve_topology(topology))
+        if time_dilation != 1.0 and inventory is not None:
+            _fail("--time-dilation: on one machine only, for now (not with --inventory)")
         with console.status("building the network") as status:
             if inventory is not None:
                 from testbed.cluster.remote import ClusterNetwork, open_cluster
@@ -144,7 +148,7 @@ def fidelity(
                 net.delay_backend = delay_backend
             else:
                 net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend,
-                              progress=lambda m: status.update(m))
+                              progress=lambda m: status.update(m), time_dilation=time_dilation)
             with net, (contextlib.closing(cluster) if cluster else contextlib.nullcontext()):
                 console.print(f"built {topo.name} in {net.startup_s:.2f} s (delay: {net.backends.delay}, "
                               f"loss: {net.backends.loss})")
@@ -158,7 +162,8 @@ def fidelity(
     if as_json:
         out.print_json(json.dumps([r.to_dict() for r in reports]))
         raise typer.Exit(1 if bad else 0)  # a direction out of tolerance is a failed check
-    table = Table(title=f"{topo.name}: configured vs measured")
+    dilation = f" (time dilation {time_dilation:g}: emulated terms)" if time_dilation != 1.0 else ""
+    table = Table(title=f"{topo.name}: configured vs measured{dilation}")
     for col in ("link", "RTT ms: conf / meas (source)", "one-way ms: conf / meas", "goodput Mbit/s (of rate)",
                 "retr", "ok"):
         table.add_column(col, justify="right")
@@ -214,7 +219,7 @@ def run(
             from testbed.extension import in_use
 
             refused = ("compare:" if exp.compare else f"device: {exp.device}" if device.one_machine_only else
-                       ", ".join(e.name for e in in_use(exp)))
+                       "time_dilation" if exp.time_dilation != 1.0 else ", ".join(e.name for e in in_use(exp)))
             if refused:
                 raise ClusterError(f"--inventory: {refused} runs on one machine only, for now")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -30,6 +30,8 @@ registry, and each extension owns everything of its own:
   torchrun`` job makes when the user passes ``--with NAME=VALUE`` (a user's own job on a lab,
   not the project's trainer; ``job_extension(NAME)`` finds it).
 
+* ``dilates``: its processes' timers read the dilated clock, so an experiment with
+  ``time_dilation`` > 1 may use it (otherwise it is refused in one line);
 * ``devices``: device kinds, name -> ``"module:Class"`` of a ``DeviceKind``: what an
   experiment's ``device: NAME`` makes of each worker's device.  The core's own (``cpu``,
   ``cuda``, ``emulated``, ``auto``) are declared the same way, by ``testbed.run.devices``.
@@ -91,6 +93,7 @@ class DeviceKind:
     computes_model: ClassVar[bool] = True  # False: device time only (no losses, no reference)
     profiled: ClassVar[bool] = False  # device times come from ``exp.emulation`` (the simulator draws the same)
     one_machine_only: ClassVar[bool] = False  # refused with ``--inventory``
+    dilates: ClassVar[bool] = False  # its op times stretch with ``time_dilation`` (a real device's cannot)
 
     def __init__(self, exp: "Experiment"):
         self.exp = exp
@@ -130,6 +133,7 @@ class Extension:
     predict: str | None = None
     lab: str | None = None
     devices: dict[str, str] = field(default_factory=dict)
+    dilates: bool = False  # its processes read the dilated clock: it may run under ``time_dilation`` > 1
 
     def load(self, target: str) -> Any:
         """The object behind one of this extension's ``"module:attr"`` targets."""

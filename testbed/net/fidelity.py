@@ -66,6 +66,7 @@ class LinkReport:
     retransmits: int
     loss_configured: float
     window_bytes: int | None = None  # the goodput flow's window clamp (``measuring_window``)
+    time_dilation: float = 1.0  # k: every figure above is in emulated terms (wall-clock times / k, rates x k)
 
     def to_dict(self) -> dict:
         """Its fields, and ``ok``: within tolerance (``testbed fidelity`` exits 1 unless every one is)."""
@@ -293,26 +294,34 @@ def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, 
         rtt_ms = min(rtts)
     conf = configured_rtt_ms(net, src, dst)
     owds = one_way_delays(net, a, b, count=20, interval_s=0.01)
-    omit, measure = steady_state_seconds(conf, seconds)
+    k = _dilation(net)  # the wire's figures are dilated; ``seconds`` are emulated
+    omit, measure = steady_state_seconds(conf, seconds * k)
     window = measuring_window(params, conf)
     perf = steady_goodput(net, a, b, seconds=measure, omit_s=omit, clamp_bytes=window)
+    source = net.topo.source_rtt_ms(src, dst)
     return LinkReport(
         src=src,
         dst=dst,
-        rtt_ms_configured=round(conf, 3),
-        rtt_ms_measured=round(rtt_ms, 3),
-        rtt_error_ms=round(rtt_ms - conf, 3),
-        rtt_ms_source=net.topo.source_rtt_ms(src, dst),
-        owd_ms_configured=round(net.topo.one_way_delay_ms(src, dst), 3),
-        owd_ms_measured=round(min(owds), 3) if owds else None,
-        rate_mbps_configured=params.rate_mbps,
-        goodput_mbps_measured=round(perf["goodput_mbps"], 2),
+        rtt_ms_configured=round(conf / k, 3),
+        rtt_ms_measured=round(rtt_ms / k, 3),
+        rtt_error_ms=round((rtt_ms - conf) / k, 3),
+        rtt_ms_source=None if source is None else source / k,
+        owd_ms_configured=round(net.topo.one_way_delay_ms(src, dst) / k, 3),
+        owd_ms_measured=round(min(owds) / k, 3) if owds else None,
+        rate_mbps_configured=round(params.rate_mbps * k, 6),
+        goodput_mbps_measured=round(perf["goodput_mbps"] * k, 2),
         goodput_ratio=round(perf["goodput_mbps"] / params.rate_mbps, 4),
-        goodput_seconds=round(perf["seconds"], 2),
+        goodput_seconds=round(perf["seconds"] / k, 2),
         retransmits=perf["retransmits"],
         loss_configured=params.loss,
         window_bytes=window,
+        time_dilation=k,
     )
+
+
+def _dilation(net: NetworkSurface) -> float:
+    """The network's time dilation k (1 for a network without one)."""
+    return float(getattr(net, "time_dilation", 1.0) or 1.0)
 
 
 def measure_all(net: NetworkSurface, seconds: float = 3.0, pings: int = 20,
@@ -357,14 +366,16 @@ def check_wan(net: NetworkSurface, pings: int = 5) -> list[DirectionCheck]:
     (min of 10), against the configuration.  A direction outside max(0.5 ms, 2%) on the round
     trip, or without replies, is not ``ok``; the caller warns.  About 0.2 s + 2 RTT a direction."""
     out = []
+    k = _dilation(net)  # judged, and reported, in emulated terms
     for wd in net.links():
         a, b = net.host(wd.src), net.host(wd.dst)
-        conf = configured_rtt_ms(net, wd.src, wd.dst)
-        owd_conf = net.topo.one_way_delay_ms(wd.src, wd.dst)
+        conf = configured_rtt_ms(net, wd.src, wd.dst) / k
+        owd_conf = net.topo.one_way_delay_ms(wd.src, wd.dst) / k
         rtts = ping(a, b.ip, count=pings, interval_s=0.01)
         owds = one_way_delays(net, a, b, count=10, interval_s=0.005)
-        rtt = min(rtts) if rtts else None
-        owd = min(owds) if owds else None
+        rtt = min(rtts) / k if rtts else None
+        owd = min(owds) / k if owds else None
+        source = net.topo.source_rtt_ms(wd.src, wd.dst)
         problems = []
         if rtt is None:
             problems.append("no ping reply")
@@ -374,5 +385,5 @@ def check_wan(net: NetworkSurface, pings: int = 5) -> list[DirectionCheck]:
             problems.append(f"one-way {owd:.2f} ms against {owd_conf:.2f} configured")
         out.append(DirectionCheck(wd.src, wd.dst, round(conf, 3), None if rtt is None else round(rtt, 3),
                                   round(owd_conf, 3), None if owd is None else round(owd, 3),
-                                  net.topo.source_rtt_ms(wd.src, wd.dst), not problems, "; ".join(problems)))
+                                  None if source is None else source / k, not problems, "; ".join(problems)))
     return out

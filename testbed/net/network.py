@@ -50,11 +50,12 @@ from testbed.procutil import DatagramClient, Launcher, Process, ProcessError, st
 from testbed.registry import PREFIX, Registry
 from testbed.net.shaping import Counters, EgressShaper, NetemParams
 from testbed.net.surface import HostIndex, HostInfo, NetworkError
-from testbed.spec.topology import Direction, Topology, default_queue_bytes, validation_error
+from testbed.spec.topology import Direction, Topology, default_queue_bytes, dilated, validation_error
 
 DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)
 _TCP_MEM = "4096 131072 67108864"
 _DELAYLINE_START_TIMEOUT_S = 20.0
+_RTO_MIN_MS = 200  # Linux's TCP_RTO_MIN
 
 
 def _import_mininet():
@@ -350,10 +351,19 @@ class Network(HostIndex):
         dcs: list[str] | None = None,
         tunnels: dict[tuple[str, str], "Tunnel"] | None = None,
         mtu: int | None = None,
+        time_dilation: float = 1.0,
     ):
         """``dcs``: the DCs built here (default all: one machine); a WAN link with one end
         elsewhere must have a ``tunnels[(local, remote)]``.  ``mtu``: every emulated
-        interface's MTU (across machines: the underlay's less the VXLAN header)."""
+        interface's MTU (across machines: the underlay's less the VXLAN header).
+        ``time_dilation``: k, the emulated world runs k times slower than the wall clock: the
+        wire carries ``topology.dilated(topo, k)`` (``topo`` stays as ``emulated_topo``) and
+        the hosts' TCP retransmission floor (``rto_min``, per route) is k times Linux's 200 ms."""
+        if not 1.0 <= time_dilation <= 1000.0:
+            raise NetworkError(f"time_dilation: {time_dilation:g} is not between 1 and 1000")
+        self.time_dilation = float(time_dilation)
+        self.emulated_topo = topo
+        topo = dilated(topo, self.time_dilation)
         self.topo = topo
         names = [dc.name for dc in topo.dcs]
         self.local = [d for d in names if dcs is None or d in dcs]
@@ -666,7 +676,8 @@ class Network(HostIndex):
                 sysctls = {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1",
                            "net.ipv4.tcp_congestion_control": "cubic", "net.ipv4.tcp_no_metrics_save": "1",
                            "net.ipv4.tcp_rmem": _TCP_MEM, "net.ipv4.tcp_wmem": _TCP_MEM}
-                ip = [f"route add default via {gw}"]
+                rto = f" rto_min {_RTO_MIN_MS * self.time_dilation:.0f}ms" if self.time_dilation != 1 else ""
+                ip = [f"route add default via {gw}{rto}"]
                 if self.mtu:
                     ip.append(f"link set dev {h.name}-eth0 mtu {self.mtu}")
                 shell = ""

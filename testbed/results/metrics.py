@@ -139,6 +139,7 @@ class Summary(_Figures):
     busy_fraction_per_worker: dict[str, float]
     tokens_per_s: float | None
     final_loss: float | None
+    time_dilation: float = 1.0  # k: every time here is in emulated seconds (the wall clock's / k)
     loss_note: str = UNSET  # only when the devices are emulated
     tcp_timeouts: int = UNSET  # these three only when the hosts' TCP counters were read
     tcp_loss_probes: int = UNSET
@@ -232,6 +233,7 @@ def summarise(run: RunRecord) -> RunSummary:
             busy_fraction_per_worker=per_worker_busy,
             tokens_per_s=round(tokens / mean_time, 2) if mean_time > 0 else None,
             final_loss=iterations[-1].loss,
+            time_dilation=run.time_dilation,
             **({"loss_note": "no loss: the devices are emulated (device time from a profile, no model is "
                              "computed)"} if run.device.get("computes_model") is False else {}),
             **_tcp_summary(run.tcp),

@@ -13,7 +13,7 @@ Clock: every timestamp is on CLOCK_MONOTONIC, which every namespace on the machi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -97,8 +97,30 @@ class RunRecord:
     device: dict = field(default_factory=dict)  # what the devices were and where their times came from
     tcp: dict = field(default_factory=dict)  # per host: TCP counters over the training (Network.tcp_counters)
     out_dir: Path | None = None
+    time_dilation: float = 1.0  # k: the timestamps are on the emulated clock (``in_emulated_time``)
 
     def iteration_ends(self) -> list[float]:
         """When the last worker finished each iteration."""
         return [max(w.iteration_end[k] for w in self.workers.values())
                 for k in range(self.exp.training.iterations)]
+
+
+def in_emulated_time(record: RunRecord, k: float) -> RunRecord:
+    """``record`` with every timestamp moved to the emulated clock of a run under time
+    dilation ``k``: ``go_time + (t - go_time) / k`` (durations k times shorter), so every
+    figure made from it is in emulated seconds.  ``k`` = 1 returns ``record`` itself."""
+    if k == 1:
+        return record
+    go = record.go_time
+
+    def t(x: float) -> float:
+        return go + (x - go) / k
+
+    workers = {}
+    for name, w in record.workers.items():
+        workers[name] = replace(
+            w, events=[e._replace(start=t(e.start), end=t(e.end)) for e in w.events],
+            transfers=[x._replace(start=t(x.start), end=t(x.end)) for x in w.transfers],
+            iteration_end={i: t(v) for i, v in w.iteration_end.items()},
+            cotenant=[(t(a), t(b)) for a, b in w.cotenant])
+    return replace(record, workers=workers, time_dilation=k)

@@ -146,6 +146,7 @@ class EmulatedDevice(DeviceKind):
     computes_model = False
     profiled = True
     one_machine_only = True
+    dilates = True  # under time dilation k every op time and the message latency are k times longer
 
     def check(self) -> None:
         from testbed.sim.device import device_profile
@@ -165,8 +166,10 @@ class EmulatedDevice(DeviceKind):
         stage = worker.slot.stage
         slow = exp.emulation.slowdown.get(worker.slot.replica, 1.0)
         cfg.compute, cfg.device = "testbed.train.emulated:EmulatedCompute", "emulated"
-        cfg.emulation = Emulation(str(worker.device_file), exp.training.seed, prof.times_for(stage, worker.name, slow),
-                                  prof.message_bytes, prof.grad_bytes[stage], prof.message_latency_s,
+        k = exp.time_dilation  # the device runs on the wall clock: its times k times longer
+        times = prof.times_for(stage, worker.name, slow * k)
+        cfg.emulation = Emulation(str(worker.device_file), exp.training.seed, times, prof.message_bytes,
+                                  prof.grad_bytes[stage], prof.message_latency_s * k,
                                   sequence=prof.sequence and worker.name in prof.workers)
         return 0.0
 
@@ -179,8 +182,13 @@ class EmulatedDevice(DeviceKind):
         device["op_timing_per_worker"] = reports
         medians = [r["median_us"] for r in reports.values() if r.get("ops")]
         worst = [r["p99_us"] for r in reports.values() if r.get("ops")]
+        k = self.exp.time_dilation  # an op's error on the wall clock is k times smaller in emulated time
         device["op_timing"] = {"workers": len(medians), "median_us_worst_worker": max(medians, default=None),
                                "p99_us_worst_worker": max(worst, default=None)}
+        if k != 1.0:
+            device["op_timing"] |= {"time_dilation": k, "emulated_median_us_worst_worker":
+                                    None if not medians else round(max(medians) / k, 3),
+                                    "emulated_p99_us_worst_worker": None if not worst else round(max(worst) / k, 3)}
         return device
 
 

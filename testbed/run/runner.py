@@ -47,7 +47,7 @@ from testbed.run.hub import TelemetryHub
 from testbed.run.lab import Lab
 from testbed.net.network import Network
 from testbed.net.surface import HostInfo, NetworkError, NetworkSurface
-from testbed.results.records import RunRecord, WorkerRecord
+from testbed.results.records import RunRecord, WorkerRecord, in_emulated_time
 from testbed.run import procs
 from testbed.run.procs import ProcessError, python_env
 from testbed.run.site import Containers, Hub, Launcher, Process, RunView, Site
@@ -207,7 +207,7 @@ class TrainingRun:
         from testbed.results import metrics
 
         exp = self.exp
-        options: dict = {}
+        options: dict = {"time_dilation": exp.time_dilation} if exp.time_dilation != 1.0 else {}
         for ext in self.extensions:
             options.update(ext.network_options())
         with self.site.lab(exp.topo, self.delay_backend, options) as lab:
@@ -271,7 +271,8 @@ class TrainingRun:
             k = self._iterations_written
             ends = [w.record.iteration_end[k] for w in self.workers.values() if k in w.record.iteration_end]
             losses = [w.record.losses[k] for w in self.workers.values() if k in w.record.losses]
-            line = {"iteration": k, "end_s": round(max(ends) - self.go_time, 6) if ends else None,
+            end = (max(ends) - self.go_time) / self.exp.time_dilation if ends else None  # emulated seconds
+            line = {"iteration": k, "end_s": None if end is None else round(end, 6),
                     "loss": sum(losses) if losses else None}
             try:
                 self._iterations_file.write(json.dumps(line) + "\n")
@@ -284,9 +285,10 @@ class TrainingRun:
         """What this run has recorded so far, as the metrics read it."""
         steady = max((ext.steady_state_from() for ext in self.extensions), default=0)
         device = self.device.describe(self) if self.device is not None else {}
-        return RunRecord(self.exp, {n: w.record for n, w in self.workers.items()}, self.go_time,
-                         self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
-                         device=device, tcp=self.tcp, out_dir=self.out_dir)
+        record = RunRecord(self.exp, {n: w.record for n, w in self.workers.items()}, self.go_time,
+                           self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
+                           device=device, tcp=self.tcp, out_dir=self.out_dir)
+        return in_emulated_time(record, self.exp.time_dilation)  # every figure in emulated seconds
 
     def _check_wan(self, net: NetworkSurface) -> None:
         """Every run measures its own WAN before training: configured against measured per
@@ -353,7 +355,7 @@ class TrainingRun:
             stages=exp.parallel.stages, replicas=exp.parallel.replicas, schedule=exp.parallel.schedule,
             extra_warmup=exp.parallel.extra_warmup, model=exp.model.model_dump(),
             training=exp.training.model_dump(), telemetry=str(self.telemetry_path), port=_PORT, device=device,
-            recv_timeout_s=exp.training.recv_timeout_s)
+            recv_timeout_s=exp.training.recv_timeout_s * exp.time_dilation)
         for key, peer_stage in (("next", slot.stage + 1), ("prev", slot.stage - 1)):
             peer = by_key.get((peer_stage, slot.replica))
             if peer is not None:

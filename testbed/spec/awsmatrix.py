@@ -64,8 +64,9 @@ def aws_topology(
         "description": description
         or f"AWS {', '.join(region_names)}: full mesh, measured round trips, bandwidth / {scale:g}",
         "source": f"{SOURCE}. The matrix's delays are round trips (source_rtt_ms); each direction's one-way "
-                  f"delay_ms is half of it. Bandwidths scaled down by a factor of {scale:g} so this machine's "
-                  f"CPUs keep up.",
+                  f"delay_ms is half of it. "
+                  + (f"Bandwidths scaled down by a factor of {scale:g} so this machine's CPUs keep up."
+                     if scale != 1 else "Bandwidths as measured."),
         "dcs": dcs,
         "wan": wan,
     }

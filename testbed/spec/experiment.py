@@ -147,6 +147,11 @@ class _CoreExperiment(_Strict):
         "auto", description="auto: a GPU per worker where there are GPUs, else a CPU container; emulated: the "
                             "network is real, device time comes from a profile (emulation)")
     emulation: EmulationSpec = EmulationSpec()
+    time_dilation: float = Field(
+        1.0, ge=1.0, le=100.0, description="k: the emulated world runs k times slower than the wall clock (WAN "
+                                           "delays x k and rates / k on the wire, device times x k); every figure "
+                                           "is written in emulated seconds.  Needs a device kind whose time "
+                                           "dilates (device: emulated)")
     sim: SimSpec = SimSpec()
     # + one section per registered extension (``_with_extensions`` below)
     compare: dict[str, _CoreVariantSpec] | None = Field(
@@ -355,7 +360,23 @@ def _parse_experiment(data: Any, origin: str, base_dir: Path | None, strict: boo
     for ext in extensions().values():
         if ext.check is not None:
             ext.check(exp, origin)
+    if exp.time_dilation != 1.0:
+        _check_dilation(exp, origin)
     return exp
+
+
+def _check_dilation(exp: "Experiment", origin: str) -> None:
+    """Refuse what would report wrong figures under time dilation, in one line."""
+    from testbed.extension import device_kind, in_use
+
+    k = exp.time_dilation
+    if not device_kind(exp.device).dilates:
+        raise SpecError(f"{origin}: time_dilation: {k:g} needs device: emulated (a {exp.device} device computes at "
+                        f"the wall clock's speed, so its op times would be reported {k:g} times too short)")
+    undilated = [ext.name for ext in in_use(exp) if not ext.dilates]
+    if undilated:
+        raise SpecError(f"{origin}: time_dilation: {k:g}: {', '.join(undilated)} does not read the dilated clock "
+                        f"yet (its timers are wall-clock), so it runs only at time_dilation 1")
 
 
 def resolve_experiment(name_or_path: str | Path) -> Path:

@@ -501,3 +501,35 @@ def resolve_topology(name_or_path: str | Path, near: Path | None = None) -> Path
                 return candidate
     looked = ", ".join(dict.fromkeys(f"{f}/" for f in folders))
     raise SpecError(one_line(f"{key_text(name_or_path)}: no such topology file (looked in ./, {looked})"))
+
+
+def dilated(topo: Topology, k: float) -> Topology:
+    """``topo`` as the wire carries it under time dilation ``k`` (the emulated world runs k
+    times slower than the wall clock): every WAN delay and jitter (and the source's round
+    trip) k times longer, every rate, the intra-DC one too, k times lower.  Queues stay in
+    bytes, and so does every bandwidth-delay product.  ``k`` = 1 returns ``topo`` itself."""
+    if k == 1:
+        return topo
+
+    def scale(values: dict) -> dict:
+        out = dict(values)
+        for key in ("delay_ms", "jitter_ms", "source_rtt_ms"):
+            if out.get(key) is not None:
+                out[key] = out[key] * k
+        if out.get("rate_mbps") is not None:
+            out["rate_mbps"] = out["rate_mbps"] / k
+        return out
+
+    wan = []
+    for link in topo.wan:
+        values = scale({name: getattr(link, name) for name in WanLink.model_fields if name != "reverse"})
+        # a default queue is rate x max(20 ms, RTT): the 20 ms floor is wall-clock there, so the
+        # emulated default is written out in bytes, as every other queue stays
+        values["queue_bytes"] = link.queue_bytes or default_queue_bytes(link.forward(), topo.rtt_ms(link.a, link.b))
+        back = {name: getattr(link.reverse, name) for name in ReverseOverrides.model_fields} if link.reverse else {}
+        back["queue_bytes"] = back.get("queue_bytes") or default_queue_bytes(link.backward(), topo.rtt_ms(link.b, link.a))
+        values["reverse"] = ReverseOverrides.model_construct(**scale({k2: back.get(k2) for k2 in ReverseOverrides.model_fields}))
+        wan.append(WanLink.model_construct(**values))
+    intra = IntraDC.model_construct(rate_mbps=topo.intra_dc.rate_mbps / k)
+    return topo.model_copy(update={"wan": wan, "intra_dc": intra,
+                                   "description": f"{topo.description} (time dilation {k:g})".strip()})
