@@ -1,6 +1,7 @@
 """Benchmark of emulated devices: how many GPU-like workers this machine holds (prints figures).
 
     .venv/bin/python experiments/bench_emulated.py [--cases 6x3,16x4,32x4,64x4,64x8] [--json OUT]
+                                                   [--time-dilation K]
 
 Each case ``NxK`` is N emulated devices over K DCs: one pipeline stage per DC (P = K) and
 N / K data-parallel pipelines, 1F1B, 8 microbatches of one sequence, one TCP connection per
@@ -15,7 +16,9 @@ prints: start-up (from the call to the go: network, WAN check, workers ready), t
 iteration time, the per-op timing error (median of the worst worker, and its 99th
 percentile), resident memory per worker (mean and max, sampled mid-run), the memory the
 whole run holds (MemAvailable drop) and the cores the machine was busy for during training
-(/proc/stat).  Run it on an otherwise idle machine.
+(/proc/stat), and the simulator's iteration time for the same experiment.  Under
+``--time-dilation K`` every figure is in emulated terms (the op error too: the wall clock's
+divided by K).  Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ def _topology(tmp: Path, dcs: int, hosts: int) -> Path:
     return path
 
 
-def _experiment(tmp: Path, devices: int, dcs: int, iterations: int) -> Path:
+def _experiment(tmp: Path, devices: int, dcs: int, iterations: int, k: float = 1.0) -> Path:
     replicas = devices // dcs
-    data = {"name": f"emulated-{devices}x{dcs}", "topology": str(_topology(tmp, dcs, replicas)),
+    data = {"name": f"emulated-{devices}x{dcs}", "topology": str(_topology(tmp, dcs, replicas)), "time_dilation": k,
             "model": {"layers": max(6, dcs), "hidden": 128, "heads": 4, "seq_len": 64},
             "training": {"iterations": iterations, "microbatches": 8, "microbatch_size": 1, "seed": 1},
             "parallel": {"stages": dcs, "replicas": replicas, "schedule": "1f1b", "connections": 1},
@@ -82,8 +85,8 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
-def run_case(tmp: Path, devices: int, dcs: int, iterations: int) -> dict:
-    exp = load_experiment(_experiment(tmp, devices, dcs, iterations))
+def run_case(tmp: Path, devices: int, dcs: int, iterations: int, k: float = 1.0) -> dict:
+    exp = load_experiment(_experiment(tmp, devices, dcs, iterations, k))
     out = tmp / f"out-{devices}x{dcs}"
     run = TrainingRun(exp, out)
     sample: dict = {}
@@ -106,14 +109,24 @@ def run_case(tmp: Path, devices: int, dcs: int, iterations: int) -> dict:
     cores = (os.cpu_count() or 1) * (busy1 - busy0) / max(1, total1 - total0)
     s, timing = result["summary"], result["device"]["op_timing"]
     rss = sample["rss"]
-    row = {"devices": devices, "dcs": dcs, "pipelines": devices // dcs,
+    from testbed.results import metrics
+    from testbed.sim.build import simulate
+    from testbed.sim.device import stage_times
+
+    times, latency = stage_times(exp)
+    predicted = metrics.summarise(simulate(exp, stage_times=times, message_overhead_s=latency)).summary
+    row = {"devices": devices, "dcs": dcs, "pipelines": devices // dcs, "time_dilation": k,
            "startup_s": round(run.go_time - t0, 2), "iteration_s": s["mean_iteration_time_s"],
-           "op_error_median_us": timing["median_us_worst_worker"], "op_error_p99_us": timing["p99_us_worst_worker"],
+           "simulated_iteration_s": predicted.mean_iteration_time_s,
+           # in emulated microseconds: the wall clock's error / k
+           "op_error_median_us": round(timing["median_us_worst_worker"] / k, 2),
+           "op_error_p99_us": round(timing["p99_us_worst_worker"] / k, 2),
            "rss_mean_mb": round(sum(rss) / len(rss) / 1024, 1), "rss_max_mb": round(max(rss) / 1024, 1),
            "run_memory_mb": round(sample["mem"] / 1024), "cores_busy": round(cores, 2),
            "wall_s": round(t_end - t0, 1), "warnings": s["warnings"]}
-    print(f"  {devices:>3} devices / {dcs} DCs ({devices // dcs} pipelines a link): start-up {row['startup_s']:.1f} s, "
-          f"{row['iteration_s']:.3f} s/iteration, op error median {row['op_error_median_us']} us "
+    print(f"  {devices:>3} devices / {dcs} DCs ({devices // dcs} pipelines a link), k={k:g}: start-up "
+          f"{row['startup_s']:.1f} s, {row['iteration_s']:.3f} s/iteration (simulated "
+          f"{row['simulated_iteration_s']:.3f}), op error median {row['op_error_median_us']} us "
           f"(p99 {row['op_error_p99_us']} us), RSS {row['rss_mean_mb']} MB/worker (max {row['rss_max_mb']}), "
           f"run {row['run_memory_mb']} MB, {row['cores_busy']} cores busy", flush=True)
     return row
@@ -124,12 +137,13 @@ def main() -> int:
     ap.add_argument("--cases", default="6x3,16x4,32x4,64x4,64x8")
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--time-dilation", type=float, default=1.0, help="k: figures in emulated terms")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for case in args.cases.split(","):
             n, k = (int(x) for x in case.split("x"))
-            rows.append(run_case(Path(d), n, k, args.iterations))
+            rows.append(run_case(Path(d), n, k, args.iterations, args.time_dilation))
     info = {"machine": {"cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}, "cases": rows}
     if args.json:
         args.json.write_text(json.dumps(info, indent=1))

@@ -109,11 +109,13 @@ class LabHandle(Protocol):
 class Lab:
     """One topology built, checked, driven and removed.  ``topology``: a ``Topology``, a file
     or a shipped topology's name.  ``check``: run the WAN self-check in ``up()``.  ``caps``:
-    what ``net.kernel.probe`` found, where the caller has it (else ``up()`` probes)."""
+    what ``net.kernel.probe`` found, where the caller has it (else ``up()`` probes).
+    ``time_dilation``: k, the network's emulated world k times slower than the wall clock
+    (``net.network.Network``); the WAN check reads emulated terms."""
 
     def __init__(self, topology: Topology | str | Path, name: str | None = None, delay_backend: str = "auto",
                  loss_backend: str = "auto", check: bool = True, progress: Callable[[str], None] | None = None,
-                 caps: Capabilities | None = None, network_options: dict | None = None):
+                 caps: Capabilities | None = None, network_options: dict | None = None, time_dilation: float = 1.0):
         if isinstance(topology, Topology):
             self.topo, self.topology_file = topology, None
         else:
@@ -124,6 +126,8 @@ class Lab:
         self.check = check
         self._caps = caps  # what this machine offers, when already probed
         self._network_options = dict(network_options or {})  # a run's extensions' asks (Network's keywords)
+        if time_dilation != 1.0:  # the emulated world k times slower than the wall clock (Network's docstring)
+            self._network_options["time_dilation"] = time_dilation
         self._progress = progress or (lambda msg: None)
         self.net: Network | None = None
         self.wan_check: list[dict] = []
