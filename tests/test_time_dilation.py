@@ -128,6 +128,11 @@ def test_the_same_emulated_run_at_k_1_and_k_4(tmp_path):
         return sorted(x["args"]["bytes"] for x in trace if x.get("cat") in ("xfer_act", "xfer_grad"))
 
     assert wan_bytes(1) == wan_bytes(4)
+    # metrics.json says what produced it: the resolved experiment, the code, the versions
+    prov = json.loads((tmp_path / "k4" / "metrics.json").read_text())["provenance"]
+    assert prov["experiment"]["time_dilation"] == 4 and prov["experiment"]["device"] == "emulated"
+    assert prov["topology"]["name"] == "dil" and prov["versions"]["torch"] and prov["versions"]["kernel"]
+    assert prov["code"]["version"] and prov["machine"]["cores"] >= 1
     # the device ops took k times longer on the wall clock; in emulated time their error shrank
     timing = runs[4]["device"]["op_timing"]
     assert timing["time_dilation"] == 4

@@ -47,6 +47,7 @@ from testbed.run.hub import TelemetryHub
 from testbed.run.lab import Lab
 from testbed.net.network import Network
 from testbed.net.surface import HostInfo, NetworkError, NetworkSurface
+from testbed.results.provenance import provenance
 from testbed.results.records import RunRecord, WorkerRecord, in_emulated_time
 from testbed.run import procs
 from testbed.run.procs import ProcessError, python_env
@@ -246,6 +247,7 @@ class TrainingRun:
                 self._hub = None
         record = self.record()
         result = metrics.summarise(record)
+        result.extra["provenance"] = provenance(self.exp)
         site = self.site.summary()
         if site:
             result.extra["cluster"] = site

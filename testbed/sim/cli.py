@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from testbed.extension import device_kind
+from testbed.results.provenance import provenance
 from testbed.spec.experiment import load_experiment, parse_experiment
 from testbed.spec.topology import SpecError
 from testbed.sim.build import profiled_stage_times, simulate, wan_utilization
@@ -98,6 +99,7 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
                 result.out_dir = Path(out_dir)
                 result.out_dir.mkdir(parents=True, exist_ok=True)
                 summary.extra["simulated"] = row
+                summary.extra["provenance"] = provenance(e)
                 metrics.write_outputs(result, summary)
     if out_dir is not None and sweep:
         _write_sweep(rows, Path(out_dir), [k for k in points[0]])
