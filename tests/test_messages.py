@@ -157,7 +157,7 @@ def test_the_run_summary_is_typed_and_its_json_is_metrics_json():
     from testbed.spec.experiment import load_experiment
 
     run = simulate(load_experiment(REPO / "experiments" / "default.yaml"), iterations=5, record=True)
-    run.device = {"kind": "emulated"}
+    run.device = {"kind": "emulated", "computes_model": False}  # as the emulated device kind describes itself
     result = summarise(run)
     assert isinstance(result, RunSummary)
     s = result.summary
@@ -171,7 +171,7 @@ def test_the_run_summary_is_typed_and_its_json_is_metrics_json():
                        "summary", "wan_check", "tcp_per_host", "log", "cluster"]
     assert list(d["summary"]) == ["iterations", "steady_state_iterations", "mean_iteration_time_s",
                                   "mean_busy_fraction", "bubble_fraction", "busy_fraction_per_worker", "tokens_per_s",
-                                  "final_loss", "loss_note", "warnings", "mine"]  # no TCP counters read: no tcp_*
+                                  "final_loss", "time_dilation", "loss_note", "warnings", "mine"]  # no TCP counters read: no tcp_*
     assert list(d["iterations"][0]) == ["iteration", "time_s", "loss", "tokens_per_s", "mean_busy_fraction",
                                         "workers"]
     # the readers not yet converted read it by key, and get the same

@@ -286,6 +286,44 @@ def timeline_to_chrome(workers: dict[str, dict], t0: float) -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
+def _link_rates(samples: list[tuple[float, int, int, int]]):
+    """(time, tx_bytes, drops, backlog, Mbit/s since the previous sample or None) per sample."""
+    prev = None
+    for t, tx, drops, backlog in samples:
+        rate = (tx - prev[1]) * 8 / (t - prev[0]) / 1e6 if prev is not None and t > prev[0] else None
+        yield t, tx, drops, backlog, rate
+        prev = (t, tx)
+
+
+def write_links_csv(links: dict[str, list[tuple[float, int, int, int]]], t0: float, path: Path) -> None:
+    """links.csv: each WAN direction's counters over the run, one row per sample (time from the
+    go, bytes and drops so far, the queue's backlog, the rate since the previous sample)."""
+    import csv
+
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["time_s", "link", "tx_bytes", "drops", "backlog_bytes", "mbps"])
+        for name, samples in sorted(links.items()):
+            for t, tx, drops, backlog, rate in _link_rates(samples):
+                w.writerow([f"{t - t0:.4f}", name, tx, drops, backlog, "" if rate is None else f"{rate:.3f}"])
+
+
+def link_counter_tracks(links: dict[str, list[tuple[float, int, int, int]]], t0: float) -> list[dict]:
+    """Counter tracks for the Chrome/Perfetto timeline: per WAN direction its rate (Mbit/s) and
+    its queue's backlog (bytes), under a process of their own ("WAN links")."""
+    if not links:
+        return []
+    pid = 0
+    out: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": "WAN links"}}]
+    for name, samples in sorted(links.items()):
+        for t, _tx, _drops, backlog, rate in _link_rates(samples):
+            ts = round((t - t0) * 1e6, 1)
+            if rate is not None:
+                out.append({"name": f"{name} Mbit/s", "ph": "C", "pid": pid, "ts": ts, "args": {"Mbit/s": round(rate, 3)}})
+            out.append({"name": f"{name} queue", "ph": "C", "pid": pid, "ts": ts, "args": {"bytes": backlog}})
+    return out
+
+
 def gantt(workers: dict[str, dict], t0: float, path: Path, title: str, window: tuple[float, float] | None = None) -> None:
     import matplotlib
 
@@ -360,7 +398,11 @@ def write_outputs(run: RunRecord, result: RunSummary, out: Path | None = None) -
         for name, w in run.workers.items()
     }
     (out / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1))
-    (out / "timeline.json").write_text(json.dumps(timeline_to_chrome(workers, run.go_time)))
+    trace = timeline_to_chrome(workers, run.go_time)
+    trace["traceEvents"] += link_counter_tracks(run.links, run.go_time)
+    (out / "timeline.json").write_text(json.dumps(trace))
+    if run.links:
+        write_links_csv(run.links, run.go_time, out / "links.csv")
     loss_plot([it.to_dict() for it in result.iterations], out / "loss.png", f"{run.exp.name}: loss")
     ends = run.iteration_ends()
     k0 = max(0, len(ends) - 3)

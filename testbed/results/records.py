@@ -98,6 +98,8 @@ class RunRecord:
     tcp: dict = field(default_factory=dict)  # per host: TCP counters over the training (Network.tcp_counters)
     out_dir: Path | None = None
     time_dilation: float = 1.0  # k: the timestamps are on the emulated clock (``in_emulated_time``)
+    # per WAN direction ("src->dst"): counter samples (time, tx_bytes, drops, backlog_bytes)
+    links: dict[str, list[tuple[float, int, int, int]]] = field(default_factory=dict)
 
     def iteration_ends(self) -> list[float]:
         """When the last worker finished each iteration."""
@@ -123,4 +125,5 @@ def in_emulated_time(record: RunRecord, k: float) -> RunRecord:
             transfers=[x._replace(start=t(x.start), end=t(x.end)) for x in w.transfers],
             iteration_end={i: t(v) for i, v in w.iteration_end.items()},
             cotenant=[(t(a), t(b)) for a, b in w.cotenant])
-    return replace(record, workers=workers, time_dilation=k)
+    links = {name: [(t(at), *rest) for at, *rest in samples] for name, samples in record.links.items()}
+    return replace(record, workers=workers, links=links, time_dilation=k)

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 _PORT = 29400
 _DP_PORT = 29500
 _READY_TIMEOUT_S = 180.0
+_LINK_SAMPLE_S = 0.25  # WAN counters sampled this often while training (wall clock)
 
 
 class RunError(RuntimeError):
@@ -151,6 +152,8 @@ class TrainingRun:
         self._devices: list[str] = []
         self._iterations_file = None
         self._iterations_written = 0
+        self._links: dict[str, list[tuple[float, int, int, int]]] = {}  # WAN counter samples (record.links)
+        self._last_link_sample = 0.0
         self._peer_owner = {p: ext for ext in self.extensions for p in ext.peers}
 
     # -- what extensions and callers use -----------------------------------------------
@@ -289,8 +292,23 @@ class TrainingRun:
         device = self.device.describe(self) if self.device is not None else {}
         record = RunRecord(self.exp, {n: w.record for n, w in self.workers.items()}, self.go_time,
                            self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
-                           device=device, tcp=self.tcp, out_dir=self.out_dir)
+                           device=device, tcp=self.tcp, out_dir=self.out_dir, links=self._links)
         return in_emulated_time(record, self.exp.time_dilation)  # every figure in emulated seconds
+
+    def _sample_links(self, force: bool = False) -> None:
+        """Every WAN direction's counters, every ``_LINK_SAMPLE_S`` while training (in this
+        loop, so no other thread shares the network's netlink sockets): links.csv and the
+        timeline's counter tracks."""
+        now = time.monotonic()
+        if not force and now - self._last_link_sample < _LINK_SAMPLE_S:
+            return
+        self._last_link_sample = now
+        for wd in self.net.links():
+            try:
+                c = wd.counters()
+            except Exception:  # a link being changed or taken down: the next sample will do
+                continue
+            self._links.setdefault(f"{wd.src}->{wd.dst}", []).append((c.time, c.tx_bytes, c.drops, c.backlog_bytes))
 
     def _check_wan(self, net: NetworkSurface) -> None:
         """Every run measures its own WAN before training: configured against measured per
@@ -417,7 +435,10 @@ class TrainingRun:
                     hub.send(name, m.Go())
                 self.log("all workers ready: training")
             self._progress(self.iterations_done(), total)
+            if self.go_time:
+                self._sample_links()
             if all(w.done for w in self.workers.values()):
+                self._sample_links(force=True)
                 for name in self.workers:
                     hub.send(name, m.Bye())
                 for ext in self.extensions:
