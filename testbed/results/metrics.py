@@ -399,10 +399,10 @@ def write_outputs(run: RunRecord, result: RunSummary, out: Path | None = None) -
     }
     (out / "metrics.json").write_text(json.dumps(result.to_dict(), indent=1))
     trace = timeline_to_chrome(workers, run.go_time)
-    trace["traceEvents"] += link_counter_tracks(run.links, run.go_time)
+    trace["traceEvents"] += link_counter_tracks(run.link_samples, run.go_time)
     (out / "timeline.json").write_text(json.dumps(trace))
-    if run.links:
-        write_links_csv(run.links, run.go_time, out / "links.csv")
+    if run.link_samples:
+        write_links_csv(run.link_samples, run.go_time, out / "links.csv")
     loss_plot([it.to_dict() for it in result.iterations], out / "loss.png", f"{run.exp.name}: loss")
     ends = run.iteration_ends()
     k0 = max(0, len(ends) - 3)

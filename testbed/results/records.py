@@ -99,7 +99,7 @@ class RunRecord:
     out_dir: Path | None = None
     time_dilation: float = 1.0  # k: the timestamps are on the emulated clock (``in_emulated_time``)
     # per WAN direction ("src->dst"): counter samples (time, tx_bytes, drops, backlog_bytes)
-    links: dict[str, list[tuple[float, int, int, int]]] = field(default_factory=dict)
+    link_samples: dict[str, list[tuple[float, int, int, int]]] = field(default_factory=dict)
 
     def iteration_ends(self) -> list[float]:
         """When the last worker finished each iteration."""
@@ -125,5 +125,5 @@ def in_emulated_time(record: RunRecord, k: float) -> RunRecord:
             transfers=[x._replace(start=t(x.start), end=t(x.end)) for x in w.transfers],
             iteration_end={i: t(v) for i, v in w.iteration_end.items()},
             cotenant=[(t(a), t(b)) for a, b in w.cotenant])
-    links = {name: [(t(at), *rest) for at, *rest in samples] for name, samples in record.links.items()}
-    return replace(record, workers=workers, links=links, time_dilation=k)
+    samples = {name: [(t(at), *rest) for at, *rest in s] for name, s in record.link_samples.items()}
+    return replace(record, workers=workers, link_samples=samples, time_dilation=k)

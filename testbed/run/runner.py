@@ -292,7 +292,7 @@ class TrainingRun:
         device = self.device.describe(self) if self.device is not None else {}
         record = RunRecord(self.exp, {n: w.record for n, w in self.workers.items()}, self.go_time,
                            self.log_lines, steady_from=steady, warnings=self.warnings, wan_check=self.wan_check,
-                           device=device, tcp=self.tcp, out_dir=self.out_dir, links=self._links)
+                           device=device, tcp=self.tcp, out_dir=self.out_dir, link_samples=self._links)
         return in_emulated_time(record, self.exp.time_dilation)  # every figure in emulated seconds
 
     def _sample_links(self, force: bool = False) -> None:
