@@ -34,9 +34,9 @@ if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
 # (extensions are found through the package's entry points: an install older than them has none)
-if ! .venv/bin/python -c "import testbed.extension as e, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis, jsonschema; assert e.extensions()" 2>/dev/null; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-  .venv/bin/python -c "import testbed, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis, jsonschema"
+if ! .venv/bin/python -c "import testbed.extension as e, torch, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis, jsonschema; assert e.extensions()" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[all,test]' 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -c "import testbed, torch, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis, jsonschema"
 fi
 
 # 2. everything else: the playbook

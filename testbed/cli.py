@@ -563,8 +563,22 @@ for _name, _load in _extension_commands().items():
         app.command(_name)(_target)
 
 
+# What each optional part of the package needs (pyproject.toml's extras), for the one-line
+# error a command gives when its part is not installed.
+_EXTRA_OF = {"torch": "train", "highspy": "titan", "ansible_runner": "cluster", "ansible": "cluster"}
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in _EXTRA_OF:
+            raise
+        try:
+            _fail(f"{top} is not installed, and this command needs it: pip install 'geo-testbed[{_EXTRA_OF[top]}]'")
+        except typer.Exit as end:  # outside the app: exit as it would have
+            sys.exit(end.exit_code)
 
 
 if __name__ == "__main__":

@@ -94,3 +94,29 @@ def test_every_mistake_at_once_with_its_line_and_a_suggestion(tmp_path):
         f"{bad}:5: training.iterations: Input should be a valid integer",
         f"{bad}:6: training.microbatchs: Extra inputs are not permitted (did you mean 'microbatches'?)",
     ], res.stderr
+
+
+_WITHOUT = """import runpy, sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None  # import name raises ModuleNotFoundError, as where it is not installed
+sys.argv = ["testbed"] + sys.argv[2:]
+runpy.run_module("testbed.cli", run_name="__main__")
+"""
+
+
+def test_a_missing_extra_is_named_in_one_line_and_the_core_works_without_them(tmp_path):
+    """pyproject.toml's extras: the core needs none of them (the simulator and the doctor run
+    without PyTorch, HiGHS and Ansible), and a command whose extra is missing names it."""
+    def without(modules: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _WITHOUT, modules, *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+
+    res = without("torch,highspy,ansible,ansible_runner,scapy", "sim", "default", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["workers"] == 6, res.stderr[-2000:]
+    for modules, args, extra in [("torch", ["run", "default", "--out", str(tmp_path / "r")], "train"),
+                                 ("highspy", ["titan", "study", "--days", "1", "--out", str(tmp_path / "t")], "titan"),
+                                 ("ansible_runner", ["provision", "--check"], "cluster")]:
+        res = without(modules, *args)
+        lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert res.returncode == 2 and len(lines) == 1 and f"geo-testbed[{extra}]" in lines[0], (args, res.stderr[-2000:])
+    assert not (tmp_path / "r").exists()  # the run stopped before it made anything

@@ -30,6 +30,7 @@ cgroup is removed in all cases.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -191,6 +192,9 @@ class TrainingRun:
     # -- the run --------------------------------------------------------------------
     def run(self) -> "RunSummary":
         exp = self.exp
+        if importlib.util.find_spec("torch") is None:  # the workers' (pyproject.toml's extra "train")
+            raise ModuleNotFoundError("PyTorch is not installed, and every run's workers need it: "
+                                      "pip install 'geo-testbed[train]'", name="torch")
         try:  # a bad profile, or device: cuda without a usable GPU, fails here, before anything is built
             self.device = device_kind(exp.device)(exp)
             self.device.check()

@@ -18,7 +18,7 @@ the Debian registry and boots it under QEMU to run commands or the netem test va
   playbook README's setup and the Vagrantfile run, so a build also checks that it provisions
   a machine that is not this one, on a kernel that is not this one; its ``testbed`` role
   asserts that ``testbed doctor`` finds a delay backend, and the build that it is netem.
-  KEY hashes the playbook, ``pyproject.toml`` and this recipe, so a change to any of them
+  KEY hashes the playbook, ``pyproject.toml``, ``constraints.txt`` and this recipe, so a change to any of them
   rebuilds; the previous image is kept (another checkout may use it), older ones are
   removed.  Downloaded ``.deb`` files stay in the cache's ``debs/``.
 * **Run** (``run_job``): QEMU boots the kernel and initramfs with the disk as a throwaway
@@ -79,8 +79,10 @@ _RECIPE = 4  # bump when the build steps below change in a way the key cannot se
 # (its bootstrap step); the rest is the playbook's (pre-installed or not: PRESEED).
 BOOT_PACKAGES = ["linux-image-amd64", "kmod", "initramfs-tools", "python3", "python3-venv",
                  "python3-apt", "ca-certificates", "iproute2", "procps"]
-# Left out of the guest's venv (the python role's python_exclude): PyTorch is ~1 GB and the
-# netem tests do not train; ansible-lint checks the playbook on the host.
+# The guest's extras (pyproject.toml): not "train", PyTorch is ~1 GB and the netem tests do not
+# train.  Left out besides (the python role's python_exclude): ansible-lint checks the playbook
+# on the host.
+GUEST_EXTRAS = "[titan,cluster,test]"
 GUEST_PIP_EXCLUDE = ["torch", "ansible-lint"]
 _INITRAMFS_MODULES = ["virtio_pci", "virtio_blk", "ext4"]
 _GUEST_MODULES = ["virtio_net", "virtio_rng", "tun"]  # no udev: nothing loads them on its own
@@ -207,10 +209,10 @@ def missing() -> str | None:
 def image_key() -> str:
     """Hash of everything the built image depends on besides the Debian archive."""
     h = hashlib.sha256(f"recipe {_RECIPE} {SUITE} {MIRROR} {BOOT_PACKAGES} {_INITRAMFS_MODULES} "
-                       f"{GUEST_PIP_EXCLUDE} preseed={PRESEED}\n".encode())
+                       f"{GUEST_EXTRAS} {GUEST_PIP_EXCLUDE} preseed={PRESEED}\n".encode())
     h.update(GUEST_INIT.encode())
     h.update(_provision_script().encode())
-    files = [REPO / "pyproject.toml"] + sorted(p for p in (REPO / "playbooks").rglob("*") if p.is_file())
+    files = [REPO / "pyproject.toml", REPO / "constraints.txt"] + sorted(p for p in (REPO / "playbooks").rglob("*") if p.is_file())
     for path in files:
         h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -231,7 +233,7 @@ def ensure_image(progress: Callable[[str], None] | None = None) -> Image:
 
 def _provision_script() -> str:
     """The guest's provisioning job: the playbook, connection local, then ``testbed doctor``."""
-    extra = json.dumps({"python_exclude": GUEST_PIP_EXCLUDE, "python_extras": "[test]"})
+    extra = json.dumps({"python_exclude": GUEST_PIP_EXCLUDE, "python_extras": GUEST_EXTRAS})
     return f"""set -eu
 cd {GUEST_PROJECT}
 # pip takes its certificate authorities from the system (which trusts the host's; see _copy_host_trust)
@@ -385,7 +387,7 @@ def _bootstrap_venv(root: Path) -> None:
            "PIP_DISABLE_PIP_VERSION_CHECK=1", "PIP_DEFAULT_TIMEOUT=120", "HOME=/root", "LANG=C.UTF-8"]
     _check(["chroot", str(root), *env, "python3", "-m", "venv", f"{GUEST_PROJECT}/.venv"], "python3 -m venv (chroot)")
     helper = f"{GUEST_PROJECT}/playbooks/roles/python/files/install_except.py"
-    _check(["chroot", str(root), *env, GUEST_PYTHON, helper, GUEST_PROJECT, "[test]", *GUEST_PIP_EXCLUDE],
+    _check(["chroot", str(root), *env, GUEST_PYTHON, helper, GUEST_PROJECT, GUEST_EXTRAS, *GUEST_PIP_EXCLUDE],
            "pip install (chroot)")
 
 

@@ -6,6 +6,7 @@ The python role runs it where ``python_exclude`` is set (the netem VM leaves PyT
 everywhere else the role installs with a plain ``pip install -e PROJECT[EXTRAS]``.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -25,10 +26,21 @@ def main() -> None:
     with open(f"{root}/pyproject.toml", "rb") as fh:
         project = tomllib.load(fh)["project"]
     deps = list(project.get("dependencies", []))
-    for extra in filter(None, extras.strip("[]").split(",")):
-        deps += project.get("optional-dependencies", {}).get(extra.strip(), [])
+    todo, seen = [e.strip() for e in extras.strip("[]").split(",") if e.strip()], set()
+    while todo:  # an extra may name others of this project ("all": "geo-testbed[train,titan]")
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for dep in project.get("optional-dependencies", {}).get(extra, []):
+            if _name(dep) == project["name"].lower():
+                todo += [e.strip() for e in dep.split("[", 1)[1].split("]")[0].split(",")]
+            else:
+                deps.append(dep)
     keep = [d for d in deps if _name(d) not in exclude]
     pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    if os.path.exists(f"{root}/constraints.txt"):  # the tested versions
+        pip += ["-c", f"{root}/constraints.txt"]
     subprocess.check_call(pip + keep)
     subprocess.check_call(pip + ["--no-deps", "-e", root])
 
