@@ -180,7 +180,18 @@ def test_sim_command_json_and_outputs(tmp_path):
         assert isinstance(row[key], float)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert {"iterations", "summary"} <= set(metrics)
-    assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    # a flow arrow per WAN transfer: the sender's compute -> the bytes arriving -> the compute
+    # that used them, in that order
+    xfers = [e for e in trace if e.get("cat") in ("xfer_act", "xfer_grad")]
+    flows: dict[int, list[dict]] = {}
+    for e in trace:
+        if e.get("cat") == "flow":
+            flows.setdefault(e["id"], []).append(e)
+    assert xfers and len(flows) == len(xfers)
+    for chain in flows.values():
+        assert [e["ph"] for e in chain] == ["s", "t", "f"] and chain[0]["ts"] < chain[1]["ts"] < chain[2]["ts"], chain
+        assert chain[1]["tid"].endswith(" wan") and chain[0]["pid"] != chain[2]["pid"]  # one stage per DC
 
 
 def test_sim_sweep_writes_table_csv_and_plot(tmp_path):

@@ -143,6 +143,9 @@ def test_the_same_emulated_run_at_k_1_and_k_2(tmp_path):
         assert float(east[-1]["time_s"]) <= 1.1 * one["mean_iteration_time_s"] * 11 + 2, east[-1]
     trace = json.loads((tmp_path / "k2" / "timeline.json").read_text())["traceEvents"]
     assert any(e.get("ph") == "C" and e["name"] == "east->west Mbit/s" for e in trace)
+    # and a flow arrow per transfer, from the sender's send slice to the compute that used it
+    starts = [e for e in trace if e.get("cat") == "flow" and e["ph"] == "s"]
+    assert len(starts) == len(wan_bytes(2)) and {e["tid"] for e in starts} == {"s0r0", "s1r0"}
     # metrics.json says what produced it: the resolved experiment, the code, the versions
     prov = json.loads((tmp_path / "k2" / "metrics.json").read_text())["provenance"]
     assert prov["experiment"]["time_dilation"] == 2 and prov["experiment"]["device"] == "emulated"

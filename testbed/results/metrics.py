@@ -283,7 +283,50 @@ def timeline_to_chrome(workers: dict[str, dict], t0: float) -> dict:
             trace.append({"name": f"{kind} {mb}", "cat": kind, "ph": "X", "pid": pid, "tid": f"{name} wan",
                           "ts": round((s - t0) * 1e6, 1), "dur": round((e - s) * 1e6, 1),
                           "args": {"bytes": nbytes, "iteration": it, "microbatch": mb}})
+    trace += _transfer_flows(workers, pids, t0)
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+# A transfer's flow: from the sender's ``send`` of (iteration, microbatch) (or, where the
+# record has none, as the simulator's, the compute that made the tensor), through the
+# receiver's WAN track where the bytes arrived, to the receiver's compute that used them.
+# kind: (the sender's stage less the receiver's, the compute on both ends)
+_FLOW_OF = {"xfer_act": (-1, "forward"), "xfer_grad": (+1, "backward")}
+
+
+def _transfer_flows(workers: dict[str, dict], pids: dict[str, int], t0: float) -> list[dict]:
+    """Perfetto flow arrows (legacy ``s``/``t``/``f`` events, each bound to the slice around
+    its time) for every transfer whose sender and consumer are in the record."""
+    by_place = {(w.get("stage"), w.get("replica")): name for name, w in workers.items()}
+    slices: dict[str, dict[tuple, list[tuple[float, float]]]] = {}
+    for name, w in workers.items():
+        mine = slices.setdefault(name, {})
+        for kind, mb, s, e, *rest in w["events"]:
+            mine.setdefault((kind, rest[0] if rest else None, mb), []).append((s, e))
+
+    def mid(s: float, e: float) -> float:
+        return round(((s + e) / 2 - t0) * 1e6, 1)
+
+    out: list[dict] = []
+    for name, w in sorted(workers.items()):
+        for kind, mb, s, e, _nbytes, it in w.get("transfers", []):
+            if kind not in _FLOW_OF:
+                continue
+            step, consumer = _FLOW_OF[kind]
+            sender = by_place.get((w.get("stage", 0) + step, w.get("replica")))
+            # a middle stage sends an activation and, later, a gradient of the same microbatch
+            theirs = slices.get(sender, {})
+            sends = sorted(theirs.get(("send", it, mb), [])) or theirs.get((consumer, it, mb), [])
+            used = slices[name].get((consumer, it, mb))
+            if not sends or not used:
+                continue
+            sent, used = (sends[0] if kind == "xfer_act" else sends[-1]), used[0]
+            fid = len(out) // 3 + 1
+            common = {"name": kind, "cat": "flow", "id": fid}
+            out += [common | {"ph": "s", "pid": pids[workers[sender]["dc"]], "tid": sender, "ts": mid(*sent)},
+                    common | {"ph": "t", "pid": pids[w["dc"]], "tid": f"{name} wan", "ts": mid(s, e)},
+                    common | {"ph": "f", "bp": "e", "pid": pids[w["dc"]], "tid": name, "ts": mid(*used)}]
+    return out
 
 
 def _link_rates(samples: list[tuple[float, int, int, int]]):
