@@ -565,7 +565,7 @@ for _name, _load in _extension_commands().items():
 
 # What each optional part of the package needs (pyproject.toml's extras), for the one-line
 # error a command gives when its part is not installed.
-_EXTRA_OF = {"torch": "train", "highspy": "titan", "ansible_runner": "cluster", "ansible": "cluster"}
+_EXTRA_OF = {"torch": "train", "highspy": "lp", "ansible_runner": "cluster", "ansible": "cluster"}
 
 
 def main() -> None:

@@ -139,9 +139,21 @@ def test_the_order_follows_the_workload_a_slow_pipeline_first(tmp_path, plan, fi
     order does not (the ablation)."""
     exp = _emulated(6, atlas={"plan": plan}, emulation={"slowdown": {1: 2.0}})
     run = TrainingRun(exp, tmp_path)
+    applied = []  # what the gateways' schedulers hold, read back at each of the last iterations' ends
+
+    def watch(worker, msg):
+        if isinstance(msg, m.Events) and msg.iteration_done and worker == "s1r1" and msg.it >= 3:
+            applied.append({f"{wd.src}->{wd.dst}": (wd.delay_line_stats().get("sched") or {}).get("order")
+                            for wd in run.net.links()})
+
+    run.subscribe(watch)
     run.run()
     plans = run.extension("atlas").plans
     assert plans and plans[-1]["order"][0] == first, plans[-1]
+    # the order as planned is the order in force, on both directions (not only the plan's word)
+    orders = [p["order"] for p in plans]
+    assert applied and all(o in orders for a in applied for o in a.values()), (applied, orders)
+    assert all(o == plans[-1]["order"] for o in applied[-1].values()), (applied[-1], plans[-1])
     if plan == "telemetry":
         compute = plans[-1]["basis"]["pipeline_compute"]
         assert compute["1"] == pytest.approx(2 * compute["0"], rel=0.1)

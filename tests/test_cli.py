@@ -114,7 +114,7 @@ def test_a_missing_extra_is_named_in_one_line_and_the_core_works_without_them(tm
     res = without("torch,highspy,ansible,ansible_runner,scapy", "sim", "default", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["workers"] == 6, res.stderr[-2000:]
     for modules, args, extra in [("torch", ["run", "default", "--out", str(tmp_path / "r")], "train"),
-                                 ("highspy", ["titan", "study", "--days", "1", "--out", str(tmp_path / "t")], "titan"),
+                                 ("highspy", ["titan", "study", "--days", "1", "--out", str(tmp_path / "t")], "lp"),
                                  ("ansible_runner", ["provision", "--check"], "cluster")]:
         res = without(modules, *args)
         lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]

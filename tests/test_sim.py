@@ -261,3 +261,41 @@ def test_tcp_window_restarts_after_an_idle_rto_and_grows_by_slow_start():
     tuned.begin(100.0)
     assert tuned.cwnd == grown  # WAN-tuned hosts keep their window across idle
     assert tuned.send_time(131072, rate) == pytest.approx(131072 / rate)  # one round, at line rate
+
+
+@pytest.mark.parametrize("pipelines", [1, 2, 4])
+def test_the_wan_path_of_a_two_stage_job_is_exactly_the_closed_form(pipelines, tmp_path):
+    """Pins the simulator's WAN path as built from the topology (``simulate``, not the engine
+    alone): 2 stages in 2 DCs, 1 microbatch, fixed times, one link of rate R and one-way delay
+    d.  An iteration is F0 + F1 + B1 + B0 + 2 (d + k x bytes / (R x payload fraction)): k
+    pipelines move in lockstep and share the link fairly.  (A simulator whose transfers were
+    10% slower passed every other test: the emulator comparison fits a per-message latency
+    from the same run.)"""
+    from testbed.sim.build import PAYLOAD_FRACTION
+
+    import yaml
+
+    F0, B0, F1, B1 = 0.11, 0.23, 0.17, 0.29
+    topo = yaml.safe_load(Path(TOPO).read_text())
+    for dc in topo["dcs"]:
+        dc["hosts"] = 4
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo))
+    exp = parse_experiment({
+        "name": "pin", "topology": str(tmp_path / "t.yaml"), "model": {"layers": 6, "hidden": 32, "heads": 2, "seq_len": 16},
+        "training": {"iterations": 3, "microbatches": 1, "microbatch_size": 2, "warmup_iterations": 1},
+        "parallel": {"stages": 2, "replicas": pipelines, "schedule": "gpipe", "connections": 1},
+        "sim": {"stage_times": [{"forward_s": F0, "backward_s": B0}, {"forward_s": F1, "backward_s": B1}],
+                "intra_dc_gbps": 1e12, "tcp_window_bytes": 1 << 40},
+    }, "pin")
+    link = exp.topo.direction("dc1", "dc2")
+    assert {s.dc for s in exp.workers()} == {"dc1", "dc2"} and link.delay_ms == 1 and link.rate_mbps == 500
+    size = 2 * 16 * 32 * 4  # microbatch_size x seq_len x hidden x float32
+    R = link.rate_mbps * 1e6 / 8
+    xfer = link.delay_ms / 1000 + pipelines * size / (R * PAYLOAD_FRACTION)
+    want = F0 + F1 + B1 + B0 + 2 * xfer
+    result = simulate(exp, fold_replicas=False)
+    ends = result.iteration_ends()
+    assert [b - a for a, b in zip(ends, ends[1:])] == [pytest.approx(want, rel=1e-6, abs=1e-9)] * 2
+    for w in result.workers.values():  # each transfer alone: d + k x bytes / (R x payload fraction)
+        for kind, mb, start, end, nbytes, it in w.transfers:
+            assert nbytes == size and end - start == pytest.approx(xfer, rel=1e-6)

@@ -78,3 +78,46 @@ def test_a_scheduler_installed_after_a_rate_change_paces_at_the_new_rate(caps):
         followed = link.delay_line_stats()["sched"]["rate_bytes_s"]
     assert paced == pytest.approx(20e6 / 8 * 0.97)
     assert followed == pytest.approx(30e6 / 8 * 0.97)
+
+
+@pytest.mark.network(delay="tun")
+def test_two_backlogged_pipelines_swap_shares_when_the_order_swaps(caps):
+    """The order is what the gateway serves by, not only what it reports: with both pipelines
+    backlogged, the first in the order gets the link; swap the order and the shares swap.  (A
+    scheduler that served its classes in a fixed order reported the new order and passed every
+    other test.)"""
+    import subprocess
+    import time
+
+    with Network(two_dcs(delay_ms=5, rate_mbps=20, hosts=2), delay_backend="tun", caps=caps,
+                 scheduling=True) as net:
+        link = net.link("east", "west")
+        (e0, e1), (w0, w1) = net.hosts("east"), net.hosts("west")
+        link.schedule_classes({"p0": [(e0.ip, w0.ip)], "p1": [(e1.ip, w1.ip)]})
+        link.set_order(["p0", "p1"])
+        servers = [net.popen(b, ["iperf3", "-s", "-1", "-p", str(5420 + d)]) for d, b in enumerate((w0, w1))]
+        time.sleep(0.3)
+        clients = [net.popen(a, ["iperf3", "-c", b.ip, "-p", str(5420 + d), "-t", "9", "-C", "cubic"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for d, (a, b) in enumerate(((e0, w0), (e1, w1)))]
+
+        def shares(seconds: float) -> dict[str, float]:
+            before = link.delay_line_stats()["sched"]["bytes_out"]
+            time.sleep(seconds)
+            after = link.delay_line_stats()["sched"]["bytes_out"]
+            sent = {n: after[n] - before[n] for n in after}
+            return {n: round(b / max(1, sum(sent.values())), 3) for n, b in sent.items()}
+
+        try:
+            time.sleep(1.5)
+            first = shares(2.0)
+            link.set_order(["p1", "p0"])
+            time.sleep(1.5)  # p1's flow was starved: its queue drains, its window recovers
+            swapped = shares(2.0)
+        finally:
+            for p in clients + servers:
+                p.terminate()
+                p.wait(5)
+    # strict priority with both backlogged: the owner gets the link (measured 1.000 and 1.000,
+    # three runs)
+    assert first["p0"] >= 0.9 and swapped["p1"] >= 0.9, (first, swapped)

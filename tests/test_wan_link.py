@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from conftest import delay_slack_ms, link_rate, two_dcs
+from conftest import delay_slack_ms, emulation, link_rate, two_dcs
 from testbed.net.fidelity import iperf3, message_delays, one_way_delays, one_way_probe, ping, ping_loss
 from testbed.net.network import Network
 from testbed.sim.build import PAYLOAD_FRACTION
@@ -35,11 +35,22 @@ def test_min_rtt_matches_configured_delay(delay_backend, delay_ms, caps):
     assert -tol <= min(rtts) - 2 * delay_ms <= tol + delay_slack_ms(), rtts
 
 
+def _goodput_band() -> tuple[float, float]:
+    """Bulk TCP goodput over a link's rate: the payload fraction (1448 of every 1514 bytes on
+    the wire), measured 0.9562-0.9564 in 8 runs on the delay line (sd 5e-5), so +-0.012 holds
+    a loaded machine and still fails HTB at 0.95 (0.908) or 1.10 (1.05) of its rate.  In the
+    TCG guest (scaled-down links, software emulation) the old band stays: not re-measured."""
+    if emulation() == "tcg":
+        return 0.90, 1.01
+    return PAYLOAD_FRACTION - 0.012, PAYLOAD_FRACTION + 0.012
+
+
 def test_goodput_of_100_mbit_link(delay_backend, caps):
     rate = link_rate(100)
     with Network(two_dcs(delay_ms=10, rate_mbps=rate), delay_backend=delay_backend, caps=caps) as net:
         perf = iperf3(net, net.host("east"), net.host("west"), seconds=5, omit_s=1)
-    assert 0.90 <= perf["goodput_mbps"] / rate <= 1.01, perf
+    lo, hi = _goodput_band()
+    assert lo <= perf["goodput_mbps"] / rate <= hi, perf
 
 
 def test_a_message_after_idle_pays_its_serialisation(delay_backend, caps):
@@ -117,7 +128,34 @@ def test_runtime_change_of_delay_and_rate_takes_effect(delay_backend, caps):
         assert [h.node.pid for h in net.hosts()] == hosts_before  # nothing was rebuilt
     slack = delay_slack_ms()
     assert -0.5 <= before_owd - 10 <= 0.5 + slack and -0.9 <= after_owd - 30 <= 0.9 + slack, (before_owd, after_owd)
-    assert 0.9 <= before_rate / fast <= 1.01 and 0.9 <= after_rate / slow <= 1.01, (before_rate, after_rate)
+    lo, hi = _goodput_band()
+    assert lo <= before_rate / fast <= hi and lo <= after_rate / slow <= hi, (before_rate, after_rate)
+
+
+@pytest.mark.parametrize(("delay_backend", "loss_backend"), [("tun", "iptables"), ("tun", "delayline")])
+def test_runtime_change_of_loss_and_jitter_takes_effect(delay_backend, loss_backend, caps):
+    """``link.set(loss=..)`` and ``set(jitter_ms=..)`` on a running link, measured: none of
+    either before, the new loss and spread after, and the loss taken away again."""
+    topo = two_dcs(delay_ms=5, rate_mbps=100, reverse={"loss": 0.0})
+    with Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, caps=caps) as net:
+        east, west = net.host("east"), net.host("west")
+        link = net.link("east", "west")
+        lost_before = ping_loss(east, west.ip, count=500, interval_s=0.002)
+        spread_before = statistics.pstdev(one_way_delays(net, east, west, count=100, interval_s=0.01))
+        link.set(loss=0.05, jitter_ms=4)
+        lost = ping_loss(east, west.ip, count=2000, interval_s=0.002)
+        owd = one_way_delays(net, east, west, count=200, interval_s=0.01)
+        link.set(loss=0.0, jitter_ms=0)
+        lost_after = ping_loss(east, west.ip, count=500, interval_s=0.002)
+    assert lost_before == 0 and lost_after == 0, (lost_before, lost_after)
+    # 2000 pings at p = 0.05: binomial sd 0.0049, so +-0.02 is four of them (measured
+    # 0.044-0.060 in six runs)
+    assert 0.03 <= lost <= 0.07, lost
+    # 5 +- 4 ms uniform: sd 4 / sqrt(3) = 2.31 ms, and the sd of 200 draws varies by 0.07 ms
+    # (so +-0.3 is four of those); the receiver's own noise adds a little on top (measured
+    # 2.25-2.44 in six runs, 0.08-0.12 with no jitter)
+    assert spread_before < 0.5 and 2.0 <= statistics.pstdev(owd) <= 2.65, (spread_before, statistics.pstdev(owd))
+    assert 1.0 - 0.3 <= min(owd) and sorted(owd)[int(0.95 * len(owd))] <= 9.0 + 1.0 + delay_slack_ms(tail=True), owd
 
 
 def test_bad_runtime_change_is_refused_and_leaves_link_as_it_was(caps):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -365,8 +366,11 @@ class Network(HostIndex):
         tunnels: dict[tuple[str, str], "Tunnel"] | None = None,
         mtu: int | None = None,
         time_dilation: float = 1.0,
+        seed: int | None = None,
     ):
-        """``dcs``: the DCs built here (default all: one machine); a WAN link with one end
+        """``seed``: the delay lines' random draws (loss, jitter); by default a fresh one per
+        network (``self.seed`` says which), so a measurement taken again is a new sample.
+        ``dcs``: the DCs built here (default all: one machine); a WAN link with one end
         elsewhere must have a ``tunnels[(local, remote)]``.  ``mtu``: every emulated
         interface's MTU (across machines: the underlay's less the VXLAN header).
         ``time_dilation``: k, the emulated world runs k times slower than the wall clock: the
@@ -375,6 +379,7 @@ class Network(HostIndex):
         if not 1.0 <= time_dilation <= 1000.0:
             raise NetworkError(f"time_dilation: {time_dilation:g} is not between 1 and 1000")
         self.time_dilation = float(time_dilation)
+        self.seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
         self.emulated_topo = topo
         topo = dilated(topo, self.time_dilation)
         self.topo = topo
@@ -773,7 +778,7 @@ class Network(HostIndex):
             control = state / f"{router.name}.sock"
             self.registry.file(control)
             cfg = {"lanes": lanes, "control_path": str(control), "compensation_ms": self.compensation_ms,
-                   "seed": self._index[dc], "realtime": self.realtime}
+                   "seed": self.seed * 1009 + self._index[dc], "realtime": self.realtime}
             self._delay_procs[dc] = self._lines.start(f"delayline-{dc}", "testbed.net.delayline", cfg, router=dc,
                                                       ready=True, ready_timeout=_DELAYLINE_START_TIMEOUT_S)
 

@@ -50,6 +50,7 @@ class TrainingSpec(_Strict):
     microbatches: int = Field(4, ge=1, le=MAX_MICROBATCHES)
     microbatch_size: int = Field(4, ge=1, le=65536)
     lr: float = Field(1e-3, gt=0, le=10)
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="AdamW (weight decay 0) or plain SGD")
     seed: int = Field(0, ge=0, le=2**32 - 1)
     warmup_iterations: int = Field(2, ge=0, description="left out of summary figures (allocator, TCP warm-up)")
     recv_timeout_s: float = Field(300.0, gt=0, le=86400, description="a pipeline peer silent this long ends the run "

@@ -79,10 +79,9 @@ _RECIPE = 4  # bump when the build steps below change in a way the key cannot se
 # (its bootstrap step); the rest is the playbook's (pre-installed or not: PRESEED).
 BOOT_PACKAGES = ["linux-image-amd64", "kmod", "initramfs-tools", "python3", "python3-venv",
                  "python3-apt", "ca-certificates", "iproute2", "procps"]
-# The guest's extras (pyproject.toml): not "train", PyTorch is ~1 GB and the netem tests do not
-# train.  Left out besides (the python role's python_exclude): ansible-lint checks the playbook
-# on the host.
-GUEST_EXTRAS = "[titan,cluster,test]"
+# The guest's extras (pyproject.toml), less (the python role's python_exclude) PyTorch, ~1 GB,
+# which the netem tests do not need, and ansible-lint, which checks the playbook on the host.
+GUEST_EXTRAS = "[all,test]"
 GUEST_PIP_EXCLUDE = ["torch", "ansible-lint"]
 _INITRAMFS_MODULES = ["virtio_pci", "virtio_blk", "ext4"]
 _GUEST_MODULES = ["virtio_net", "virtio_rng", "tun"]  # no udev: nothing loads them on its own

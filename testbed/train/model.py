@@ -108,3 +108,18 @@ def stage_module(model: GPT, stage: int, stages: int) -> Stage:
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def optimizer(params, training: dict) -> torch.optim.Optimizer:
+    """The optimizer ``training`` names (``TrainingSpec.optimizer``; the pipeline's workers and
+    the single-process reference make theirs here)."""
+    if training.get("optimizer", "adamw") == "sgd":
+        return torch.optim.SGD(params, lr=training["lr"])
+    return torch.optim.AdamW(params, lr=training["lr"], weight_decay=0.0)
+
+
+def grad_norm_sq(module: nn.Module) -> float:
+    """The squared L2 norm of ``module``'s gradients, summed in float64: what a worker reports
+    per iteration (after the all-reduce, before the step) for parity with the reference.  AdamW
+    cancels a constant gradient scale, so losses alone miss a gradient divided twice."""
+    return float(sum(p.grad.double().pow(2).sum() for p in module.parameters() if p.grad is not None))

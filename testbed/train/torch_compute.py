@@ -24,7 +24,7 @@ class TorchCompute:
         import torch.distributed as dist
 
         from testbed.train.data import Corpus
-        from testbed.train.model import ModelConfig, build_model, loss_fn, stage_module
+        from testbed.train.model import ModelConfig, build_model, grad_norm_sq, loss_fn, optimizer, stage_module
 
         torch.set_num_threads(1)
         self.torch = torch
@@ -37,7 +37,8 @@ class TorchCompute:
         self.mcfg = ModelConfig(**cfg.model)
         self.tr = cfg.training
         self.model = stage_module(build_model(self.mcfg, self.tr["seed"]), self.stage, self.stages).to(self.device)
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.tr["lr"], weight_decay=0.0)
+        self.optim = optimizer(self.model.parameters(), self.tr)
+        self._grad_norm_sq, self.grad_norms_sq = grad_norm_sq, []  # per iteration, this stage's
         self.corpus = Corpus() if self.stage in (0, self.stages - 1) else None
         self.loss_fn = loss_fn
         self.M, self.mb_size = self.tr["microbatches"], self.tr["microbatch_size"]
@@ -103,6 +104,7 @@ class TorchCompute:
             off += g.numel()
 
     def optimizer_step(self) -> float | None:
+        self.grad_norms_sq.append(self._grad_norm_sq(self.model))
         self.optim.step()
         self.optim.zero_grad(set_to_none=False)
         return float(self.torch.stack(self.losses).sum()) if self.losses else None
@@ -112,7 +114,7 @@ class TorchCompute:
             self.torch.cuda.synchronize(self.device)
 
     def report(self) -> dict:
-        return {}
+        return {"grad_norm_sq": self.grad_norms_sq}
 
     def close(self) -> None:
         if self.group is not None:
