@@ -92,5 +92,8 @@ def test_default_placement_spreads_stages_over_dcs_in_order():
 def test_shipped_experiments_load():
     from testbed.spec.experiment import load_experiment
 
-    for path in sorted((REPO / "experiments").glob("*.yaml")):
-        load_experiment(path)
+    paths = sorted((REPO / "experiments").glob("*.yaml"))
+    assert len(paths) >= 5
+    for path in paths:  # each loads (a bad one raises), names its topology and places every worker
+        exp = load_experiment(path)
+        assert exp.topo.dcs and len(exp.workers()) == exp.parallel.stages * exp.parallel.replicas, path

@@ -67,8 +67,7 @@ def test_a_record_moves_to_the_emulated_clock():
 
 @pytest.mark.parametrize(("extra", "why"), [
     ({"device": "cpu"}, "time_dilation: 4 needs device: emulated"),
-    ({"atlas": {"sharing": "temporal"}, "parallel": {"stages": 2, "replicas": 2, "connections": 2}},
-     "does not read the dilated clock"),
+    ({"bubbletea": {"enabled": True}}, "bubbletea does not read the dilated clock"),
 ])
 def test_what_would_be_reported_wrong_is_refused_in_one_line(tmp_path, extra, why):
     with pytest.raises(SpecError) as err:

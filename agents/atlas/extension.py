@@ -59,7 +59,8 @@ class AtlasExtension(RunExtension):
                     net.registry.file(path)
                 self._start(ctx, f"agent-{dc}", "agents.atlas.agent", cfg.to_dict())
                 agents[dc] = listen
-        rates = [exp.topo.direction(x, y).rate_mbps for x, y in links]
+        wire = net.topo  # under time dilation, the links as the wire carries them (the controller's clock)
+        rates = [wire.direction(x, y).rate_mbps for x, y in links]
         cfg = ControllerConfig(
             telemetry=str(ctx.telemetry_path), agents=agents, sharing=exp.atlas.sharing,
             lease_s=exp.atlas.lease_s, replan_threshold=exp.atlas.replan_threshold,
@@ -68,7 +69,7 @@ class AtlasExtension(RunExtension):
             message_bytes=exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * 4,
             link_bytes_s=min(rates) * 1e6 / 8 if rates else 0.0, transfer_delays_s=delays,
             class_queue="share" if exp.atlas.class_queue == "share" else None, plan=exp.atlas.plan,
-            links={f"{x}->{y}": LinkPlan(classes, exp.topo.direction(x, y).rate_mbps)
+            links={f"{x}->{y}": LinkPlan(classes, wire.direction(x, y).rate_mbps)
                    for (x, y), classes in links.items()})
         self._start(ctx, "controller", "agents.atlas.controller", cfg.to_dict())
         self._controller_up = True
@@ -87,13 +88,14 @@ class AtlasExtension(RunExtension):
             if b is None or a.dc == b.dc:
                 continue
             ip_a, ip_b = ctx.workers[a.name].host.ip, ctx.workers[b.name].host.ip
-            hops = exp.topo.path(a.dc, b.dc)
+            wire = ctx.net.topo  # dilated delays under time dilation: the controller's clock is the wall's
+            hops = wire.path(a.dc, b.dc)
             for x, y in zip(hops, hops[1:]):  # activations one way, gradients the other
                 links.setdefault((x, y), {}).setdefault(f"r{r}", []).append([ip_a, ip_b])
                 links.setdefault((y, x), {}).setdefault(f"r{r}", []).append([ip_b, ip_a])
             pairs = list(zip(hops, hops[1:]))
-            delays[f"xfer_act:{stage + 1}"] = sum(exp.topo.direction(x, y).delay_ms for x, y in pairs) / 1e3
-            delays[f"xfer_grad:{stage}"] = sum(exp.topo.direction(y, x).delay_ms for x, y in pairs) / 1e3
+            delays[f"xfer_act:{stage + 1}"] = sum(wire.direction(x, y).delay_ms for x, y in pairs) / 1e3
+            delays[f"xfer_grad:{stage}"] = sum(wire.direction(y, x).delay_ms for x, y in pairs) / 1e3
         return links, delays
 
     def _start(self, ctx: RunContext, name: str, module: str, cfg: dict) -> None:
@@ -112,12 +114,12 @@ class AtlasExtension(RunExtension):
         ctx = self._ctx
         plan = msg.plan
         at = ctx.iterations_done()
-        self.plans.append(dict(plan, published_at_iteration=at))
+        self.plans.append(dict(_emulated_plan(plan, self.exp.time_dilation), published_at_iteration=at))
         if len(self.plans) == 1:  # iterations under way when it came are not the plan's
             self._steady_from = max(w.iterations_done for w in ctx.workers.values()) + 1
         self._send_offsets({int(r): v for r, v in plan["offsets"].items()})
         ctx.log(f"atlas plan at iteration {at}: order {plan['order']}, offsets "
-                f"{[round(v * 1e3, 1) for v in plan['offsets'].values()]} ms")
+                f"{[round(v * 1e3, 1) for v in self.plans[-1]['offsets'].values()]} ms")
 
     def on_peer_gone(self, peer: str) -> None:
         self._controller_gone("closed its connection")
@@ -189,4 +191,26 @@ def predict_options(exp, run_dir: Path) -> dict:
     out: dict = {"start_offsets": {int(r): v for r, v in plans[-1]["offsets"].items()}}
     if exp.atlas.sharing == "temporal":
         out["policy"] = PriorityPolicy(plans[-1]["order"])
+    return out
+
+
+def _emulated_plan(plan: dict, k: float) -> dict:
+    """A plan as the controller made it (on the wall clock, from wall-clock telemetry and the
+    wire's links) in the emulated world's terms under time dilation ``k``: its times / k, its
+    rates x k; the order and the bytes as they are.  (The offsets the workers were sent are the
+    controller's own: they act on the wall clock, where its figures are consistent.)"""
+    if k == 1:
+        return plan
+    out = dict(plan)
+    out["offsets"] = {r: round(v / k, 6) for r, v in plan["offsets"].items()}
+    for key in ("transfer_s", "compute_s", "lockstep_s", "temporal_s"):
+        out[key] = round(plan[key] / k, 6)
+    basis = dict(plan.get("basis") or {})
+    if "link_bytes_s" in basis:
+        basis["link_bytes_s"] = round(basis["link_bytes_s"] * k)
+    if "pipeline_compute" in basis:
+        basis["pipeline_compute"] = {r: round(v / k, 6) for r, v in basis["pipeline_compute"].items()}
+    if "stages" in basis:
+        basis["stages"] = {st: {name: round(v / k, 6) for name, v in f.items()} for st, f in basis["stages"].items()}
+    out["basis"] = dict(basis, time_dilation=k)
     return out

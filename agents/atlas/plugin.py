@@ -61,4 +61,7 @@ EXTENSION = Extension(
     },
     predict="agents.atlas.extension:predict_options",
     lab="agents.atlas.lab:AtlasJob",
+    # its controller plans on the wall clock from wall-clock telemetry and the wire's links, and
+    # its plans are recorded in emulated terms (extension._emulated_plan)
+    dilates=True,
 )

@@ -29,14 +29,17 @@ def recv(port: int, count: int, timeout_s: float) -> None:
     sock.bind(("0.0.0.0", port))
     sock.settimeout(timeout_s)
     print("listening", flush=True)
-    for _ in range(count):
+    rows = []  # written at the end: a line per datagram into a pipe nobody reads yet would fill
+    for _ in range(count):  # it (64 KiB, ~4000 lines), block this loop and drop the rest
         try:
             data = sock.recv(64)
         except socket.timeout:
             break
         now = time.monotonic()
         sent, seq = _DGRAM.unpack(data[:_DGRAM.size])
-        print(f"{(now - sent) * 1000.0:.4f} {seq}", flush=True)
+        rows.append(f"{(now - sent) * 1000.0:.4f} {seq}\n")
+    sys.stdout.write("".join(rows))
+    sys.stdout.flush()
 
 
 def send(host: str, port: int, count: int, interval_s: float) -> None:
