@@ -53,36 +53,37 @@ def run_section(ks: list[float], repeats: int) -> list[dict]:
     from testbed.spec.experiment import parse_experiment
 
     rows = []
-    tmp = Path(tempfile.mkdtemp(prefix="gtb-dil-"))
-    for rep in range(repeats):
-        for k in ks:
-            exp = parse_experiment(_experiment(tmp, k, training={"iterations": 9, "warmup_iterations": 2,
-                                                                 "microbatches": 4, "microbatch_size": 4,
-                                                                 "seed": 3}), "bench")
-            out = tmp / f"k{k:g}-{rep}"
-            c0, t0 = _busy_seconds(), time.monotonic()
-            s = TrainingRun(exp, out).run()
-            wall, cpu = time.monotonic() - t0, _busy_seconds() - c0
-            steady = set(s["summary"]["steady_state_iterations"])
-            its = [it["time_s"] for it in s["iterations"] if it["iteration"] in steady]
-            trained = sum(it["time_s"] for it in s["iterations"])  # emulated seconds of training
-            trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
-            wan = sum(x["args"]["bytes"] for x in trace if x.get("cat") in ("xfer_act", "xfer_grad"))
-            timing = s["device"]["op_timing"]
-            row = {"k": k, "repeat": rep, "mean_iteration_s": s["summary"]["mean_iteration_time_s"],
-                   "median_iteration_s": round(statistics.median(its), 6),
-                   "bubble_fraction": s["summary"]["bubble_fraction"], "wan_bytes": wan,
-                   "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-                   "cpu_s_per_emulated_s_whole_run": round(cpu / (wall / k), 3),
-                   "emulated_training_s": round(trained, 3),
-                   "op_error_median_us": round(timing["median_us_worst_worker"] / k, 2),
-                   "op_error_p99_us": round(timing["p99_us_worst_worker"] / k, 2),
-                   "tcp_timeouts": s["summary"].get("tcp_timeouts")}
-            rows.append(row)
-            print(f"  k={k:g} #{rep}: iteration mean {row['mean_iteration_s']:.4f} s, median "
-                  f"{row['median_iteration_s']:.4f} s, bubbles {row['bubble_fraction']:.3f}, WAN {wan} B, "
-                  f"{row['cpu_s_per_emulated_s_whole_run']:.2f} CPU-s per emulated s, op error median "
-                  f"{row['op_error_median_us']} us p99 {row['op_error_p99_us']} us (emulated)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gtb-dil-") as tmp_name:  # the runs' outputs: read here, then removed
+        tmp = Path(tmp_name)
+        for rep in range(repeats):
+            for k in ks:
+                exp = parse_experiment(_experiment(tmp, k, training={"iterations": 9, "warmup_iterations": 2,
+                                                                     "microbatches": 4, "microbatch_size": 4,
+                                                                     "seed": 3}), "bench")
+                out = tmp / f"k{k:g}-{rep}"
+                c0, t0 = _busy_seconds(), time.monotonic()
+                s = TrainingRun(exp, out).run()
+                wall, cpu = time.monotonic() - t0, _busy_seconds() - c0
+                steady = set(s["summary"]["steady_state_iterations"])
+                its = [it["time_s"] for it in s["iterations"] if it["iteration"] in steady]
+                trained = sum(it["time_s"] for it in s["iterations"])  # emulated seconds of training
+                trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
+                wan = sum(x["args"]["bytes"] for x in trace if x.get("cat") in ("xfer_act", "xfer_grad"))
+                timing = s["device"]["op_timing"]
+                row = {"k": k, "repeat": rep, "mean_iteration_s": s["summary"]["mean_iteration_time_s"],
+                       "median_iteration_s": round(statistics.median(its), 6),
+                       "bubble_fraction": s["summary"]["bubble_fraction"], "wan_bytes": wan,
+                       "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+                       "cpu_s_per_emulated_s_whole_run": round(cpu / (wall / k), 3),
+                       "emulated_training_s": round(trained, 3),
+                       "op_error_median_us": round(timing["median_us_worst_worker"] / k, 2),
+                       "op_error_p99_us": round(timing["p99_us_worst_worker"] / k, 2),
+                       "tcp_timeouts": s["summary"].get("tcp_timeouts")}
+                rows.append(row)
+                print(f"  k={k:g} #{rep}: iteration mean {row['mean_iteration_s']:.4f} s, median "
+                      f"{row['median_iteration_s']:.4f} s, bubbles {row['bubble_fraction']:.3f}, WAN {wan} B, "
+                      f"{row['cpu_s_per_emulated_s_whole_run']:.2f} CPU-s per emulated s, op error median "
+                      f"{row['op_error_median_us']} us p99 {row['op_error_p99_us']} us (emulated)", flush=True)
     return rows
 
 
