@@ -35,11 +35,24 @@ def test_min_rtt_matches_configured_delay(delay_backend, delay_ms, caps):
     assert -tol <= min(rtts) - 2 * delay_ms <= tol + delay_slack_ms(), rtts
 
 
+def _shaped(perf: dict, rate: float) -> float:
+    """What a bulk TCP flow says of the shaper: outside the TCG guest, the upper quartile of
+    the receiver's half-second intervals over the rate; a stall of the machine (CPU steal)
+    dips a few intervals, the shaper caps every one.  In the guest, the mean."""
+    if emulation() == "tcg":
+        return perf["goodput_mbps"] / rate
+    iv = sorted(perf["intervals_mbps"])
+    assert len(iv) >= 4, perf
+    return iv[int(0.75 * (len(iv) - 1))] / rate
+
+
 def _goodput_band() -> tuple[float, float]:
-    """Bulk TCP goodput over a link's rate: the payload fraction (1448 of every 1514 bytes on
-    the wire), measured 0.9562-0.9564 in 8 runs on the delay line (sd 5e-5), so +-0.012 holds
-    a loaded machine and still fails HTB at 0.95 (0.908) or 1.10 (1.05) of its rate.  In the
-    TCG guest (scaled-down links, software emulation) the old band stays: not re-measured."""
+    """The payload fraction (1448 of every 1514 bytes on the wire) +-0.012, which still fails
+    HTB at 0.95 (0.908) or 1.10 (1.05) of its rate.  Measured alone on the delay line: means
+    0.9562-0.9564 in 8 runs (sd 5e-5), intervals' upper quartile 0.9568-0.9573 in 4.  In a full
+    suite with 4-15% CPU steal the mean read 0.939 and 0.886 (71 retransmissions: the delay line
+    stalled), which is why the upper quartile is judged.  In the TCG guest (scaled-down links,
+    software emulation) the old band on the mean stays: not re-measured."""
     if emulation() == "tcg":
         return 0.90, 1.01
     return PAYLOAD_FRACTION - 0.012, PAYLOAD_FRACTION + 0.012
@@ -50,7 +63,7 @@ def test_goodput_of_100_mbit_link(delay_backend, caps):
     with Network(two_dcs(delay_ms=10, rate_mbps=rate), delay_backend=delay_backend, caps=caps) as net:
         perf = iperf3(net, net.host("east"), net.host("west"), seconds=5, omit_s=1)
     lo, hi = _goodput_band()
-    assert lo <= perf["goodput_mbps"] / rate <= hi, perf
+    assert lo <= _shaped(perf, rate) <= hi, perf
 
 
 def test_a_message_after_idle_pays_its_serialisation(delay_backend, caps):
@@ -127,16 +140,16 @@ def test_runtime_change_of_delay_and_rate_takes_effect(delay_backend, caps):
         east, west = net.host("east"), net.host("west")
         link = net.link("east", "west")
         before_owd = min(one_way_delays(net, east, west, count=30))
-        before_rate = iperf3(net, east, west, seconds=3, omit_s=1)["goodput_mbps"]
+        before = iperf3(net, east, west, seconds=3, omit_s=1)
         hosts_before = [h.node.pid for h in net.hosts()]
         link.set(delay_ms=30, rate_mbps=slow)
         after_owd = min(one_way_delays(net, east, west, count=30))
-        after_rate = iperf3(net, east, west, seconds=3, omit_s=1)["goodput_mbps"]
+        after = iperf3(net, east, west, seconds=3, omit_s=1)
         assert [h.node.pid for h in net.hosts()] == hosts_before  # nothing was rebuilt
     slack = delay_slack_ms()
     assert -0.5 <= before_owd - 10 <= 0.5 + slack and -0.9 <= after_owd - 30 <= 0.9 + slack, (before_owd, after_owd)
     lo, hi = _goodput_band()
-    assert lo <= before_rate / fast <= hi and lo <= after_rate / slow <= hi, (before_rate, after_rate)
+    assert lo <= _shaped(before, fast) <= hi and lo <= _shaped(after, slow) <= hi, (before, after)
 
 
 @pytest.mark.parametrize(("delay_backend", "loss_backend"), [("tun", "iptables"), ("tun", "delayline")])
@@ -161,7 +174,9 @@ def test_runtime_change_of_loss_and_jitter_takes_effect(delay_backend, loss_back
     # 5 +- 4 ms uniform: sd 4 / sqrt(3) = 2.31 ms, and the sd of 200 draws varies by 0.07 ms
     # (so +-0.3 is four of those); the receiver's own noise adds a little on top (measured
     # 2.25-2.44 in six runs, 0.08-0.12 with no jitter)
-    assert spread_before < 0.5 and 2.0 <= statistics.pstdev(owd) <= 2.65, (spread_before, statistics.pstdev(owd))
+    # with no jitter the spread is the receiver's own: 0.08-0.12 ms alone, 0.71 in a full suite
+    # with CPU steal (which adds in quadrature to the jittered one: 2.33 there)
+    assert spread_before < 1.0 and 2.0 <= statistics.pstdev(owd) <= 2.65, (spread_before, statistics.pstdev(owd))
     assert 1.0 - 0.3 <= min(owd) and sorted(owd)[int(0.95 * len(owd))] <= 9.0 + 1.0 + delay_slack_ms(tail=True), owd
 
 

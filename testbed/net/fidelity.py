@@ -145,6 +145,10 @@ def iperf3(net: NetworkSurface, src: HostInfo, dst: HostInfo, seconds: float = 3
             "sent_mbps": end["sum_sent"]["bits_per_second"] / 1e6,
             "retransmits": retransmits,
             "seconds": seconds_in if seconds_in > 0 else total,
+            # the receiver's goodput in each whole interval measured (a stall of the machine
+            # shows as a dip in a few; the shaper's rate caps every one)
+            "intervals_mbps": [i["bytes"] * 8 / i["seconds"] / 1e6 for i in steady
+                               if i["seconds"] >= 0.9 * _INTERVAL_S],
         }
     finally:
         if server.poll() is None:
