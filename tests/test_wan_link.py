@@ -47,15 +47,15 @@ def _shaped(perf: dict, rate: float) -> float:
 
 
 def _goodput_band() -> tuple[float, float]:
-    """The payload fraction (1448 of every 1514 bytes on the wire) +-0.012, which still fails
-    HTB at 0.95 (0.908) or 1.10 (1.05) of its rate.  Measured alone on the delay line: means
-    0.9562-0.9564 in 8 runs (sd 5e-5), intervals' upper quartile 0.9568-0.9573 in 4.  In a full
-    suite with 4-15% CPU steal the mean read 0.939 and 0.886 (71 retransmissions: the delay line
-    stalled), which is why the upper quartile is judged.  In the TCG guest (scaled-down links,
-    software emulation) the old band on the mean stays: not re-measured."""
+    """Around the payload fraction (1448 of every 1514 bytes on the wire, 0.956), still failing
+    HTB at 0.95 (0.908) or 1.10 (1.05) of its rate.  The intervals' upper quartile read
+    0.9568-0.9573 alone on a quiet machine, but 0.9376-0.942 on this machine the same evening
+    under CPU steal (the delay line dropped: 13-38 retransmissions), so the band spans what was
+    measured: 0.926-0.968, not centred on 0.956.  In the TCG guest (scaled-down links, software
+    emulation) the old band on the mean stays: not re-measured."""
     if emulation() == "tcg":
         return 0.90, 1.01
-    return PAYLOAD_FRACTION - 0.012, PAYLOAD_FRACTION + 0.012
+    return 0.926, PAYLOAD_FRACTION + 0.012
 
 
 def test_goodput_of_100_mbit_link(delay_backend, caps):
@@ -148,8 +148,11 @@ def test_runtime_change_of_delay_and_rate_takes_effect(delay_backend, caps):
         assert [h.node.pid for h in net.hosts()] == hosts_before  # nothing was rebuilt
     slack = delay_slack_ms()
     assert -0.5 <= before_owd - 10 <= 0.5 + slack and -0.9 <= after_owd - 30 <= 0.9 + slack, (before_owd, after_owd)
-    lo, hi = _goodput_band()
-    assert lo <= _shaped(before, fast) <= hi and lo <= _shaped(after, slow) <= hi, (before, after)
+    # that the change took effect, not the shaper's precision (test_goodput_of_100_mbit_link):
+    # the old band on the mean, since this flow retransmits (13-22 here) and its upper quartile
+    # read 0.938-0.942 against the precision band's 0.944 (2026-12-05, with and without steal)
+    r0, r1 = before["goodput_mbps"] / fast, after["goodput_mbps"] / slow
+    assert 0.9 <= r0 <= 1.01 and 0.9 <= r1 <= 1.01, (before, after)
 
 
 @pytest.mark.parametrize(("delay_backend", "loss_backend"), [("tun", "iptables"), ("tun", "delayline")])
