@@ -83,12 +83,12 @@ class AtlasExtension(RunExtension):
         links: dict[tuple[str, str], dict[str, list]] = {}
         delays: dict[str, float] = {}
         slots = {(s.stage, s.replica): s for s in exp.workers()}
+        wire = ctx.net.topo  # dilated delays under time dilation: the controller's clock is the wall's
         for (stage, r), a in slots.items():
             b = slots.get((stage + 1, r))
             if b is None or a.dc == b.dc:
                 continue
             ip_a, ip_b = ctx.workers[a.name].host.ip, ctx.workers[b.name].host.ip
-            wire = ctx.net.topo  # dilated delays under time dilation: the controller's clock is the wall's
             hops = wire.path(a.dc, b.dc)
             for x, y in zip(hops, hops[1:]):  # activations one way, gradients the other
                 links.setdefault((x, y), {}).setdefault(f"r{r}", []).append([ip_a, ip_b])
