@@ -11,7 +11,8 @@ again.  Bad options are one-line errors and build nothing.
 The link must be the bottleneck for priority to mean anything (a work-conserving scheduler
 leaves an under-driven link to whoever sends): at 50 Mbit/s a slow host's gloo ranks did not
 always keep it full (CI, 2026-12-05: 8 of 18.75 MB crossed in the window, both queues mostly
-empty), at 25 Mbit/s they do with room to spare; the test says which it was when it fails.
+empty), at 25 Mbit/s they do with room to spare; the test judges it by the pace of the owner's
+messages and says which it was when it fails.
 """
 
 from __future__ import annotations
@@ -52,14 +53,21 @@ def test_the_owner_gets_the_link_in_the_order_given(tmp_path):
             assert res.exit_code == 0, res.message
             atlas = res.metrics["extensions"]["atlas"]
             assert atlas["problems"] == [] and atlas["mode"] == "priority", atlas
-            seen[order[0]] = (atlas["links"]["east->west"], json.loads(report.read_text())["bytes_in_window"])
+            job = json.loads(report.read_text())
+            arrivals = {f"p{r['pipeline']}": r["arrivals_s"] for r in job["ranks"] if r["stage"] == 1}
+            seen[order[0]] = (atlas["links"]["east->west"], job["bytes_in_window"], arrivals)
             after = lab.link("east", "west").delay_line_stats()
             assert after["sched"] is None, after  # removed: FIFO again
-    window = 25e6 / 8 * 4
     for first, second in (("p0", "p1"), ("p1", "p0")):
-        link, got = seen[first]
-        assert sum(got.values()) >= 0.7 * window, (f"the link was not the bottleneck: {sum(got.values())} of "
-                                                   f"{window:.0f} bytes crossed in the window (host too slow?)", got)
+        link, got, arrivals = seen[first]
+        # the owner's messages arrive at the link's pace: its goodput between its first and last
+        # arrival in the window (whole messages in the window would judge one message's slow
+        # start too: 5 of 2 MB cross in 4 s here, 4 on CI, 2026-12-05, one message from the bar)
+        mine = [t for t in arrivals[first] if t <= arrivals[first][0] + 4 - 0.5]
+        pace = (len(mine) - 1) * 2e6 / (mine[-1] - mine[0]) / (25e6 / 8)
+        # 0.90 in 6 runs here (2026-12-06, quiet): the TCP payload fraction of 25 Mbit/s
+        assert pace >= 0.8, (f"the link was not the bottleneck: the owner's messages came at {pace:.2f} of "
+                             f"the link's rate (host too slow?)", arrivals)
         share = link["owner_share"]
         assert share["n"] >= 50 and share["mean"] >= 0.95 and share["p10"] >= 0.9, link
         # over the whole job, the tail included (the other alone on the link once the owner stops):

@@ -174,11 +174,18 @@ def test_atlas_plans_the_same_under_time_dilation(tmp_path):
         got[k] = (run.extension("atlas").plans[-1], result["summary"])
     (p1, s1), (p2, s2) = got[1], got[2]
     assert p1["order"] == p2["order"] == ["r1", "r0"] and p2["basis"]["time_dilation"] == 2
-    # measured (2026-12-05, one run each): compute 45.2 / 45.1 ms, iteration 1.2837 / 1.2858 s
+    # measured in 6 pairs (2026-12-05/06, CI's included): compute 45.1-45.3 ms at both k
     assert p2["compute_s"] == pytest.approx(p1["compute_s"], rel=0.05)
-    assert s2["mean_iteration_time_s"] == pytest.approx(s1["mean_iteration_time_s"], rel=0.05)
-    # the controller's link estimate (size / (duration - delay), 90th percentile) read 8.6%
-    # lower at k = 2 (1.336 against 1.461 MB/s, the transfer 9.4% longer), cause not found: so
-    # this band is not centred; it guards the conversion (rates x k: without it, half)
-    assert p2["basis"]["link_bytes_s"] == pytest.approx(p1["basis"]["link_bytes_s"], rel=0.15)
-    assert p2["transfer_s"] == pytest.approx(p1["transfer_s"], rel=0.15)
+    # iteration time k = 2 over k = 1: 0.935-1.021 (0.935 on CI, whose k = 1 run read 1.350 s;
+    # k = 1 alone 1.265-1.350 s, sd 0.031, k = 2 alone 1.262-1.292 s, sd 0.012: the host's noise
+    # is what dilation divides).  Loosened from 5% to 8% on those figures; a missing
+    # conversion reads 2.
+    assert s2["mean_iteration_time_s"] == pytest.approx(s1["mean_iteration_time_s"], rel=0.08)
+    # the controller's link estimate is the 90th percentile of size / (duration - delay) over a
+    # few transfers: k = 1 alone read 1.37-1.73 MB/s in 6 runs, and k = 2 over k = 1 read
+    # 0.754-1.178 (the planned transfer 0.849-1.234).  A band of a factor 1.4 either way spans
+    # that (loosened from 15%, which CI missed at 0.754); without the conversion (rates x k)
+    # the ratio is 0.5, and 2 for the transfer.
+    for key, a, b in (("link_bytes_s", p1["basis"]["link_bytes_s"], p2["basis"]["link_bytes_s"]),
+                      ("transfer_s", p1["transfer_s"], p2["transfer_s"])):
+        assert 1 / 1.4 <= b / a <= 1.4, (key, a, b)
