@@ -182,12 +182,12 @@ def _fidelity(net: NetworkSurface) -> None:
 
 
 def _quota(cgroups: str, name: str) -> tuple[int, int]:
-    """(quota, period) in us of the CPU container a process's /proc/self/cgroup names."""
+    """(quota, period) in us of the CPU container a process's /proc/self/cgroup names (-1: none)."""
     if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
         rel = next(ln.split(":", 2)[2] for ln in cgroups.splitlines() if ln.startswith("0::"))
         quota, period = (Path("/sys/fs/cgroup") / rel.lstrip("/") / "cpu.max").read_text().split()
         assert rel.endswith(f"/{name}"), rel
-        return int(quota), int(period)
+        return -1 if quota == "max" else int(quota), int(period)
     rel = next(ln.split(":", 2)[2] for ln in cgroups.splitlines() if "cpu" in ln.split(":")[1].split(","))
     assert rel.endswith(f"/{name}"), rel
     root = next(r for r in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct")) if r.is_dir())
@@ -224,3 +224,16 @@ def _processes(net, hub, path, launcher, containers, tmp_path) -> None:
     assert sleeper.wait(20) == -signal.SIGTERM and not sleeper.alive()
     assert west.node.cmd(alive).strip() == "gone"
     assert set(launcher.processes) == {"probe", "sleeper"}
+
+    # a container made to be limited later (a worker's: its start-up runs free) has no quota
+    # until enforce(), then its own
+    later = launcher.start("later", "tests.site_probe",
+                           {"mode": "echo", "name": "later", "telemetry": str(path), "rc": 0},
+                           host=west, cgroup=containers.make("later", 0.5, limit_later=True))
+    got, deadline = [], time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        got = [m for n, m in hub.poll(0.2) if n == "later" and m is not None]
+    assert got and _quota(got[0].msg, "later") == (-1, 5000)
+    containers.enforce()
+    assert _quota(got[0].msg, "later") == (2500, 5000)
+    assert hub.send("later", m.Log(msg="0")) and later.wait(30) == 0

@@ -215,11 +215,15 @@ class _Session:
     def op_containers_problem(self) -> str | None:
         return self.containers.problem()
 
-    def op_launch(self, name: str, module: str, config: dict, host: str, cpus: float, env: dict) -> dict:
+    def op_containers_enforce(self) -> None:
+        self.containers.enforce()
+
+    def op_launch(self, name: str, module: str, config: dict, host: str, cpus: float, env: dict,
+                  limit_later: bool = False) -> dict:
         from testbed.run.procs import python_env
 
         config = dict(config, telemetry=str(self.hub.path))
-        cgroup = self.containers.make(name, cpus)
+        cgroup = self.containers.make(name, cpus, limit_later)
         proc = self.launcher.start(name, module, config, host=self.hosts[host], cgroup=cgroup,
                                    env=python_env(**env))
         return {"pid": proc.pid}

@@ -289,8 +289,8 @@ class ClusterNetwork(HostIndex):
 
 
 class _RemoteCgroup:
-    def __init__(self, cpus: float):
-        self.cpus = cpus
+    def __init__(self, cpus: float, limit_later: bool = False):
+        self.cpus, self.limit_later = cpus, limit_later
 
 
 class ClusterContainers:
@@ -306,8 +306,12 @@ class ClusterContainers:
                 return f"on machine {name}: {p}"
         return None
 
-    def make(self, name: str, cpus: float) -> _RemoteCgroup | None:
-        return _RemoteCgroup(cpus) if cpus > 0 else None
+    def make(self, name: str, cpus: float, limit_later: bool = False) -> _RemoteCgroup | None:
+        return _RemoteCgroup(cpus, limit_later) if cpus > 0 else None
+
+    def enforce(self) -> None:
+        for agent in self.cluster.agents.values():
+            agent.call("containers_enforce")
 
 
 class _RemoteProcess:
@@ -355,7 +359,8 @@ class ClusterLauncher:
         base = os.environ
         extra = {k: v for k, v in (env or {}).items() if base.get(k) != v and k != "PYTHONPATH"}
         pid = agent.call("launch", name=name, module=module, config=config, host=host.name,
-                         cpus=cgroup.cpus if cgroup is not None else 0.0, env=extra)["pid"]
+                         cpus=cgroup.cpus if cgroup is not None else 0.0,
+                         limit_later=cgroup is not None and cgroup.limit_later, env=extra)["pid"]
         proc = _RemoteProcess(name, machine, pid, self.cluster)
         self.processes[name] = proc
         self.cluster.processes[name] = proc

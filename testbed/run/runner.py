@@ -360,7 +360,7 @@ class TrainingRun:
             # gloo/NCCL otherwise bind to what the hostname resolves to
             env = python_env(GLOO_SOCKET_IFNAME=f"{w.host.name}-eth0", NCCL_SOCKET_IFNAME=f"{w.host.name}-eth0")
             cpus = self.device.configure(self, w, cfg, env)
-            w.cgroup = self.containers.make(slot.name, cpus)
+            w.cgroup = self.containers.make(slot.name, cpus, limit_later=True)  # see the go below
             if pin and w.cgroup is not None:
                 w.cpu = pinned % (os.cpu_count() or 1)
                 pinned += 1
@@ -434,6 +434,8 @@ class TrainingRun:
                     raise RunError(f"{' and '.join(parts)} not ready after {_READY_TIMEOUT_S:.0f} s")
             if not self.go_time and all(w.ready for w in self.workers.values()) and \
                     all(ext.ready() for ext in self.extensions):
+                # the workers' quotas from here: their start-up ran without (CpuContainers.make)
+                self.containers.enforce()
                 self.go_time = time.monotonic()
                 for name in self.workers:
                     hub.send(name, m.Go())

@@ -140,9 +140,13 @@ class Containers(Protocol):
         """Why quotas cannot be had (None when they can)."""
         ...
 
-    def make(self, name: str, cpus: float) -> Any:
+    def make(self, name: str, cpus: float, limit_later: bool = False) -> Any:
         """A container with ``cpus`` cores of quota, to pass to ``Launcher.start``; None
-        without quotas or for ``cpus`` 0."""
+        without quotas or for ``cpus`` 0.  ``limit_later``: no quota until ``enforce``."""
+        ...
+
+    def enforce(self) -> None:
+        """Give the containers made with ``limit_later`` their quotas."""
         ...
 
 
