@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up this machine for the testbed (idempotent), then run what was asked:
 #   bash setup.sh demo   -> the main job (experiments/default.yaml) on its default topology
-#   bash setup.sh test   -> the test suite (more arguments go to pytest: test -m "not slow",
-#                           test tests/test_lab.py, test -k wan)
+#   bash setup.sh test   -> the quick suite, the tests not marked slow (more arguments go to
+#                           pytest: test tests/test_lab.py, test -k wan, test -m slow)
+#   bash setup.sh test-all -> every test, the slow experiments too
 #   bash setup.sh        -> set up only
 # Needs root. It bootstraps only what Ansible needs to start (Python, a venv with the
 # project and ansible-runner), then runs playbooks/site.yml through `testbed provision`:
@@ -45,7 +46,7 @@ fi
 case "$what" in
   setup) echo "set up: .venv/bin/testbed is ready" ;;
   demo) exec .venv/bin/testbed run experiments/default.yaml --out results/default ;;
-  test)
+  test|test-all)
     apt_install vagrant  # the tests validate the Vagrantfile
     # Where this kernel has no netem, the netem variants run in a VM with Debian's stock kernel
     # (testbed/tools/vm.py, tests/netem_vm.py; its image is built once, ~8 min, into
@@ -54,6 +55,9 @@ case "$what" in
     # reason instead of skipping them; a build gives up after 20 min.
     apt_install qemu-system-x86 debootstrap e2fsprogs
     export GTB_NETEM_VM="${GTB_NETEM_VM:-required}"
-    exec .venv/bin/python -m pytest -ra --durations=15 "${@:2}" ;;
-  *) echo "usage: bash setup.sh [setup|demo|test]" >&2; exit 2 ;;
+    # test: the quick suite (the experiments marked slow left out); test-all: every test
+    quick=(-m "not slow")
+    [ "$what" = test-all ] && quick=()
+    exec .venv/bin/python -m pytest -ra --durations=15 "${quick[@]}" "${@:2}" ;;
+  *) echo "usage: bash setup.sh [setup|demo|test|test-all]" >&2; exit 2 ;;
 esac

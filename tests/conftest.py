@@ -118,9 +118,12 @@ def caps(testbed_caps) -> Capabilities:
     return testbed_caps
 
 
+@pytest.hookimpl(tryfirst=True)  # its marks are in place before -m deselects
 def pytest_collection_modifyitems(config, items):
     netem_vm.pytest_collection_modifyitems(config, items)  # the netem variants carry the netem marker
     for item in items:
+        if item.get_closest_marker("slow_on_netem") and item.get_closest_marker("netem"):
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("fidelity") and not item.get_closest_marker("flaky"):
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=2))
 

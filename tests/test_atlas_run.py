@@ -57,7 +57,7 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
     assert (tmp_path / "temporal" / "atlas-plans.json").exists()
 
 
-@pytest.mark.parametrize("victim", ["controller", "agent-dc1"])
+@pytest.mark.parametrize("victim", ["controller", pytest.param("agent-dc1", marks=pytest.mark.slow)])
 @pytest.mark.network(delay="tun")
 def test_a_killed_atlas_process_leaves_training_running_under_fair_sharing(tmp_path, victim):
     iterations = 14
@@ -98,6 +98,7 @@ def _emulated(iterations: int, **atlas):
 
 
 @pytest.mark.fidelity
+@pytest.mark.slow
 @pytest.mark.network(delay="tun")
 def test_the_enforced_plan_follows_a_link_whose_rate_changes_within_two_iterations(tmp_path):
     run = TrainingRun(_emulated(12), tmp_path)

@@ -64,6 +64,7 @@ def test_prefills_fill_bubbles_and_every_request_is_accounted_for(tmp_path):
         assert (tmp_path / name).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.network(delay="tun")
 def test_a_killed_controller_leaves_training_unaffected(tmp_path):
     run = TrainingRun(_exp(7), tmp_path)
@@ -149,6 +150,7 @@ def test_on_emulated_devices_a_killed_decode_worker_takes_exactly_its_requests(t
     assert s["utilization_with_prefill"] > s["utilization_without_prefill"] + 0.15
 
 
+@pytest.mark.slow
 @pytest.mark.network(delay="tun")
 def test_on_emulated_devices_a_burst_far_above_capacity_becomes_rejections_not_slower_training(tmp_path):
     """20 times the default arrival rate: most requests are rejected at the TTFT SLO, those

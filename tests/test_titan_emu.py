@@ -1,6 +1,6 @@
 """Titan / Titan-Next on the emulator: real UDP calls over the dual-path network.
 
-One emulated run (a module fixture, ~1.5 minutes): five regions (London, the Netherlands,
+One emulated run (a module fixture, ~1.5 minutes, so its tests are ``slow``: the full suite's): five regions (London, the Netherlands,
 Ireland, Virginia, Iowa) on their Azure backbone, three DCs, hundreds of calls of a
 compressed day played under each policy, then Titan's controller live with a fault
 injected on one Internet path.  Needs root, Mininet and the TUN delay line or netem.
@@ -44,6 +44,7 @@ def run(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow  # the module's emulated day, ~90 s
 def test_titan_next_lowers_the_sum_of_wan_peaks_measured_from_counters(run):
     pol = run["policies"]
     tn = pol["titan-next"]["sum_of_peaks_kbps"]
@@ -64,6 +65,7 @@ def _pair_peaks(load: list[list[float]]) -> float:
     return sum(max((a + b) / 2 for a, b in zip(row, row[1:])) for row in load)
 
 
+@pytest.mark.slow  # the module's emulated day, ~90 s
 def test_no_call_over_its_latency_bound(run):
     """Judged per participant by its path's RTT (the lowest of its packets' up + down delays,
     which is what the placement decides) and by the median: the median also carries the
@@ -76,6 +78,7 @@ def test_no_call_over_its_latency_bound(run):
         assert abs(p["rtt_error_ms_p50"]) < 2.0, name  # measured RTT tracks the modelled path
 
 
+@pytest.mark.slow  # the module's emulated day, ~90 s
 def test_every_stream_took_the_route_it_was_given(run):
     for name, p in run["policies"].items():
         assert p["misrouted_packets"] == 0, name
@@ -85,6 +88,7 @@ def test_every_stream_took_the_route_it_was_given(run):
     assert run["policies"]["nearest-wan"]["internet_share_calls"] == 0
 
 
+@pytest.mark.slow  # the module's emulated day, ~90 s
 def test_controller_backs_off_a_faulted_path_within_the_bound_and_keeps_the_others(run):
     ctl = run["controller"]
     fault_t, path = ctl["fault_at_s"], ctl["fault_path"]

@@ -43,8 +43,9 @@ def _run(exp, tmp_path, **kwargs):
 
 
 @pytest.mark.parametrize(("stages", "replicas", "schedule", "optimizer"), [
-    (2, 1, "gpipe", "adamw"), (2, 1, "1f1b", "adamw"), (3, 2, "gpipe", "adamw"), (3, 2, "1f1b", "adamw"),
-    (2, 2, "1f1b", "sgd")])
+    # the quick suite keeps the two that cover DP, both optimizers and both schedules
+    pytest.param(2, 1, "gpipe", "adamw", marks=pytest.mark.slow), pytest.param(2, 1, "1f1b", "adamw", marks=pytest.mark.slow),
+    (3, 2, "gpipe", "adamw"), pytest.param(3, 2, "1f1b", "adamw", marks=pytest.mark.slow), (2, 2, "1f1b", "sgd")])
 def test_loss_parity_with_a_single_process_run(tmp_path, stages, replicas, schedule, optimizer):
     from testbed.train.reference import reference_training
 

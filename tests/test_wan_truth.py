@@ -46,6 +46,7 @@ def _assert_as_configured(rows: list[dict], topo) -> None:
         assert r["goodput_seconds"] >= 20 * conf / 1000  # steady state, long enough at this RTT
 
 
+@pytest.mark.slow
 def test_default_topology_measures_as_the_matrix():
     topo = load_topology(REPO / "topologies" / "aws-us3.yaml")
     _assert_as_configured(_fidelity("aws-us3"), topo)

@@ -236,18 +236,20 @@ def one_way_delays(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int
 def one_way_probe(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
                   port: int = 5301) -> list[tuple[float, int]]:
     """(one-way delay ms, sequence number) of each datagram that arrived, in arrival order:
-    the order shows whether the path reordered them."""
+    the order shows whether the path reordered them.  Once datagrams arrive, a silence of
+    max(2 s, 20 intervals) ends the count (with losses the last would not come)."""
     rows = _probe(net, src, dst, ["recv", str(port), str(count)],
-                  ["send", dst.ip, str(port), str(count), str(interval_s)], 2.0 + count * interval_s + 2.0)
+                  ["send", dst.ip, str(port), str(count), str(interval_s)], 2.0 + count * interval_s + 2.0,
+                  recv_tail=[str(max(2.0, 20 * interval_s))])
     return [(r[0], int(r[1])) for r in rows]
 
 
 def _probe(net: NetworkSurface, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
-           timeout: float) -> list[list]:
+           timeout: float, recv_tail: list[str] = ()) -> list[list]:
     """Run ``testbed.net.owd``'s receiver on dst and its sender on src; the receiver's lines, split,
     each led by its delay in ms on one timeline (``net.owd_correction_ms``: across machines the
     sender's and the receiver's clocks differ)."""
-    recv = net.popen(dst, [sys.executable, "-m", "testbed.net.owd", *recv_args, str(timeout)],
+    recv = net.popen(dst, [sys.executable, "-m", "testbed.net.owd", *recv_args, str(timeout), *recv_tail],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if recv.stdout.readline().strip() != "listening":
         raise NetworkError(f"one-way delay receiver on {dst.name} did not start: {recv.stderr.read()[-200:]}")

@@ -8,7 +8,8 @@ The ``msg-`` pair does the same for TCP messages of SIZE bytes, from the first b
 to the socket to the last byte read (``fidelity.message_delays``): what a pipeline stage's
 activation takes, serialisation at the link's rate included.
 
-    python -m testbed.net.owd recv PORT COUNT TIMEOUT_S   -> prints "delay_ms seq" per datagram, in arrival order
+    python -m testbed.net.owd recv PORT COUNT TIMEOUT_S [IDLE_S]   -> prints "delay_ms seq" per datagram, in arrival order
+                                   (TIMEOUT_S for the first; after it, IDLE_S without one ends it)
     python -m testbed.net.owd send HOST PORT COUNT INTERVAL_S
     python -m testbed.net.owd msg-recv PORT COUNT SIZE TIMEOUT_S   -> one delay (ms) per message
     python -m testbed.net.owd msg-send HOST PORT COUNT SIZE INTERVAL_S
@@ -24,7 +25,7 @@ import time
 _DGRAM = struct.Struct("!dI")  # send time (shared CLOCK_MONOTONIC), sequence number
 
 
-def recv(port: int, count: int, timeout_s: float) -> None:
+def recv(port: int, count: int, timeout_s: float, idle_s: float | None = None) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("0.0.0.0", port))
     sock.settimeout(timeout_s)
@@ -36,6 +37,8 @@ def recv(port: int, count: int, timeout_s: float) -> None:
         except socket.timeout:
             break
         now = time.monotonic()
+        if idle_s is not None and not rows:  # the sender is sending: a long silence is its end
+            sock.settimeout(idle_s)  # (with losses, COUNT never arrives)
         sent, seq = _DGRAM.unpack(data[:_DGRAM.size])
         rows.append(f"{(now - sent) * 1000.0:.4f} {seq}\n")
     sys.stdout.write("".join(rows))
@@ -92,7 +95,7 @@ def msg_send(host: str, port: int, count: int, size: int, interval_s: float) -> 
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "recv":
-        recv(int(args[0]), int(args[1]), float(args[2]))
+        recv(int(args[0]), int(args[1]), float(args[2]), float(args[3]) if len(args) > 3 else None)
     elif cmd == "send":
         send(args[0], int(args[1]), int(args[2]), float(args[3]))
     elif cmd == "msg-recv":
