@@ -133,7 +133,7 @@ def test_the_enforced_plan_follows_a_link_whose_rate_changes_within_two_iteratio
 
 @pytest.mark.fidelity
 @pytest.mark.network(delay="tun")
-@pytest.mark.parametrize(("plan", "first"), [("telemetry", "r1"), ("fixed", "r0")])
+@pytest.mark.parametrize(("plan", "first"), [("telemetry", "r1"), pytest.param("fixed", "r0", marks=pytest.mark.slow)])
 def test_the_order_follows_the_workload_a_slow_pipeline_first(tmp_path, plan, first):
     """Pipeline r1's devices are twice as slow: a plan made from telemetry gives it the link
     first (its transfers should never wait: the iteration ends when it does); the fixed

@@ -63,9 +63,9 @@ def pipeline_reference():
     return [line["loss"] for line in _reference("pipeline_gpt.py", *PIPE)]
 
 
-@pytest.mark.parametrize(("schedule", "split"), [
-    ("gpipe", "manual"), ("1f1b", "manual"), ("interleaved1f1b", "manual"), ("loopedbfs", "manual"),
-    ("1f1b", "trace")])
+@pytest.mark.parametrize(("schedule", "split"), [  # the quick suite: a multi-stage schedule and the tracer
+    pytest.param("gpipe", "manual", marks=pytest.mark.slow), pytest.param("1f1b", "manual", marks=pytest.mark.slow),
+    ("interleaved1f1b", "manual"), pytest.param("loopedbfs", "manual", marks=pytest.mark.slow), ("1f1b", "trace")])
 def test_pipeline_schedules_match_one_process(tmp_path, pipeline_reference, schedule, split):
     out = tmp_path / "steps.jsonl"
     lines = _torchrun("pipeline_gpt.py", "--schedule", schedule, "--split", split, "--out", str(out), *PIPE)

@@ -153,7 +153,8 @@ def chaos_job():
 @pytest.mark.network(delay="tun")
 @pytest.mark.parametrize("fault", [pytest.param("kill-orchestrator", marks=pytest.mark.slow),
                                    pytest.param("interrupt-orchestrator", marks=pytest.mark.slow),
-                                   "kill-worker", "link-down-short"])
+                                   pytest.param("kill-worker", marks=pytest.mark.slow),  # test_trainer kills one too
+                                   "link-down-short"])
 def test_a_fault_at_a_random_point_ends_as_documented_and_leaves_nothing(fault, chaos_job, tmp_path):
     exp, ref = chaos_job
     inj = chaos.plan(1, SEED, exp, faults=(fault,))[0]

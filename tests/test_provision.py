@@ -69,6 +69,7 @@ def test_playbook_runs_for_real_and_a_second_run_changes_nothing():
     assert second.changed == 0, second.hosts
 
 
+@pytest.mark.slow  # the real run just before it checks more
 def test_the_dry_run_passes_on_a_provisioned_machine():
     """README's ``testbed provision --check``: in check mode the doctor still runs (it only
     reads the kernel), so the delay-backend assert has its answer (it failed with
