@@ -38,6 +38,9 @@ fi
 if ! .venv/bin/python -c "import testbed.extension as e, torch, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis, jsonschema; assert e.extensions()" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[all,test]' 2>&1 | grep -v '^WARNING: Location' || true
   .venv/bin/python -c "import testbed, torch, ansible_runner, highspy, scapy, pytest_rerunfailures, hypothesis, jsonschema"
+  # what the playbook's python role records after the same install (its python_wanted), so it
+  # does not install it all again
+  echo "$(sha1sum < pyproject.toml | cut -d' ' -f1) $(sha1sum < constraints.txt | cut -d' ' -f1)" > .venv/.installed
 fi
 
 # 2. everything else: the playbook
