@@ -18,7 +18,7 @@ the Debian registry and boots it under QEMU to run commands or the netem test va
   playbook README's setup and the Vagrantfile run, so a build also checks that it provisions
   a machine that is not this one, on a kernel that is not this one; its ``testbed`` role
   asserts that ``testbed doctor`` finds a delay backend, and the build that it is netem.
-  KEY hashes the playbook, ``pyproject.toml``, ``constraints.txt`` and this recipe, so a change to any of them
+  KEY hashes the playbook, ``pyproject.toml`` (less its pytest table), ``constraints.txt`` and this recipe, so a change to any of them
   rebuilds; the previous image is kept (another checkout may use it), older ones are
   removed.  Downloaded ``.deb`` files stay in the cache's ``debs/``.
 * **Run** (``run_job``): QEMU boots the kernel and initramfs with the disk as a throwaway
@@ -211,10 +211,21 @@ def image_key() -> str:
                        f"{GUEST_EXTRAS} {GUEST_PIP_EXCLUDE} preseed={PRESEED}\n".encode())
     h.update(GUEST_INIT.encode())
     h.update(_provision_script().encode())
-    files = [REPO / "pyproject.toml", REPO / "constraints.txt"] + sorted(p for p in (REPO / "playbooks").rglob("*") if p.is_file())
+    h.update(b"pyproject.toml\0" + _install_spec() + b"\0")
+    files = [REPO / "constraints.txt"] + sorted(p for p in (REPO / "playbooks").rglob("*") if p.is_file())
     for path in files:
         h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def _install_spec() -> bytes:
+    """What of pyproject.toml an install reads: all of it but pytest's own table (its markers
+    and options change often and reach the guest through the live project, not the image)."""
+    import tomllib
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    data.get("tool", {}).pop("pytest", None)
+    return json.dumps(data, sort_keys=True).encode()
 
 
 def find_image() -> Image | None:
