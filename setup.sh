@@ -11,6 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 what="${1:-setup}"
+case "$what" in
+  setup|demo|test|test-all) ;;
+  *) echo "usage: bash setup.sh [setup|demo|test|test-all]" >&2; exit 2 ;;
+esac
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "error: run as root (apt-get, network namespaces and tc need it)" >&2
