@@ -66,5 +66,4 @@ case "$what" in
     quick=(-m "not slow")
     [ "$what" = test-all ] && quick=()
     exec .venv/bin/python -m pytest -ra --durations=15 "${quick[@]}" "${@:2}" ;;
-  *) echo "usage: bash setup.sh [setup|demo|test|test-all]" >&2; exit 2 ;;
-esac
+esac  # (a word it does not take was refused at the top)

@@ -195,6 +195,14 @@ def _quota(cgroups: str, name: str) -> tuple[int, int]:
             int((root / rel.lstrip("/") / "cpu.cfs_period_us").read_text()))
 
 
+def _messages_from(hub, name: str, timeout_s: float = 60) -> list:
+    """The first batch of messages ``name`` sends through the hub (empty after ``timeout_s``)."""
+    got, deadline = [], time.monotonic() + timeout_s
+    while not got and time.monotonic() < deadline:
+        got = [msg for n, msg in hub.poll(0.2) if n == name and msg is not None]
+    return got
+
+
 def _processes(net, hub, path, launcher, containers, tmp_path) -> None:
     problem = containers.problem()
     assert problem is None, f"CPU containers: {problem}"  # this machine has them (and the fake one shares them)
@@ -203,9 +211,7 @@ def _processes(net, hub, path, launcher, containers, tmp_path) -> None:
                           {"mode": "echo", "name": "probe", "telemetry": str(path), "rc": 3},
                           host=east, cgroup=containers.make("probe", 0.5))
     assert isinstance(proc, Process) and proc.name == "probe"
-    got, deadline = [], time.monotonic() + 60
-    while not got and time.monotonic() < deadline:
-        got = [m for n, m in hub.poll(0.2) if n == "probe" and m is not None]
+    got = _messages_from(hub, "probe")
     assert got and isinstance(got[0], m.Log), "no message from the probe through the hub"
     assert hub.connected("probe")
     assert _quota(got[0].msg, "probe") == (2500, 5000)  # 0.5 CPU of a 5 ms period, from before its start
@@ -230,9 +236,7 @@ def _processes(net, hub, path, launcher, containers, tmp_path) -> None:
     later = launcher.start("later", "tests.site_probe",
                            {"mode": "echo", "name": "later", "telemetry": str(path), "rc": 0},
                            host=west, cgroup=containers.make("later", 0.5, limit_later=True))
-    got, deadline = [], time.monotonic() + 60
-    while not got and time.monotonic() < deadline:
-        got = [m for n, m in hub.poll(0.2) if n == "later" and m is not None]
+    got = _messages_from(hub, "later")
     assert got and _quota(got[0].msg, "later") == (-1, 5000)
     containers.enforce()
     assert _quota(got[0].msg, "later") == (2500, 5000)

@@ -15,7 +15,7 @@ import statistics
 import pytest
 
 from conftest import delay_slack_ms, emulation, link_rate, two_dcs
-from testbed.net.fidelity import iperf3, message_delays, one_way_delays, one_way_probe, ping, ping_loss
+from testbed.net.fidelity import datagram_loss, iperf3, message_delays, one_way_delays, one_way_probe, ping, ping_loss
 from testbed.net.network import Network
 from testbed.sim.build import PAYLOAD_FRACTION
 
@@ -93,8 +93,7 @@ def test_five_percent_loss(delay_backend, loss_backend, caps):
             # 8000 datagrams at p = 0.05: binomial sd 0.0024, so +-0.01 is four of them, and a
             # loss halved (0.025) is six below the band (2000 pings and 0.03-0.07 let it pass one
             # run in twelve; ping here paces at ~10 ms whatever its -i, so datagrams, 1 ms apart)
-            got = one_way_probe(net, net.host("east"), net.host("west"), count=8000, interval_s=0.001)
-            lost, (lo, hi) = 1 - len(got) / 8000, (0.04, 0.06)
+            lost, (lo, hi) = datagram_loss(net, net.host("east"), net.host("west"), count=8000), (0.04, 0.06)
     assert lo <= lost <= hi, lost
 
 
@@ -168,17 +167,14 @@ def test_runtime_change_of_loss_and_jitter_takes_effect(delay_backend, loss_back
     with Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, caps=caps) as net:
         east, west = net.host("east"), net.host("west")
         link = net.link("east", "west")
-
-        def lost(count):  # datagrams 1 ms apart (ping paces at ~10 ms here: 3000 took 30 s)
-            return 1 - len(one_way_probe(net, east, west, count=count, interval_s=0.001)) / count
-
-        lost_before = lost(500)
+        # datagrams 1 ms apart (ping paces at ~10 ms here: 3000 took 30 s)
+        lost_before = datagram_loss(net, east, west, count=500)
         spread_before = _iqr(one_way_delays(net, east, west, count=100, interval_s=0.01))
         link.set(loss=0.05, jitter_ms=4)
-        lost_during = lost(2000)
+        lost_during = datagram_loss(net, east, west, count=2000)
         owd = one_way_delays(net, east, west, count=200, interval_s=0.01)
         link.set(loss=0.0, jitter_ms=0)
-        lost_after = lost(500)
+        lost_after = datagram_loss(net, east, west, count=500)
     assert lost_before == 0 and lost_after == 0, (lost_before, lost_after)
     # 2000 at p = 0.05: binomial sd 0.0049, so +-0.02 is four of them (measured 0.044-0.060 in
     # six runs with pings, 2026-12-05)

@@ -233,6 +233,13 @@ def one_way_delays(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int
     return [d for d, _seq in one_way_probe(net, src, dst, count, interval_s, port)]
 
 
+def datagram_loss(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int = 2000,
+                  interval_s: float = 0.001) -> float:
+    """Fraction of ``count`` datagrams src -> dst that did not arrive (one direction only;
+    ``ping_loss`` sees both, and ping paces at ~10 ms here whatever its interval)."""
+    return 1.0 - len(one_way_probe(net, src, dst, count, interval_s)) / count
+
+
 def one_way_probe(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int = 50, interval_s: float = 0.01,
                   port: int = 5301) -> list[tuple[float, int]]:
     """(one-way delay ms, sequence number) of each datagram that arrived, in arrival order:
@@ -240,12 +247,12 @@ def one_way_probe(net: NetworkSurface, src: HostInfo, dst: HostInfo, count: int 
     max(2 s, 20 intervals) ends the count (with losses the last would not come)."""
     rows = _probe(net, src, dst, ["recv", str(port), str(count)],
                   ["send", dst.ip, str(port), str(count), str(interval_s)], 2.0 + count * interval_s + 2.0,
-                  recv_tail=[str(max(2.0, 20 * interval_s))])
+                  recv_tail=(str(max(2.0, 20 * interval_s)),))
     return [(r[0], int(r[1])) for r in rows]
 
 
 def _probe(net: NetworkSurface, src: HostInfo, dst: HostInfo, recv_args: list[str], send_args: list[str],
-           timeout: float, recv_tail: list[str] = ()) -> list[list]:
+           timeout: float, recv_tail: tuple[str, ...] = ()) -> list[list]:
     """Run ``testbed.net.owd``'s receiver on dst and its sender on src; the receiver's lines, split,
     each led by its delay in ms on one timeline (``net.owd_correction_ms``: across machines the
     sender's and the receiver's clocks differ)."""
