@@ -28,7 +28,7 @@ from testbed.cliutil import fail_interrupted
 from testbed.cliutil import on_sigterm as _on_sigterm
 from testbed.extension import commands as _extension_commands
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Geo-distributed training testbed.")
+app = typer.Typer(add_completion=True, no_args_is_help=True, help="Geo-distributed training testbed.")
 
 
 def _version(value: bool) -> None:
@@ -124,8 +124,11 @@ def fidelity(
     machines: Optional[str] = typer.Option(None, help="with --inventory: DC=MACHINE,... (default: packed in order)"),
     time_dilation: float = typer.Option(1.0, "--time-dilation", help="k: the emulated world runs k times slower than "
                                         "the wall clock (delays x k, rates / k on the wire); figures in emulated terms"),
+    min_goodput: float = typer.Option(0.90, "--min-goodput", min=0.0, max=1.01,
+                                      help="the goodput a direction must reach, as a fraction of its rate"),
 ) -> None:
-    """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down."""
+    """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down; exit 1 when a
+    direction is out of tolerance."""
     import contextlib
 
     from testbed.net.fidelity import measure_all
@@ -158,9 +161,9 @@ def fidelity(
         _fail(str(exc))
     except KeyboardInterrupt as exc:
         fail_interrupted(exc)
-    bad = [f"{r.src} -> {r.dst}" for r in reports if not r.within_tolerance()]
+    bad = [f"{r.src} -> {r.dst}" for r in reports if not r.within_tolerance(min_goodput)]
     if as_json:
-        out.print_json(json.dumps([r.to_dict() for r in reports]))
+        out.print_json(json.dumps([r.to_dict(min_goodput) for r in reports]))
         raise typer.Exit(1 if bad else 0)  # a direction out of tolerance is a failed check
     dilation = f" (time dilation {time_dilation:g}: emulated terms)" if time_dilation != 1.0 else ""
     table = Table(title=f"{topo.name}: configured vs measured{dilation}")
@@ -173,9 +176,9 @@ def fidelity(
         table.add_row(f"{r.src}->{r.dst}", f"{r.rtt_ms_configured:.2f} / {r.rtt_ms_measured:.2f}{source}",
                       f"{r.owd_ms_configured:.2f} / {owd}",
                       f"{r.goodput_mbps_measured:.1f} / {r.rate_mbps_configured:g} ({r.goodput_ratio:.3f})",
-                      str(r.retransmits), "[green]yes[/]" if r.within_tolerance() else "[red]no[/]")
+                      str(r.retransmits), "[green]yes[/]" if r.within_tolerance(min_goodput) else "[red]no[/]")
     out.print(table)
-    out.print(f"RTT within max(0.5 ms, 2%) and goodput 90-101% (steady state, slow start left out): "
+    out.print(f"RTT within max(0.5 ms, 2%) and goodput {min_goodput:.0%}-101% (steady state, slow start left out): "
               + ("every direction" if not bad else f"[red]not {', '.join(bad)}[/]"))
     if bad:
         raise typer.Exit(1)

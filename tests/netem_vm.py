@@ -5,10 +5,16 @@ with ``delay_backend="netem"`` (the ``delay_backend`` fixture of ``conftest.py``
 parametrization; ``_is_netem_variant``); on a kernel with netem they run here as they are.
 On a kernel without netem (this machine; ``runs_in_vm``), ``conftest.py``'s network fixture
 leaves their capability check to the guest and their call goes to ``pytest_pyfunc_call`` below: the first of them boots the netem VM (``testbed/tools/vm.py``: a
-stock Debian kernel, built and provisioned once and cached in ``/var/cache/geo-testbed/vm``) and runs
+stock Debian kernel, built once and cached in ``/var/cache/geo-testbed/vm``) and runs
 *all* the session's netem variants in it in one pytest run on the live project (shared
 read-only); each host test then passes, fails or skips as its twin did in the guest, with
 the guest's report.  The VM is gone before the first result is reported.
+
+Where no image is cached for the checkout's key (a fresh machine; a change to the
+playbook or the dependencies), the image is built in a thread from the end of collection, beside
+the tests that build no network (they run first), and the first test that builds a network
+waits for the build (3-4 min here, mostly debootstrap, apt and pip at native speed).
+``GTB_NETEM_VM_EARLY_BUILD=0`` builds it when the first netem test is reached instead.
 
 With ``GTB_NETEM_VM_EARLY=1`` the VM does not wait for its turn: once the session's tests are
 collected it starts in a thread of its own (``pytest_collection_finish``), the tests that
@@ -39,6 +45,7 @@ import pytest
 
 _KEY = pytest.StashKey[dict]()  # the session's VM run, on config.stash
 _THREAD = pytest.StashKey[threading.Thread]()  # the VM run started early
+_BUILD = pytest.StashKey[dict]()  # the image build started at collection: thread, lines, error
 _SAID = pytest.StashKey[list]()  # what the early run would have said, said when it is joined
 _CANCEL = threading.Event()  # set when the session ends first: the VM is stopped, not waited for
 # The guest's whole pytest run (~4 min under TCG here) gives up after this: CI stays bounded.
@@ -81,33 +88,68 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the VM run now, in a thread, when some test's body runs in it."""
-    if session.config.option.collectonly or _THREAD in session.config.stash:
+    """Start building the image now, in a thread, when some test's body runs in the VM and no
+    image is cached (or, with ``GTB_NETEM_VM_EARLY=1``, the whole VM run)."""
+    if session.config.option.collectonly or _THREAD in session.config.stash or _BUILD in session.config.stash:
         return
-    if os.environ.get("GTB_NETEM_VM_EARLY") != "1":
-        return  # off by default: beside the host's tests, the TCG guest's timing slipped (below)
     if not any(runs_in_vm(item) for item in session.items):
         return
-    said: list[str] = []
-    session.config.stash[_SAID] = said
-    thread = threading.Thread(target=_run_now, args=(session, said.append), daemon=True, name="netem-vm")
-    session.config.stash[_THREAD] = thread
-    thread.start()
+    if os.environ.get("GTB_NETEM_VM_EARLY") == "1":
+        said: list[str] = []
+        session.config.stash[_SAID] = said
+        thread = threading.Thread(target=_run_now, args=(session, said.append), daemon=True, name="netem-vm")
+        session.config.stash[_THREAD] = thread
+        thread.start()
+        return
+    from testbed.tools import vm
+
+    if os.environ.get("GTB_NETEM_VM_EARLY_BUILD", "1") == "0" or vm.missing() or vm.find_image() is not None:
+        return
+    build: dict = {"lines": [], "error": None, "t0": time.monotonic()}
+
+    def _build() -> None:
+        try:
+            vm.ensure_image(progress=build["lines"].append, cancel=_CANCEL)
+        except Exception as exc:  # noqa: BLE001 - reported by every netem test
+            build["error"] = str(exc)
+        build["s"] = time.monotonic() - build["t0"]
+
+    build["thread"] = threading.Thread(target=_build, daemon=True, name="netem-vm-build")
+    session.config.stash[_BUILD] = build
+    _progress(session)("no image for this checkout's key: building it beside the tests that build no network")
+    build["thread"].start()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A session that ends before its netem tests (``-x``, Ctrl-C) stops the VM."""
-    thread = session.config.stash.get(_THREAD, None)
-    if thread is not None and thread.is_alive():
-        _CANCEL.set()
-        thread.join(30)
+    """A session that ends before its netem tests (``-x``, Ctrl-C) stops the VM or the build."""
+    for thread in (session.config.stash.get(_THREAD, None), session.config.stash.get(_BUILD, {}).get("thread")):
+        if thread is not None and thread.is_alive():
+            _CANCEL.set()
+            thread.join(30)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """The first test that builds a network here waits for the VM to be gone."""
     if _builds_networks(item) and not runs_in_vm(item):
+        _join_build(item.session)
         _join(item.session)
+
+
+def _join_build(session: pytest.Session) -> None:
+    """Wait for the image build started at collection; say what it said."""
+    build = session.config.stash.get(_BUILD, None)
+    if build is None:
+        return
+    say = _progress(session)
+    if build["thread"].is_alive():
+        say("waiting for the netem VM's image build before the tests that build networks here")
+        t0 = time.monotonic()
+        build["thread"].join()
+        say(f"waited {time.monotonic() - t0:.0f} s")
+    for line in build["lines"]:
+        say(line)
+    build["lines"] = []
 
 
 def _join(session: pytest.Session) -> None:
@@ -164,6 +206,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
 
 def _run_in_vm(session: pytest.Session) -> dict:
     """The session's VM run: the early one's (waited for), else one now."""
+    _join_build(session)
     _join(session)
     stash = session.config.stash
     if _KEY in stash:
@@ -184,12 +227,15 @@ def _run_now(session: pytest.Session, say) -> dict:
         return run
     nodeids = [item.nodeid for item in session.items if _is_netem_variant(item)]
     t0 = time.monotonic()
+    build = stash.get(_BUILD, {})
     try:
+        if build.get("error"):
+            raise vm.VMError(build["error"])
         image = vm.ensure_image(progress=say)
     except vm.VMError as exc:
         run["unavailable"] = f"building its image failed: {exc}"
         return run
-    run["build_s"] = time.monotonic() - t0
+    run["build_s"] = build.get("s", 0.0) + time.monotonic() - t0
     run["kernel"] = image.meta.get("kernel", "?")
     say(f"running {len(nodeids)} netem test(s) in the netem VM")
     verbose = os.environ.get("GTB_NETEM_VM_VERBOSE")

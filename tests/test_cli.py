@@ -1,12 +1,14 @@
 """The command line as a script drives it: a shipped experiment by name from any folder,
 ``--set`` overrides judged like the file, ``--json`` on stdout with progress on stderr, exit
-codes a script can trust, ``--version``."""
+codes a script can trust, ``--version``, shell completion."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +37,17 @@ def test_version_and_a_missing_experiment():
     res = subprocess.run([sys.executable, "-m", "testbed.cli", "run", "no-such-experiment"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2 and "no-such-experiment" in res.stderr and res.stdout == "", res
+
+
+def test_shell_completion_completes_commands():
+    """What bash asks of ``testbed`` (as ``testbed --install-completion bash`` wires it): the
+    commands a prefix starts."""
+    script = Path(sys.executable).parent / "testbed"
+    env = os.environ | {"_TESTBED_COMPLETE": "complete_bash", "COMP_WORDS": "testbed fid", "COMP_CWORD": "1"}
+    res = subprocess.run([str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0 and res.stdout.split() == ["fidelity"], res
+    res = subprocess.run([str(script), "--show-completion", "bash"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "_TESTBED_COMPLETE=complete_bash" in res.stdout, res
 
 
 @pytest.mark.network

@@ -184,6 +184,11 @@ def test_fidelity_json_has_one_object_per_direction():
             assert isinstance(r[key], (int, float))
         assert abs(r["rtt_ms_measured"] - r["rtt_ms_configured"]) <= 0.5
         assert 0.85 <= r["goodput_mbps_measured"] / r["rate_mbps_configured"] <= 1.01
+    # a tolerance forced to fail: TCP's payload is at most 0.956 of the line rate at MTU 1500
+    forced = subprocess.run(TESTBED + ["fidelity", str(topo), "--json", "--seconds", "1", "--min-goodput", "1.0"],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert forced.returncode == 1, (forced.returncode, forced.stdout, forced.stderr)
+    assert not any(r["ok"] for r in json.loads(forced.stdout))
 
 
 def _mininet_shells() -> list[tuple[int, str]]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from testbed.tools import vm
 
 
@@ -25,3 +27,14 @@ def test_the_image_key_follows_the_install_not_pytests_table(tmp_path, monkeypat
     pyproject.write_text(text)
     (tmp_path / "constraints.txt").write_text((tmp_path / "constraints.txt").read_text() + "\nsix==1.16.0\n")
     assert vm.image_key() != key
+
+
+@pytest.mark.slow
+def test_the_playbook_provisions_the_netem_guest():
+    """The playbook on a machine that is not this one (Debian 12's own kernel): it runs to its
+    end in a throwaway copy of the image, and the guest's doctor then chooses netem."""
+    why = vm.missing()
+    if why:
+        pytest.skip(why)
+    result = vm.check_playbook()
+    assert result["doctor"].get("backends", {}).get("delay") == "netem", result

@@ -68,15 +68,16 @@ class LinkReport:
     window_bytes: int | None = None  # the goodput flow's window clamp (``measuring_window``)
     time_dilation: float = 1.0  # k: every figure above is in emulated terms (wall-clock times / k, rates x k)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, min_goodput: float = GOODPUT_RANGE[0]) -> dict:
         """Its fields, and ``ok``: within tolerance (``testbed fidelity`` exits 1 unless every one is)."""
-        return asdict(self) | {"ok": self.within_tolerance()}
+        return asdict(self) | {"ok": self.within_tolerance(min_goodput)}
 
-    def within_tolerance(self) -> bool:
-        """RTT within max(0.5 ms, 2%) of the configured round trip, goodput 90-101% of the rate
-        (a lossy link's goodput is what TCP makes of the loss: not judged)."""
+    def within_tolerance(self, min_goodput: float = GOODPUT_RANGE[0]) -> bool:
+        """RTT within max(0.5 ms, 2%) of the configured round trip, goodput from ``min_goodput``
+        (90% unless asked for more) to 101% of the rate (a lossy link's goodput is what TCP
+        makes of the loss: not judged)."""
         rtt_ok = abs(self.rtt_error_ms) <= rtt_tolerance_ms(self.rtt_ms_configured)
-        rate_ok = self.loss_configured > 0 or GOODPUT_RANGE[0] <= self.goodput_ratio <= GOODPUT_RANGE[1]
+        rate_ok = self.loss_configured > 0 or min_goodput <= self.goodput_ratio <= GOODPUT_RANGE[1]
         return rtt_ok and rate_ok
 
 

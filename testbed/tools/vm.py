@@ -5,22 +5,25 @@ has) cannot run the netem delay backend.  This module builds, once, a Debian 12 
 the Debian registry and boots it under QEMU to run commands or the netem test variants in:
 
 * **Build** (``build_image``, cached under ``/var/cache/geo-testbed/vm/image-KEY/``, which
-  outlives clones and ``git clean``, or ``GTB_VM_CACHE``; ~8 min here, most of it the guest
-  under TCG; the whole build gives up after ``GTB_VM_BUILD_TIMEOUT_S``, 20 min, with a
-  one-line ``VMError``): ``debootstrap`` makes a Debian 12 root filesystem with Debian's kernel
-  package (``linux-image-amd64``: 6.1, ``sch_netem`` a module), Python and iproute2; in a
-  chroot, at native speed, apt pre-installs the playbook's base packages (its own list; see
-  ``PRESEED``) and setup.sh's bootstrap step makes the venv (the project and its pinned
-  dependencies, less ``GUEST_PIP_EXCLUDE``: no PyTorch); a small initramfs (virtio, ext4) is
-  made; the project is copied to ``/opt/geo-testbed``; ``mke2fs -d`` makes the ext4 disk.
-  Then the image boots once with user-mode networking and **provisions itself with
-  ``playbooks/site.yml``** (``ansible-playbook``, connection local, inside the guest): the
-  playbook README's setup and the Vagrantfile run, so a build also checks that it provisions
-  a machine that is not this one, on a kernel that is not this one; its ``testbed`` role
-  asserts that ``testbed doctor`` finds a delay backend, and the build that it is netem.
-  KEY hashes the playbook, ``pyproject.toml`` (less its pytest table), ``constraints.txt`` and this recipe, so a change to any of them
-  rebuilds; the previous image is kept (another checkout may use it), older ones are
-  removed.  Downloaded ``.deb`` files stay in the cache's ``debs/``.
+  outlives clones and ``git clean``, or ``GTB_VM_CACHE``; 3-4 min here, all but the last
+  half-minute at native speed; the whole build gives up after ``GTB_VM_BUILD_TIMEOUT_S``, 20
+  min, with a one-line ``VMError``): ``debootstrap`` makes a Debian 12 root filesystem with
+  Debian's kernel package (``linux-image-amd64``: 6.1, ``sch_netem`` a module), Python and
+  iproute2; in a chroot apt installs the playbook's base packages (its own list, roles/base)
+  and setup.sh's bootstrap step makes the venv (the project and its pinned dependencies, less
+  ``GUEST_PIP_EXCLUDE``: no PyTorch); a small initramfs (virtio, ext4) is made; the project is
+  copied to ``/opt/geo-testbed``; ``mke2fs -d`` makes the ext4 disk.  Then the image boots
+  once and its ``testbed doctor`` must choose netem, or the image is not kept.  KEY hashes the
+  playbook, ``pyproject.toml`` (less its pytest table), ``constraints.txt`` and this recipe,
+  so a change to any of them rebuilds; the previous image is kept (another checkout may use
+  it), older ones are removed.  Downloaded ``.deb`` files stay in the cache's ``debs/``.
+* **The playbook on another machine** (``check_playbook``, ``testbed vm check-playbook``, a
+  slow test): a throwaway copy of the image provisions itself with ``playbooks/site.yml``
+  (``ansible-playbook``, connection local, user-mode network), as README's setup and the
+  Vagrantfile do, on a machine and a kernel that are not this one.  Until 2026-12-06 every
+  build did this, 200-310 s of a 345-470 s build under TCG, which kept a fresh machine's
+  quick suite over 15 minutes; the netem tests do not need it (the base packages are
+  installed natively, and the guest's kernel allows cubic by default).
 * **Run** (``run_job``): QEMU boots the kernel and initramfs with the disk as a throwaway
   snapshot (``snapshot=on``: nothing the guest writes survives), the project shared
   read-only over 9p at ``/mnt/gtb`` and a per-run job folder (9p, writable) at
@@ -64,19 +67,15 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GTB_VM_CACHE", "/var/cache/geo-testbed/vm"))
 SUITE = "bookworm"
 MIRROR = os.environ.get("GTB_VM_MIRROR", "http://deb.debian.org/debian")
-GUEST_PROJECT = "/opt/geo-testbed"  # the copy the image was provisioned from (its venv is here)
+GUEST_PROJECT = "/opt/geo-testbed"  # the copy the image was built from (its venv is here)
 GUEST_PYTHON = f"{GUEST_PROJECT}/.venv/bin/python"
 GUEST_SRC = "/mnt/gtb"  # the live project, shared read-only
 GUEST_JOB = "/mnt/gtbjob"  # the run's job folder, shared read-write
-# Pre-install the playbook's apt packages in a chroot (native speed) before the guest runs
-# the playbook, whose apt task then finds them present: under TCG the guest's dpkg and
-# apt take minutes more.  GTB_VM_PRESEED=0 leaves all of it to the playbook in the guest.
-PRESEED = os.environ.get("GTB_VM_PRESEED", "1") != "0"
 DISK_SIZE = "6G"  # sparse: about 1.6 GB is used
-_RECIPE = 4  # bump when the build steps below change in a way the key cannot see
+_RECIPE = 5  # bump when the build steps below change in a way the key cannot see
 
 # What the image needs to boot, and the three packages setup.sh installs before anything else
-# (its bootstrap step); the rest is the playbook's (pre-installed or not: PRESEED).
+# (its bootstrap step); the rest is the playbook's (installed in a chroot: _preinstall).
 BOOT_PACKAGES = ["linux-image-amd64", "kmod", "initramfs-tools", "python3", "python3-venv",
                  "python3-apt", "ca-certificates", "iproute2", "procps"]
 # The guest's extras (pyproject.toml), less (the python role's python_exclude) PyTorch, ~1 GB,
@@ -88,10 +87,14 @@ _GUEST_MODULES = ["virtio_net", "virtio_rng", "tun"]  # no udev: nothing loads t
 _COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".cache", "results", "__pycache__", ".vagrant",
                                       "*.egg-info", "build", ".pytest_cache", "*.pyc")
 _DEFAULT_TIMEOUT_S = 1800.0
+# A boot under KVM echoes in 2-5 s; one that has not in 15 s is nested KVM that hangs (this
+# machine: /dev/kvm present, the guest never starts), and TCG is chosen.
+_KVM_PROBE_S = 15.0
 # The whole build (debootstrap, apt and pip in the chroot, the guest's playbook) gives up after
 # this long: ~8 min here, so a stuck mirror or a hung guest fails CI in minutes, in one line.
 BUILD_TIMEOUT_S = float(os.environ.get("GTB_VM_BUILD_TIMEOUT_S", 1200))
 _build_deadline: float | None = None  # monotonic; set while build_image runs
+_build_cancel: "threading.Event | None" = None  # set while build_image runs, if it was given one
 
 # PID 1 of the guest, baked into the image: it mounts the run's job folder and hands over to
 # the init.sh the host wrote there (RUN_INIT), so that what a boot does never needs a rebuild.
@@ -208,9 +211,9 @@ def missing() -> str | None:
 def image_key() -> str:
     """Hash of everything the built image depends on besides the Debian archive."""
     h = hashlib.sha256(f"recipe {_RECIPE} {SUITE} {MIRROR} {BOOT_PACKAGES} {_INITRAMFS_MODULES} "
-                       f"{GUEST_EXTRAS} {GUEST_PIP_EXCLUDE} preseed={PRESEED}\n".encode())
+                       f"{GUEST_EXTRAS} {GUEST_PIP_EXCLUDE}\n".encode())
     h.update(GUEST_INIT.encode())
-    h.update(_provision_script().encode())
+    h.update(_DOCTOR_SCRIPT.encode())
     h.update(b"pyproject.toml\0" + _install_spec() + b"\0")
     files = [REPO / "constraints.txt"] + sorted(p for p in (REPO / "playbooks").rglob("*") if p.is_file())
     for path in files:
@@ -236,13 +239,18 @@ def find_image() -> Image | None:
     return None
 
 
-def ensure_image(progress: Callable[[str], None] | None = None) -> Image:
+def ensure_image(progress: Callable[[str], None] | None = None,
+                 cancel: "threading.Event | None" = None) -> Image:
     """The cached image, built first if there is none for the current key."""
-    return find_image() or build_image(progress)
+    return find_image() or build_image(progress, cancel=cancel)
+
+
+# What a build asks the new image before it is kept: which backends its kernel offers.
+_DOCTOR_SCRIPT = f"{GUEST_PROJECT}/.venv/bin/testbed doctor --json > {GUEST_JOB}/doctor.json\n"
 
 
 def _provision_script() -> str:
-    """The guest's provisioning job: the playbook, connection local, then ``testbed doctor``."""
+    """The playbook check's job: the playbook, connection local, then ``testbed doctor``."""
     extra = json.dumps({"python_exclude": GUEST_PIP_EXCLUDE, "python_extras": GUEST_EXTRAS})
     return f"""set -eu
 cd {GUEST_PROJECT}
@@ -253,12 +261,34 @@ export PATH={GUEST_PROJECT}/.venv/bin:$PATH ANSIBLE_NOCOLOR=1 ANSIBLE_RETRY_FILE
   ANSIBLE_DEPRECATION_WARNINGS=0 ANSIBLE_LOCALHOST_WARNING=0
 ansible-playbook -i playbooks/inventory.local.ini playbooks/site.yml -e {shlex.quote(extra)}
 {GUEST_PROJECT}/.venv/bin/testbed doctor --json > {GUEST_JOB}/doctor.json
-apt-get clean
 """
 
 
-def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool = True) -> Image:
-    """Build the image for the current key (minutes; see the module docstring)."""
+def check_playbook(image: Image | None = None, progress: Callable[[str], None] | None = None,
+                   timeout_s: float = 900.0) -> dict:
+    """Provision a throwaway copy of the image with the live ``playbooks/site.yml`` (connection
+    local, user-mode network, nothing kept): the playbook on a machine that is not this one and a
+    kernel that is not this one.  Returns the guest's ``testbed doctor --json`` afterwards and
+    the run's seconds; a one-line ``VMError`` where the playbook fails (minutes under TCG)."""
+    say = progress or (lambda msg: None)
+    image, accel = _bootable(image or ensure_image(progress), None)
+    say(f"provisioning a throwaway copy of the image with playbooks/site.yml ({accel}; minutes)")
+    result = run_job(_provision_script(), image=image, network=True, timeout_s=timeout_s, accel=accel,
+                     on_line=lambda line: say(f"  guest: {line}"))
+    if result.timed_out or result.rc != 0:
+        log = CACHE / "playbook-check.log"
+        log.write_text(result.console)
+        state = f"did not finish within {timeout_s:.0f} s" if result.timed_out else f"failed (rc {result.rc})"
+        raise VMError(f"playbooks/site.yml in the VM ({accel}) {state}; console in {log}: "
+                      f"{_last_error(result.console)}")
+    doctor = json.loads(result.files.get("doctor.json", b"{}") or b"{}")
+    return {"doctor": doctor, "wall_s": round(result.wall_s, 1), "accel": accel}
+
+
+def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool = True,
+                cancel: "threading.Event | None" = None) -> Image:
+    """Build the image for the current key (minutes; see the module docstring); once ``cancel``
+    is set (from another thread), it stops within a second with a one-line ``VMError``."""
     why = missing()
     if why:
         raise VMError(why)
@@ -269,8 +299,9 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
         if img is not None:
             return img  # built by another process while we waited
         key = image_key()
-        global _build_deadline
+        global _build_deadline, _build_cancel
         _build_deadline = time.monotonic() + BUILD_TIMEOUT_S
+        _build_cancel = cancel
         work = CACHE / f"build-{os.getpid()}"
         for stale in CACHE.glob("build-*"):  # a build killed outright leaves its folder; the lock is ours
             if stale.is_dir():
@@ -288,11 +319,10 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
                 f"--cache-dir={debs}", SUITE, str(root), MIRROR,
             ], "debootstrap", log=work / "debootstrap.log")
             times["debootstrap_s"] = round(time.monotonic() - t0, 1)
-            if PRESEED:
-                t1 = time.monotonic()
-                say("pre-installing the playbook's base packages (apt in a chroot, at native speed)")
-                _preinstall(root, _base_packages(), debs)
-                times["preinstall_s"] = round(time.monotonic() - t1, 1)
+            t1 = time.monotonic()
+            say("installing the playbook's base packages (apt in a chroot, at native speed)")
+            _preinstall(root, _base_packages(), debs)
+            times["preinstall_s"] = round(time.monotonic() - t1, 1)
             t1 = time.monotonic()
             say("configuring the root filesystem and its initramfs")
             kernel_version = _configure_rootfs(root)
@@ -310,31 +340,26 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
             times["rootfs_s"] = round(time.monotonic() - t1, 1)
             t2 = time.monotonic()
             accel = choose_accel(Image(work), say)
-            say(f"provisioning the image with playbooks/site.yml inside the VM ({accel}; minutes)")
-            result = run_job(_provision_script(), image=Image(work), network=True, writable=True,
-                             share_src=False, timeout_s=_build_time_left("provisioning inside the VM"),
-                             accel=accel, on_line=lambda line: say(f"  guest: {line}"))
-            (work / "provision.log").write_text(result.console)
-            if result.timed_out:
+            say(f"asking the guest's testbed doctor what its kernel offers ({accel})")
+            result = run_job(_DOCTOR_SCRIPT, image=Image(work), share_src=False, accel=accel,
+                             timeout_s=_build_time_left("the guest's testbed doctor") or _DEFAULT_TIMEOUT_S,
+                             cancel=cancel)
+            if cancel is not None and cancel.is_set():
+                raise VMError("the build was cancelled")
+            if result.rc != 0 or result.timed_out:
                 (CACHE / "build-failed.log").write_text(result.console)
-                raise VMError(f"provisioning inside the VM ({accel}) did not finish within the build's "
-                              f"{BUILD_TIMEOUT_S:.0f} s (GTB_VM_BUILD_TIMEOUT_S); console in "
-                              f"{CACHE / 'build-failed.log'}: {_last_error(result.console)}")
-            if result.rc != 0:
-                failed_log = CACHE / "build-failed.log"
-                failed_log.write_text(result.console)
-                raise VMError(f"provisioning inside the VM failed (rc {result.rc}; console in {failed_log}): "
-                              f"{_last_error(result.console)}")
+                raise VMError(f"testbed doctor in the new image failed (rc {result.rc}; console in "
+                              f"{CACHE / 'build-failed.log'}): {_last_error(result.console)}")
             doctor = json.loads(result.files.get("doctor.json", b"{}") or b"{}")
-            times["provision_s"] = round(time.monotonic() - t2, 1)
+            times["doctor_s"] = round(time.monotonic() - t2, 1)
             times["total_s"] = round(time.monotonic() - t0, 1)
             meta = {"key": key, "suite": SUITE, "mirror": MIRROR, "kernel": kernel_version,
                     "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "accel": accel, "times": times,
-                    "preseeded": PRESEED, "pip_excluded": GUEST_PIP_EXCLUDE,
+                    "pip_excluded": GUEST_PIP_EXCLUDE,
                     "backends": doctor.get("backends"), "qdisc_netem": doctor.get("capabilities", {})
                     .get("qdiscs", {}).get("netem")}
             if meta["backends"] is None or meta["backends"].get("delay") != "netem":
-                raise VMError(f"the provisioned VM does not choose netem: testbed doctor said {doctor}")
+                raise VMError(f"the new image does not choose netem: testbed doctor said {doctor}")
             (work / "image.json").write_text(json.dumps(meta, indent=1) + "\n")
             final = CACHE / f"image-{key}"
             _remove_tree(final)
@@ -343,7 +368,7 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
             _remove_tree(work)
             raise
         finally:
-            _build_deadline = None
+            _build_deadline = _build_cancel = None
         # keep the newest other image too: another checkout (or branch) may be using it
         others = sorted((p for p in CACHE.glob("image-*") if p != final), key=lambda p: p.stat().st_mtime)
         for old in others[:-1]:
@@ -458,10 +483,10 @@ def choose_accel(image: Image | None = None, progress: Callable[[str], None] | N
     if image is None:
         return "tcg"  # nothing to probe with yet; the build probes
     (progress or (lambda m: None))("probing KVM with a short boot")
-    result = run_job("echo gtb-kvm-ok", image=image, accel="kvm", share_src=False, timeout_s=30.0)
+    result = run_job("echo gtb-kvm-ok", image=image, accel="kvm", share_src=False, timeout_s=_KVM_PROBE_S)
     ok = result.rc == 0 and "gtb-kvm-ok" in result.console
     shown = [ln for ln in result.console.splitlines() if ln.strip() and not ln.startswith("[qemu]")]
-    why = "" if ok else (f"a probe boot under KVM did not finish in 30 s (last console line: "
+    why = "" if ok else (f"a probe boot under KVM did not finish in {_KVM_PROBE_S:.0f} s (last console line: "
                          f"{shown[-1][-120:] if shown else 'none'!r})")
     cache.write_text(json.dumps({"host": host, "accel": "kvm" if ok else "tcg", "why_not_kvm": why,
                                  "probe_s": round(result.wall_s, 1)}) + "\n")
@@ -752,24 +777,34 @@ def _build_time_left(what: str) -> float | None:
 
 
 def _check(cmd: list[str], what: str, log: Path | None = None) -> None:
-    """Run a build step; VMError (one line) when it fails or outlives the build's deadline."""
+    """Run a build step; VMError (one line) when it fails, outlives the build's deadline or the
+    build is cancelled (``build_image(cancel=...)``)."""
     timeout = _build_time_left(what)
+    deadline = None if timeout is None else time.monotonic() + timeout
     out_fh = open(log, "w") if log is not None else subprocess.PIPE
     proc = subprocess.Popen(cmd, stdout=out_fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stdout = ""
     try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # debootstrap and chroot leave children otherwise
-        proc.communicate()
-        raise VMError(f"{what} did not finish within the build's {BUILD_TIMEOUT_S:.0f} s "
-                      f"(GTB_VM_BUILD_TIMEOUT_S)") from None
+        while True:
+            try:
+                stdout, _ = proc.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                why = None
+                if _build_cancel is not None and _build_cancel.is_set():
+                    why = f"{what}: the build was cancelled"
+                elif deadline is not None and time.monotonic() >= deadline:
+                    why = f"{what} did not finish within the build's {BUILD_TIMEOUT_S:.0f} s (GTB_VM_BUILD_TIMEOUT_S)"
+                if why:
+                    os.killpg(proc.pid, signal.SIGKILL)  # debootstrap and chroot leave children otherwise
+                    proc.communicate()
+                    raise VMError(why) from None
     finally:
         if log is not None:
             out_fh.close()
     out = _read_text(log) if log is not None else (stdout or "")
-    r = proc
-    if r.returncode != 0:
-        raise VMError(f"{what} failed (exit {r.returncode}): {_last_error(out)}")
+    if proc.returncode != 0:
+        raise VMError(f"{what} failed (exit {proc.returncode}): {_last_error(out)}")
 
 
 def _last_error(text: str) -> str:

@@ -1,6 +1,7 @@
 """``testbed vm ...``: the netem VM by hand (``vm.py`` does the work).
 
-    testbed vm build [--force]        build and provision the image (cached in /var/cache/geo-testbed/vm)
+    testbed vm build [--force]        build the image (cached in /var/cache/geo-testbed/vm)
+    testbed vm check-playbook         provision a throwaway copy of it with playbooks/site.yml
     testbed vm test [PYTEST ARGS]     run tests inside the VM (default: every netem variant)
     testbed vm run -- COMMAND...      run a command inside the VM, the project at /mnt/gtb
     testbed vm shell                  an interactive root shell in a throwaway VM
@@ -30,7 +31,7 @@ def _say(t0: float):
 
 @vm_app.command()
 def build(force: bool = typer.Option(False, "--force", help="rebuild even if the image is cached")) -> None:
-    """Build the image: debootstrap, Debian's kernel, then playbooks/site.yml inside the VM."""
+    """Build the image: debootstrap, Debian's kernel, the playbook's packages, the venv."""
     from testbed.tools import vm
 
     try:
@@ -42,6 +43,25 @@ def build(force: bool = typer.Option(False, "--force", help="rebuild even if the
     meta = img.meta
     out.print(f"image {img.dir}: kernel {meta.get('kernel')}, backends {meta.get('backends')}, "
               f"built in {meta.get('times', {}).get('total_s', '?')} s")
+
+
+@vm_app.command("check-playbook")
+def check_playbook_cmd(as_json: bool = typer.Option(False, "--json", help="print the result as JSON")) -> None:
+    """Provision a throwaway copy of the image with playbooks/site.yml (minutes under TCG):
+    the playbook on a machine and a kernel that are not this one."""
+    from testbed.tools import vm
+
+    try:
+        result = vm.check_playbook(progress=_say(time.monotonic()))
+    except vm.VMError as exc:
+        _fail(str(exc), 1)
+    except KeyboardInterrupt:
+        _fail("interrupted; the VM was stopped", 130)
+    if as_json:
+        out.print_json(json.dumps(result))
+        return
+    out.print(f"playbooks/site.yml provisioned the guest ({result['accel']}) in {result['wall_s']:.0f} s; "
+              f"its testbed doctor chose {result['doctor'].get('backends')}", highlight=False)
 
 
 @vm_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
