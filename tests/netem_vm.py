@@ -254,10 +254,17 @@ def _run_now(session: pytest.Session, say) -> dict:
 
 
 def _progress(session: pytest.Session):
+    """A line on the terminal, also from a test's setup or call (where pytest captures the
+    process's stdout: said plainly, it showed only with a failure)."""
+    import contextlib
+
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    capman = session.config.pluginmanager.get_plugin("capturemanager")
 
     def say(msg: str) -> None:
-        if reporter is not None:
+        if reporter is None:
+            return
+        with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
             reporter.write_line(f"[netem VM] {msg}")
 
     return say

@@ -17,7 +17,9 @@ import statistics
 
 import pytest
 
+from agents.bubbletea.extension import emulated_results
 from conftest import two_dcs
+from testbed.extension import Extension
 from testbed.net.fidelity import check_wan, ping
 from testbed.net.network import Network
 from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord, in_emulated_time
@@ -65,11 +67,36 @@ def test_a_record_moves_to_the_emulated_clock():
     assert e.iteration_end == {0: 105.0} and e.cotenant == [(102.5, 103.5)] and rec.time_dilation == 4
 
 
+def test_bubbleteas_results_move_to_the_emulated_clock():
+    """The controller's results (wall clock, its inputs stretched by k) in emulated terms: an
+    instant as the run's record moves it, a duration / k, counts and tokens as they are."""
+    data = {"t0": 100.0, "serving_s": 8.0, "counts": {"arrivals": 1},
+            "prefill_intervals": {"s0r0": [[104.0, 108.0, 7]]},
+            "requests": [{"rid": 7, "prompt_tokens": 90, "arrival_s": 2.0, "ttft_s": 2.0, "first_token_at": 112.0,
+                          "tbt_s": [0.4, 0.8], "kv_transfer_s": 0.2, "completed_s": 16.0, "status": "completed"}],
+            "failures": [{"component": "decode-east", "reason": "x", "requests": [7], "at_s": 4.0}],
+            "profiles": {"s0r0": [0.04, 0.002], "s1r0": None}}
+    out = emulated_results(data, 4, go=100.0)
+    r = out["requests"][0]
+    assert out["prefill_intervals"] == {"s0r0": [[101.0, 102.0, 7]]} and out["t0"] == 100.0
+    assert (r["arrival_s"], r["ttft_s"], r["first_token_at"], r["completed_s"]) == (0.5, 0.5, 103.0, 4.0)
+    assert r["tbt_s"] == [0.1, 0.2] and r["kv_transfer_s"] == 0.05 and r["prompt_tokens"] == 90
+    assert out["serving_s"] == 2.0 and out["failures"][0]["at_s"] == 1.0 and out["counts"] == data["counts"]
+    assert out["profiles"] == {"s0r0": [0.01, 0.0005], "s1r0": None} and out["time_dilation"] == 4
+    assert emulated_results(data, 1, go=100.0) is data
+
+
 @pytest.mark.parametrize(("extra", "why"), [
     ({"device": "cpu"}, "time_dilation: 4 needs device: emulated"),
-    ({"bubbletea": {"enabled": True}}, "bubbletea does not read the dilated clock"),
+    ({"plug-in": "undilated"}, "undilated does not read the dilated clock"),
 ])
-def test_what_would_be_reported_wrong_is_refused_in_one_line(tmp_path, extra, why):
+def test_what_would_be_reported_wrong_is_refused_in_one_line(tmp_path, monkeypatch, extra, why):
+    """A real device, and an extension in use that does not say it reads the dilated clock
+    (every shipped one does now: a stand-in plays it)."""
+    if extra.pop("plug-in", None):
+        import testbed.extension
+
+        monkeypatch.setattr(testbed.extension, "in_use", lambda exp: [Extension(name="undilated")])
     with pytest.raises(SpecError) as err:
         parse_experiment(_experiment(tmp_path, 4) | extra, "dil.yaml")
     text = str(err.value)

@@ -99,8 +99,11 @@ def main() -> int:
     ap.add_argument("--out", default="results/bubbletea-backtoback")
     ap.add_argument("--delay-backend", default="auto")
     ap.add_argument("--rate-scale", type=float, help="arrivals x this instead of the experiment's rate_scale")
+    ap.add_argument("--time-dilation", type=float, help="k instead of the experiment's time_dilation "
+                    "(device: emulated; figures in emulated seconds)")
     args = ap.parse_args()
-    exp = load_experiment(args.experiment)
+    overrides = [] if args.time_dilation is None else [f"time_dilation={args.time_dilation:g}"]
+    exp = load_experiment(args.experiment, overrides)
     if args.rate_scale is not None:
         exp.bubbletea.rate_scale = args.rate_scale
     r = back_to_back(exp, Path(args.out), args.pairs, args.delay_backend, log=lambda m: print(m, flush=True))

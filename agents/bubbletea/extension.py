@@ -23,6 +23,12 @@ reasons, dropped), TTFT and TBT percentiles over completed requests, goodput und
 over all arrivals, and the interleaved slowdown (served against unserved iterations of the
 same run; the headline slowdown is back to back: ``backtoback.py``); ``write_outputs``
 draws the TTFT CDF.
+
+Under time dilation k (``time_dilation``, emulated devices only) BubbleTea does as Atlas:
+its processes never learn k.  Their inputs are put on the wall clock (the serving profile's
+times, the SLOs, the margin, the drain and the workload's arrivals x k), and what they
+report comes back in emulated terms (``emulated_results``, when ``stop`` copies it); the
+run's record is in emulated terms already, so ``summarise`` reads one clock.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class BubbleTeaExtension(RunExtension):
         self.dead = False  # the controller has died (and the run's log says so)
         self._connected = False
         self._results: Path | None = None
+        self._drain_s = ControllerConfig.drain_s
 
     def worker_options(self, ctx: RunContext, slot) -> dict:
         """Each worker says when a wait for a peer begins and shows the wait under way on its
@@ -118,7 +125,10 @@ class BubbleTeaExtension(RunExtension):
         model = InferenceModel(**spec.model.model_dump())
         ctl_sock = str(state / "bubbletea-controller.sock")
         reg.file(ctl_sock)
-        emulated = {"serving_profile": str(self.profile), "speedup": self.exp.emulation.speedup} \
+        # under time dilation k the serving profile's times stretch with the training ops' (a
+        # device k times slower), and every emulated-seconds input of the controller with them
+        k = self.exp.time_dilation
+        emulated = {"serving_profile": str(self.profile), "speedup": self.exp.emulation.speedup / k} \
             if self.emulated else {}
         decoders = {}
         for dc, host in self._decode_hosts(ctx).items():
@@ -164,16 +174,19 @@ class BubbleTeaExtension(RunExtension):
         self._results = state / "bubbletea-results.json"
         reg.file(self._results)
         dc_decoder = {n.removeprefix("decode-"): n for n in decoders}
+        self._drain_s = ControllerConfig.drain_s * k
         ccfg = ControllerConfig(
             telemetry=str(ctx.telemetry_path), listen=ctl_sock, results=str(self._results), servers=servers,
             decoders=decoders,
             decode={name: dc_decoder.get(w.slot.dc) or next(iter(decoders)) for name, w in ctx.workers.items()},
             warmup_iterations=exp.training.warmup_iterations, interleave=spec.interleave,
-            slo_ttft_s=spec.slo_ttft_s, slo_tbt_s=spec.slo_tbt_s, margin_s=spec.margin_s,
-            margin_frac=spec.margin_frac, chunk_tokens=spec.chunk_tokens,
+            slo_ttft_s=spec.slo_ttft_s * k, slo_tbt_s=None if spec.slo_tbt_s is None else spec.slo_tbt_s * k,
+            margin_s=spec.margin_s * k, margin_frac=spec.margin_frac, chunk_tokens=spec.chunk_tokens,
             max_prompt_tokens=min(spec.max_prompt_tokens, spec.model.max_context),
-            workload=Workload(spec.source, spec.duration_s, spec.rate_scale, spec.token_scale, spec.rate_per_s,
-                              spec.max_output_tokens))
+            # the same requests, k times further apart (a trace's rate scale and a Poisson rate / k)
+            workload=Workload(spec.source, spec.duration_s * k, spec.rate_scale / k, spec.token_scale,
+                              spec.rate_per_s / k, spec.max_output_tokens),
+            drain_s=self._drain_s)
         self._start(ctx, "controller", "agents.bubbletea.controller", ccfg.to_dict(), None)
         self._connected = True
         where = (f"on the workers' emulated devices ({self.profile.name}, speedup {exp.emulation.speedup:g})"
@@ -246,11 +259,12 @@ class BubbleTeaExtension(RunExtension):
         # SIGTERM to the controller first: it lets the servers ship what they have prefilled and
         # the decode workers finish (drain_s), then accounts for every request and writes its
         # results; only then the servers and decode workers
-        launcher.stop(["bubbletea-controller"], timeout=ControllerConfig.drain_s + 2.0)
+        launcher.stop(["bubbletea-controller"], timeout=self._drain_s + 2.0)
         launcher.stop(self._names, timeout=2.0)
         launcher.copy_logs(out_dir / "bubbletea-logs", self._names, rename=lambda n: n.removeprefix("bubbletea-"))
         if self._results is not None and self._results.exists():
-            (out_dir / "bubbletea.json").write_text(self._results.read_text())
+            data = emulated_results(json.loads(self._results.read_text()), self.exp.time_dilation, self._ctx.go_time)
+            (out_dir / "bubbletea.json").write_text(json.dumps(data))
 
     def summarise(self, record: RunRecord, result: RunSummary, out_dir: Path) -> dict:
         return summarise(record, result, out_dir)
@@ -259,6 +273,33 @@ class BubbleTeaExtension(RunExtension):
         path = out_dir / "bubbletea.json"
         reqs = json.loads(path.read_text())["requests"] if path.exists() else []
         ttft_cdf(reqs, out_dir / "ttft_cdf.png", f"{self.exp.name}: prefill TTFT", self.spec.slo_ttft_s)
+
+
+def emulated_results(data: dict, k: float, go: float) -> dict:
+    """The controller's results (on the wall clock: its inputs were stretched by ``k``) in the
+    emulated world's terms under time dilation ``k``: instants ``go + (t - go) / k`` (as the
+    run's record, ``results.records.in_emulated_time``), durations / k, a prefill profile's
+    seconds / k; counts, tokens, bytes and reasons as they are."""
+    if k == 1:
+        return data
+
+    def t(x):
+        return None if x is None else go + (x - go) / k
+
+    def d(x):
+        return None if x is None else x / k
+
+    out = dict(data, time_dilation=k, t0=t(data.get("t0")), serving_s=d(data.get("serving_s")))
+    out["prefill_intervals"] = {n: [[t(a), t(b), *rest] for a, b, *rest in iv]
+                                for n, iv in data.get("prefill_intervals", {}).items()}
+    durations = ("arrival_s", "ttft_s", "kv_transfer_s", "prefill_s", "completed_s", "admitted_s")
+    out["requests"] = [dict(r, **{key: d(r[key]) for key in durations if key in r},
+                            **({"first_token_at": t(r["first_token_at"])} if "first_token_at" in r else {}),
+                            **({"tbt_s": [g / k for g in r["tbt_s"]]} if "tbt_s" in r else {}))
+                       for r in data.get("requests", [])]
+    out["failures"] = [dict(f, at_s=d(f.get("at_s"))) for f in data.get("failures", [])]
+    out["profiles"] = {n: None if ab is None else [v / k for v in ab] for n, ab in data.get("profiles", {}).items()}
+    return out
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -69,4 +69,7 @@ EXTENSION = Extension(
     section=BubbleTeaSpec,
     check=_check,
     run="agents.bubbletea.extension:BubbleTeaExtension",
+    # its processes get wall-clock inputs (profile, SLOs, margin, arrivals x k) and its results
+    # are recorded in emulated terms (extension.emulated_results)
+    dilates=True,
 )

@@ -65,6 +65,8 @@ class RunContext(Protocol):
     containers: "CpuContainers"
     telemetry_path: Path
     workers: dict[str, WorkerView]
+    go_time: float  # monotonic instant the workers were told to go (0.0 before); under time
+    # dilation k an instant t of the wall clock is ``go_time + (t - go_time) / k`` in emulated time
 
     def log(self, msg: str) -> None: ...
     def warn(self, msg: str) -> None: ...
