@@ -45,7 +45,7 @@ SWEEPS = {"delay": [0.5, 1.0, 2.0], "rate": [5.0, 10.0, 20.0, 40.0, 80.0], "pipe
 ATLAS = {"delay": ("fair", "temporal"), "rate": ("fair",), "pipelines": ("fair", "temporal")}
 COLUMNS = ("sweep", "value", "atlas", "iteration_off_s", "iteration_on_s", "slowdown", "utilization_off",
            "utilization_on", "goodput_within_slo", "goodput_rps", "offered_rps", "ttft_p50_s", "ttft_p99_s",
-           "tbt_p50_s", "tbt_p99_s", "arrived", "admitted", "completed", "rejected", "dropped", "accounting_exact")
+           "tbt_p50_s", "tbt_p99_s", "arrived", "admitted", "completed", "rejected", "accounting_exact")
 
 
 def _topology(tmp: Path, name: str, delay: float, hosts: int) -> Path:
@@ -92,10 +92,10 @@ def run(device: str, sweeps: list[str], out: Path, pairs: int = 1) -> list[dict]
             on = [x for x in r["runs"] if x["bubbletea"]]
             last = on[-1]
             measured.append({"point": point, "result": r})
-            print(f"  slowdown {100 * r['slowdown']:+.2f}%, utilization {r['utilization_off']:.3f} -> "
+            print(f"  slowdown {100 * r['training_slowdown']:+.2f}%, utilization {r['utilization_off']:.3f} -> "
                   f"{r['utilization_on']:.3f}, goodput {last['goodput_within_slo']}, TTFT p50/p99 "
-                  f"{last['ttft_p50_s']}/{last['ttft_p99_s']} s, completed/rejected/dropped/arrived "
-                  f"{last['requests_completed']}/{last['requests_rejected']}/{last['requests_dropped']}/"
+                  f"{last['ttft_p50_s']}/{last['ttft_p99_s']} s, completed/rejected/arrived "
+                  f"{last['requests_completed']}/{last['requests_rejected']}/"
                   f"{last['requests_arrived']}", flush=True)
     return measured
 
@@ -113,14 +113,14 @@ def rows(measured: list[dict], sweeps: list[str]) -> list[dict]:
             out.append({
                 "sweep": sweep, "value": p[sweep], "atlas": p["atlas"] == "temporal",
                 "iteration_off_s": r["mean_iteration_off_s"], "iteration_on_s": r["mean_iteration_on_s"],
-                "slowdown": r["slowdown"], "utilization_off": r["utilization_off"],
+                "slowdown": r["training_slowdown"], "utilization_off": r["utilization_off"],
                 "utilization_on": r["utilization_on"],
                 **{k: (round(mean(k), 4) if mean(k) is not None else None)
                    for k in ("goodput_within_slo", "goodput_rps", "offered_rps", "ttft_p50_s", "ttft_p99_s",
                              "tbt_p50_s", "tbt_p99_s")},
                 "arrived": sum(x["requests_arrived"] for x in on), "admitted": sum(x["requests_admitted"] for x in on),
                 "completed": sum(x["requests_completed"] for x in on),
-                "rejected": sum(x["requests_rejected"] for x in on), "dropped": sum(x["requests_dropped"] for x in on),
+                "rejected": sum(x["requests_rejected"] for x in on),
                 "accounting_exact": all(x["accounting_exact"] for x in on),
             })
     return out
@@ -181,14 +181,14 @@ def main() -> int:
         w.writerows(table)
     _plot(table, sweeps, out / "bubbletea-sweeps.png")
     print(f"{'sweep':>9} {'value':>6} {'atlas':>5} {'it off':>7} {'it on':>7} {'slowdown':>8} {'util':>11} "
-          f"{'goodput':>7} {'TTFT p50/p99':>13} {'TBT p50/p99 ms':>15} {'done/rej/drop/arr':>19}")
+          f"{'goodput':>7} {'TTFT p50/p99':>13} {'TBT p50/p99 ms':>15} {'done/rej/arr':>14}")
     for r in table:
         print(f"{r['sweep']:>9} {r['value']:>6g} {'on' if r['atlas'] else 'off':>5} {r['iteration_off_s']:>7.4f} "
               f"{r['iteration_on_s']:>7.4f} {100 * r['slowdown']:>+7.2f}% "
               f"{r['utilization_off']:>5.3f}->{r['utilization_on']:<5.3f} {r['goodput_within_slo'] or 0:>7.3f} "
               f"{r['ttft_p50_s'] or 0:>6.3f}/{r['ttft_p99_s'] or 0:<6.3f} "
               f"{1000 * (r['tbt_p50_s'] or 0):>7.1f}/{1000 * (r['tbt_p99_s'] or 0):<7.1f} "
-              f"{r['completed']:>4}/{r['rejected']}/{r['dropped']}/{r['arrived']}")
+              f"{r['completed']:>4}/{r['rejected']}/{r['arrived']}")
     print(f"results: {out}")
     return 0
 

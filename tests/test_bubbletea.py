@@ -179,13 +179,15 @@ def test_controller_accounts_for_every_request():
     result = ctl.finish()
     statuses = [r["status"] for r in result["requests"]]
     assert statuses.count("completed") == 1
-    assert set(statuses) <= {"completed", "rejected", "dropped"}
+    assert set(statuses) <= {"completed", "rejected"}
     assert all(r.get("reason") for r in result["requests"] if r["status"] != "completed")
-    assert ("dropped" in statuses) == bool(second)  # what the run's end found in service is dropped, not lost
+    ended = [r for r in result["requests"] if r.get("reason", "").startswith("run ended while")]
+    assert bool(ended) == bool(second)  # what the run's end found in service is rejected with why, not lost
+    assert result["rejection_reasons"].get("run ended while prefilling", 0) == len(ended)
     f = serving_figures(result, slo_ttft_s=0.5)
     assert f["accounting_exact"] and f["requests_in_flight_after_run"] == 0
     assert f["requests_arrived"] == len(result["requests"]) == \
-        f["requests_completed"] + f["requests_rejected"] + f["requests_dropped"]
+        f["requests_completed"] + f["requests_rejected"]
     assert f["requests_admitted"] < f["requests_arrived"]  # most were rejected before a server saw them
     assert f["ttft_p50_s"] == pytest.approx(0.3 - next(r["arrival_s"] for r in result["requests"]
                                                          if r["status"] == "completed"), abs=1e-4)
@@ -250,7 +252,7 @@ def test_a_dead_decode_worker_takes_its_requests_with_it_and_nothing_else():
     result = ctl.finish()
     assert result["counts"]["completed"] == len(b) - 1
     assert result["rejection_reasons"][reason] == len(a)
-    assert result["counts"]["arrivals"] == sum(result["counts"][k] for k in ("completed", "rejected", "dropped"))
+    assert result["counts"]["arrivals"] == sum(result["counts"][k] for k in ("completed", "rejected"))
 
 
 def test_the_wait_board_shows_a_wait_to_another_process(tmp_path):
@@ -412,3 +414,23 @@ def test_the_emulated_experiment_replays_the_shipped_profile_and_refuses_another
     with pytest.raises(SpecError, match="was measured for model") as err:
         serving_profile(exp)
     assert "\n" not in str(err.value)
+
+
+def test_the_back_to_back_slowdown_comes_with_its_confidence_interval():
+    """``training_slowdown`` (on over off, the means of the runs) beside the pairs' own mean and
+    its 95% interval (Student's t over the pairs)."""
+    from types import SimpleNamespace
+
+    from agents.bubbletea.backtoback import ci95, summarise
+
+    runs = []
+    for off, on in ((1.00, 1.01), (1.00, 1.03), (1.00, 1.02)):
+        runs += [{"bubbletea": False, "mean_iteration_time_s": off, "utilization": 0.4},
+                 {"bubbletea": True, "mean_iteration_time_s": on, "utilization": 0.8}]
+    r = summarise(SimpleNamespace(name="x", device="emulated", time_dilation=2.0), runs)
+    assert r["training_slowdown"] == pytest.approx(0.02) and r["pairs"] == 3 and r["time_dilation"] == 2.0
+    assert r["training_slowdown_per_pair"] == pytest.approx([0.01, 0.03, 0.02])
+    half = 4.303 * 0.01 / 3 ** 0.5  # t(0.975, 2 df) x sd / sqrt(n)
+    assert r["training_slowdown_ci95"] == pytest.approx([0.02 - half, 0.02 + half], abs=1e-5)
+    assert ci95([0.5]) is None
+    assert ci95([0.0, 1.0] * 50) == pytest.approx([0.5 - 1.984 * 0.50252 / 10, 0.5 + 1.984 * 0.50252 / 10], abs=2e-4)

@@ -19,7 +19,7 @@ from testbed.run.runner import TrainingRun
 
 pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent
-FINAL_REASONS = {"TTFT SLO"}
+FINAL_REASONS = {"TTFT SLO", "run ended while queued", "run ended while prefilling", "run ended while decoding"}
 
 
 def _exp(iterations: int, file: str = "bubbletea.yaml", **bubbletea):
@@ -33,9 +33,8 @@ def _exp(iterations: int, file: str = "bubbletea.yaml", **bubbletea):
 def _exact(s: dict) -> None:
     assert s["accounting_exact"], s
     assert s["requests_in_flight_after_run"] == 0
-    assert s["requests_arrived"] == s["requests_completed"] + s["requests_rejected"] + s["requests_dropped"]
+    assert s["requests_arrived"] == s["requests_completed"] + s["requests_rejected"]
     assert sum(s["rejection_reasons"].values()) == s["requests_rejected"]
-    assert sum(s["drop_reasons"].values()) == s["requests_dropped"]
     assert s["requests_completed"] <= s["requests_admitted"] <= s["requests_arrived"]
 
 
@@ -49,11 +48,11 @@ def test_prefills_fill_bubbles_and_every_request_is_accounted_for(tmp_path):
     s = result["summary"]
     assert s["requests_arrived"] > 100
     _exact(s)
-    # an overload: most arrivals are turned away, rejected at the SLO or dropped at the run's end
-    # (a rejection needs a 3 s wait first, so in an 8-iteration run their count follows the run's
-    # length: 87-1669 here on 2026-12-06, once fewer than the ~200 completed; dropped ~2900-6500)
-    assert s["requests_completed"] > 0 and s["requests_rejected"] > 0
-    assert s["requests_rejected"] + s["requests_dropped"] > 2 * s["requests_completed"], s
+    # an overload: most arrivals are rejected, at the SLO or still queued at the run's end (a
+    # rejection at the SLO needs a 3 s wait first: 87-1669 of them in an 8-iteration run here on
+    # 2026-12-06, once fewer than the ~200 completed; ~2900-6500 more were queued at the end)
+    assert s["requests_completed"] > 0 and s["rejection_reasons"].get("TTFT SLO", 0) > 0
+    assert s["requests_rejected"] > 2 * s["requests_completed"], s
     assert set(s["rejection_reasons"]) <= FINAL_REASONS, s["rejection_reasons"]
     assert s["ttft_p99_s"] <= exp.bubbletea.slo_ttft_s and s["tbt_p50_s"] > 0
     assert s["goodput_within_slo"] <= s["requests_completed"] / s["requests_arrived"] + 1e-4  # rounded to 4 places

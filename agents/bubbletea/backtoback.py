@@ -8,8 +8,9 @@ measured against runs of the same experiment (topology, seed, device) with
 in ``OUT/off-<i>/`` or ``OUT/on-<i>/`` with its own metrics.json.  The result
 (``OUT/backtoback.json``) holds per run the mean steady-state iteration time, and overall:
 
-* ``slowdown``: mean iteration time of the on runs over that of the off runs, less 1 (and
-  per pair, to show the spread);
+* ``training_slowdown``: mean iteration time of the on runs over that of the off runs, less
+  1; per pair (on over its own off, less 1), and the pairs' mean with its 95% confidence
+  interval (Student's t over the pairs: ``training_slowdown_ci95``; none for one pair);
 * ``utilization``: training busy + prefill busy over device time in the on runs (the
   union per worker and iteration; ``extension.summarise``), and training alone in the off runs;
 * the serving figures of the on runs (``extension.serving_figures``): arrivals, admitted,
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-SERVING = ("requests_arrived", "requests_admitted", "requests_completed", "requests_rejected", "requests_dropped",
+SERVING = ("requests_arrived", "requests_admitted", "requests_completed", "requests_rejected",
            "requests_in_flight_after_run", "accounting_exact", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
            "tbt_p50_s", "tbt_p90_s", "tbt_p99_s", "tpot_mean_s", "goodput_within_slo", "goodput_rps",
            "offered_rps", "bubble_time_filled", "prefill_share_of_device_time", "kv_bytes_mean",
@@ -64,10 +65,29 @@ def back_to_back(exp, out: Path, pairs: int = 1, delay_backend: str = "auto",
                    "op_timing": (result.get("device") or {}).get("op_timing")}
             if on:
                 row.update({k: s.get(k) for k in SERVING})
-                row["rejection_reasons"], row["drop_reasons"] = s.get("rejection_reasons"), s.get("drop_reasons")
+                row["rejection_reasons"] = s.get("rejection_reasons")
             runs.append(row)
             say(f"  mean iteration {row['mean_iteration_time_s']:.4f} s, utilization {row['utilization']}")
     return summarise(exp, runs, out)
+
+
+# Student's t, 97.5th percentile, for 1..30 degrees of freedom (a table: no SciPy for one quantile)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def ci95(values: list[float]) -> list[float] | None:
+    """The 95% confidence interval of the mean of ``values`` (Student's t, two-sided); None
+    for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return None
+    df = n - 1
+    t975 = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.5 / df  # within 0.1% of the quantile past 30
+    half = t975 * statistics.stdev(values) / n ** 0.5
+    mean = statistics.fmean(values)
+    return [round(mean - half, 5), round(mean + half, 5)]
 
 
 def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
@@ -75,12 +95,15 @@ def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
     on = [r for r in runs if r["bubbletea"]]
     t_off = statistics.fmean(r["mean_iteration_time_s"] for r in off)
     t_on = statistics.fmean(r["mean_iteration_time_s"] for r in on)
+    per_pair = [b["mean_iteration_time_s"] / a["mean_iteration_time_s"] - 1 for a, b in zip(off, on)]
     result = {
         "experiment": exp.name, "device": exp.device, "pairs": len(on),
+        "time_dilation": getattr(exp, "time_dilation", 1.0),
         "mean_iteration_off_s": round(t_off, 5), "mean_iteration_on_s": round(t_on, 5),
-        "slowdown": round(t_on / t_off - 1, 5),
-        "slowdown_per_pair": [round(b["mean_iteration_time_s"] / a["mean_iteration_time_s"] - 1, 5)
-                              for a, b in zip(off, on)],
+        "training_slowdown": round(t_on / t_off - 1, 5),
+        "training_slowdown_per_pair": [round(x, 5) for x in per_pair],
+        "training_slowdown_pair_mean": round(statistics.fmean(per_pair), 5),
+        "training_slowdown_ci95": ci95(per_pair),
         "utilization_off": round(statistics.fmean(r["utilization"] for r in off), 4),
         "utilization_on": round(statistics.fmean(r["utilization"] for r in on), 4),
         "runs": runs,
@@ -107,8 +130,12 @@ def main() -> int:
     if args.rate_scale is not None:
         exp.bubbletea.rate_scale = args.rate_scale
     r = back_to_back(exp, Path(args.out), args.pairs, args.delay_backend, log=lambda m: print(m, flush=True))
+    ci = r["training_slowdown_ci95"]
     print(f"off {r['mean_iteration_off_s']:.4f} s, on {r['mean_iteration_on_s']:.4f} s: slowdown "
-          f"{100 * r['slowdown']:+.2f}% (per pair {', '.join(f'{100 * x:+.2f}%' for x in r['slowdown_per_pair'])}); "
+          f"{100 * r['training_slowdown']:+.2f}% (per pair "
+          f"{', '.join(f'{100 * x:+.2f}%' for x in r['training_slowdown_per_pair'])}"
+          + (f"; pairs' mean {100 * r['training_slowdown_pair_mean']:+.2f}%, 95% CI "
+             f"{100 * ci[0]:+.2f}% to {100 * ci[1]:+.2f}%" if ci else "") + "); "
           f"utilization {r['utilization_off']:.3f} -> {r['utilization_on']:.3f}")
     last = [x for x in r["runs"] if x["bubbletea"]][-1]
     print("serving (last on run): " + ", ".join(f"{k} {last.get(k)}" for k in SERVING))

@@ -18,10 +18,11 @@ Accounting, each counted where it happens (``counts``): an *arrival* when the wo
 delivers the request; *admitted* when it is first sent to a prefill server; *completed*
 when its decode worker reports its last token; *rejected*, with the reason, when the TTFT
 SLO cannot be met (it waited too long, or it cannot be prefilled in time), when its prefill
-server or decode worker died, when its KV transfer failed or its decode raised; *dropped*
-when the run ended with it still queued or in service (after a drain of ``drain_s``: the
-servers ship what they have prefilled at once, the decode workers finish).  So arrivals =
-completed + rejected + dropped, and after the run nothing is in flight.  Per request the
+server or decode worker died, when its KV transfer failed or its decode raised, and when the
+run ended with it still queued or in service (after a drain of ``drain_s``: the servers ship
+what they have prefilled at once, the decode workers finish; the reason says "run ended
+while ..." and the state it was in).  So arrivals = completed + rejected, and after the run
+nothing is in flight.  Per request the
 results hold its TTFT (prefill done - arrival) and the time each later token came out
 (the time between tokens, TBT).  A failure is told to the run's log once per component
 (a ``Log`` message on the hub).  Every message is typed (``messages.py``).  Results go to
@@ -49,8 +50,8 @@ from agents.bubbletea.workload import azure_trace, poisson
 from testbed import messages as m
 from testbed.train.waitboard import wait_id
 
-FINAL = ("completed", "rejected", "dropped")
-COUNTS = ("arrivals", "admitted", "completed", "rejected", "dropped")
+FINAL = ("completed", "rejected")
+COUNTS = ("arrivals", "admitted", "completed", "rejected")
 
 
 def _log(msg: str) -> None:
@@ -77,7 +78,6 @@ class Controller:
         self.prefill_intervals: dict[str, list] = {name: [] for name in cfg.servers}
         self.counts = dict.fromkeys(COUNTS, 0)
         self.reasons: dict[str, int] = {}  # rejected, by reason (the text before its first colon)
-        self.drop_reasons: dict[str, int] = {}
         self.failures: list[dict] = []  # what failed, when, and how many requests it took
         self.t0: float | None = None
         self.t_end: float | None = None  # when serving stopped (training ended)
@@ -321,21 +321,20 @@ class Controller:
             pass
 
     def finish(self) -> dict:
-        """Every request decided: what is still queued or in service is dropped (with the state
-        the run's end found it in).  The results, with the counts as they were counted."""
+        """Every request decided: what is still queued or in service is rejected, the reason
+        naming the state the run's end found it in.  The results, with the counts as they were
+        counted."""
+        self.queue = []  # every queued request is decided below (and the list's removals were O(n) each)
         for rid, r in self.state.items():
             if r["status"] == "future":
                 r["status"], r["reason"] = "not arrived", "arrives after the run ended"
             elif r["status"] not in FINAL:
-                reason = f"run ended while {r['status']}"
-                r["status"], r["reason"] = "dropped", reason
-                self.counts["dropped"] += 1
-                self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+                self._reject(rid, f"run ended while {r['status']}")
         arrived = [r for r in self.state.values() if r["status"] != "not arrived"]
         serving = (self.t_end or time.monotonic()) - self.t0 if self.t0 is not None else 0.0
         return {"requests": arrived, "prefill_intervals": self.prefill_intervals, "t0": self.t0,
                 "serving_s": round(serving, 6), "counts": dict(self.counts), "rejection_reasons": dict(self.reasons),
-                "drop_reasons": dict(self.drop_reasons), "failures": self.failures,
+                "failures": self.failures,
                 "profiles": {n: [s["profile"].a, s["profile"].b] if s["profile"] else None
                              for n, s in self.servers.items()}}
 

@@ -19,7 +19,7 @@ reason; training goes on.  After training the controller is stopped first (it dr
 accounts for every request), then the rest; ``summarise`` adds BubbleTea's figures to the
 run's summary: utilization with and without prefill (from the timelines), the request
 accounting as the controller counted it (arrivals, admitted, completed, rejected with
-reasons, dropped), TTFT and TBT percentiles over completed requests, goodput under the SLO
+reasons, the run's end among them), TTFT and TBT percentiles over completed requests, goodput under the SLO
 over all arrivals, and the interleaved slowdown (served against unserved iterations of the
 same run; the headline slowdown is back to back: ``backtoback.py``); ``write_outputs``
 draws the TTFT CDF.
@@ -313,7 +313,7 @@ def _pct(values: list[float], q: float) -> float | None:
 def serving_figures(data: dict, slo_ttft_s: float, slo_tbt_s: float | None = None) -> dict:
     """The serving side of a run, from the controller's results: the accounting as it was
     counted, checked against every request's final state; TTFT and TBT percentiles over the
-    completed requests; goodput under the SLO over all arrivals (a rejected or dropped
+    completed requests; goodput under the SLO over all arrivals (a rejected
     request is a miss), as a fraction and per second of serving."""
     reqs = data["requests"]
     counts = data.get("counts") or {}
@@ -333,18 +333,16 @@ def serving_figures(data: dict, slo_ttft_s: float, slo_tbt_s: float | None = Non
 
     n_good = sum(1 for r in done if good(r))
     serving = data.get("serving_s") or 0.0
-    in_flight = sum(v for k, v in status.items() if k not in ("completed", "rejected", "dropped"))
-    decided = counts.get("completed", 0) + counts.get("rejected", 0) + counts.get("dropped", 0)
+    in_flight = sum(v for k, v in status.items() if k not in ("completed", "rejected"))
+    decided = counts.get("completed", 0) + counts.get("rejected", 0)
     exact = (arrivals == decided == len(reqs) and in_flight == 0 and
-             all(counts.get(k, 0) == status.get(k, 0) for k in ("completed", "rejected", "dropped")))
+             all(counts.get(k, 0) == status.get(k, 0) for k in ("completed", "rejected")))
     return {
         "requests_arrived": arrivals,
         "requests_admitted": counts.get("admitted"),
         "requests_completed": counts.get("completed", status.get("completed", 0)),
         "requests_rejected": counts.get("rejected", status.get("rejected", 0)),
-        "requests_dropped": counts.get("dropped", status.get("dropped", 0)),
         "rejection_reasons": data.get("rejection_reasons", {}),
-        "drop_reasons": data.get("drop_reasons", {}),
         "requests_in_flight_after_run": in_flight,
         "accounting_exact": exact,
         "failures": [{k: f[k] for k in ("component", "reason", "requests")} for f in data.get("failures", [])][:20],
