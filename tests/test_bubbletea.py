@@ -434,3 +434,31 @@ def test_the_back_to_back_slowdown_comes_with_its_confidence_interval():
     assert r["training_slowdown_ci95"] == pytest.approx([0.02 - half, 0.02 + half], abs=1e-5)
     assert ci95([0.5]) is None
     assert ci95([0.0, 1.0] * 50) == pytest.approx([0.5 - 1.984 * 0.50252 / 10, 0.5 + 1.984 * 0.50252 / 10], abs=2e-4)
+
+
+def test_the_control_arm_splits_the_slowdown_into_the_hosts_and_the_devices():
+    """A third arm per pair (BubbleTea on, its chunks on devices of their own): control over
+    off is the host's share, on over control the device's."""
+    from types import SimpleNamespace
+
+    from agents.bubbletea.backtoback import summarise
+
+    runs = []
+    for off, on, control in ((1.00, 1.03, 1.01), (1.00, 1.05, 1.02)):
+        runs += [{"bubbletea": False, "mean_iteration_time_s": off, "utilization": 0.4},
+                 {"bubbletea": True, "mean_iteration_time_s": on, "utilization": 0.8},
+                 {"bubbletea": True, "control": True, "mean_iteration_time_s": control, "utilization": 0.4}]
+    r = summarise(SimpleNamespace(name="x", device="emulated"), runs)
+    assert r["training_slowdown_per_pair"] == pytest.approx([0.03, 0.05]) and r["utilization_on"] == 0.8
+    assert r["host_slowdown_per_pair"] == pytest.approx([0.01, 0.02])
+    assert r["device_slowdown_per_pair"] == pytest.approx([1.03 / 1.01 - 1, 1.05 / 1.02 - 1], abs=1e-5)
+
+
+def test_the_control_arm_needs_emulated_devices():
+    from testbed.spec.experiment import parse_experiment
+    from testbed.spec.topology import SpecError, read_yaml
+
+    data = read_yaml(Path(__file__).resolve().parents[1] / "experiments" / "bubbletea.yaml")
+    data["bubbletea"]["control"] = True
+    with pytest.raises(SpecError, match="bubbletea.control needs device: emulated"):
+        parse_experiment(data, "x.yaml")

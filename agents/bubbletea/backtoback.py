@@ -4,8 +4,12 @@ How it fits: a run with BubbleTea on cannot measure its own cost (its unserved i
 still carry the decoding and KV shipping of the served ones), so the training slowdown is
 measured against runs of the same experiment (topology, seed, device) with
 ``bubbletea.enabled: false``, alternated with runs that serve every steady iteration
-(``interleave: false``): off, on, off, on, ...  Each run is a ``testbed.run.runner.TrainingRun``
-in ``OUT/off-<i>/`` or ``OUT/on-<i>/`` with its own metrics.json.  The result
+(``interleave: false``): off, on, off, on, ...  With ``--control`` each pair has a third
+run, BubbleTea on with its chunks on devices of their own (``bubbletea.control``): the same
+processes, messages and KV shipping, no device shared, so the slowdown splits into the
+host's share (control over off) and the device's (on over control).  Each run is a
+``testbed.run.runner.TrainingRun`` in ``OUT/off-<i>/``, ``OUT/on-<i>/`` (or ``OUT/control-<i>/``)
+with its own metrics.json.  The result
 (``OUT/backtoback.json``) holds per run the mean steady-state iteration time, and overall:
 
 * ``training_slowdown``: mean iteration time of the on runs over that of the off runs, less
@@ -36,34 +40,39 @@ SERVING = ("requests_arrived", "requests_admitted", "requests_completed", "reque
            "kv_transfer_mean_s")
 
 
-def arm(exp, on: bool):
-    """``exp`` with BubbleTea off, or on and serving every steady iteration."""
+def arm(exp, on: bool, control: bool = False):
+    """``exp`` with BubbleTea off, or on and serving every steady iteration (``control``: its
+    chunks on devices of their own, ``bubbletea.control``)."""
     e = exp.model_copy(deep=True)
     e._origin, e._topo, e._topo_file, e._slots = exp._origin, exp._topo, exp._topo_file, exp._slots
     e.bubbletea.enabled = on
     e.bubbletea.interleave = False
+    e.bubbletea.control = control
     return e
 
 
 def back_to_back(exp, out: Path, pairs: int = 1, delay_backend: str = "auto",
-                 log: Callable[[str], None] | None = None) -> dict:
+                 log: Callable[[str], None] | None = None, control: bool = False) -> dict:
     from testbed.run.runner import TrainingRun
 
     say = log or (lambda m: None)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
+    arms = ("off", "on", "control") if control else ("off", "on")
     for i in range(pairs):
-        for on in (False, True):
-            name = f"{'on' if on else 'off'}-{i}"
-            say(f"{exp.name}: BubbleTea {'on' if on else 'off'} (pair {i + 1} of {pairs})")
-            result = TrainingRun(arm(exp, on), out / name, delay_backend=delay_backend).run()
+        for which in arms:
+            on = which != "off"
+            name = f"{which}-{i}"
+            say(f"{exp.name}: BubbleTea {which} (pair {i + 1} of {pairs})")
+            result = TrainingRun(arm(exp, on, which == "control"), out / name, delay_backend=delay_backend).run()
             s = result["summary"]
             times = [it["time_s"] for it in result["iterations"] if it["iteration"] in s["steady_state_iterations"]]
-            row = {"run": name, "bubbletea": on, "mean_iteration_time_s": s["mean_iteration_time_s"],
+            row = {"run": name, "bubbletea": on, "control": which == "control",
+                   "mean_iteration_time_s": s["mean_iteration_time_s"],
                    "iteration_times_s": times, "training_busy": s["mean_busy_fraction"],
                    "utilization": s.get("utilization_with_prefill") if on else s["mean_busy_fraction"],
                    "op_timing": (result.get("device") or {}).get("op_timing")}
-            if on:
+            if which == "on":
                 row.update({k: s.get(k) for k in SERVING})
                 row["rejection_reasons"] = s.get("rejection_reasons")
             runs.append(row)
@@ -92,7 +101,8 @@ def ci95(values: list[float]) -> list[float] | None:
 
 def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
     off = [r for r in runs if not r["bubbletea"]]
-    on = [r for r in runs if r["bubbletea"]]
+    on = [r for r in runs if r["bubbletea"] and not r.get("control")]
+    control = [r for r in runs if r.get("control")]
     t_off = statistics.fmean(r["mean_iteration_time_s"] for r in off)
     t_on = statistics.fmean(r["mean_iteration_time_s"] for r in on)
     per_pair = [b["mean_iteration_time_s"] / a["mean_iteration_time_s"] - 1 for a, b in zip(off, on)]
@@ -108,6 +118,15 @@ def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
         "utilization_on": round(statistics.fmean(r["utilization"] for r in on), 4),
         "runs": runs,
     }
+    if control:  # the host's share (control over off) and the device's (on over control), per pair
+        host = [c["mean_iteration_time_s"] / a["mean_iteration_time_s"] - 1 for a, c in zip(off, control)]
+        device = [b["mean_iteration_time_s"] / c["mean_iteration_time_s"] - 1 for b, c in zip(on, control)]
+        result.update({
+            "mean_iteration_control_s": round(statistics.fmean(r["mean_iteration_time_s"] for r in control), 5),
+            "host_slowdown_per_pair": [round(x, 5) for x in host], "host_slowdown_pair_mean": round(statistics.fmean(host), 5),
+            "host_slowdown_ci95": ci95(host),
+            "device_slowdown_per_pair": [round(x, 5) for x in device],
+            "device_slowdown_pair_mean": round(statistics.fmean(device), 5), "device_slowdown_ci95": ci95(device)})
     if out is not None:
         (out / "backtoback.json").write_text(json.dumps(result, indent=1))
     return result
@@ -122,6 +141,8 @@ def main() -> int:
     ap.add_argument("--out", default="results/bubbletea-backtoback")
     ap.add_argument("--delay-backend", default="auto")
     ap.add_argument("--rate-scale", type=float, help="arrivals x this instead of the experiment's rate_scale")
+    ap.add_argument("--control", action="store_true", help="a third arm per pair: BubbleTea on, its chunks on "
+                    "devices of their own (the host's share of the slowdown; device: emulated)")
     ap.add_argument("--time-dilation", type=float, help="k instead of the experiment's time_dilation "
                     "(device: emulated; figures in emulated seconds)")
     args = ap.parse_args()
@@ -129,7 +150,8 @@ def main() -> int:
     exp = load_experiment(args.experiment, overrides)
     if args.rate_scale is not None:
         exp.bubbletea.rate_scale = args.rate_scale
-    r = back_to_back(exp, Path(args.out), args.pairs, args.delay_backend, log=lambda m: print(m, flush=True))
+    r = back_to_back(exp, Path(args.out), args.pairs, args.delay_backend, log=lambda m: print(m, flush=True),
+                     control=args.control)
     ci = r["training_slowdown_ci95"]
     print(f"off {r['mean_iteration_off_s']:.4f} s, on {r['mean_iteration_on_s']:.4f} s: slowdown "
           f"{100 * r['training_slowdown']:+.2f}% (per pair "
@@ -137,7 +159,11 @@ def main() -> int:
           + (f"; pairs' mean {100 * r['training_slowdown_pair_mean']:+.2f}%, 95% CI "
              f"{100 * ci[0]:+.2f}% to {100 * ci[1]:+.2f}%" if ci else "") + "); "
           f"utilization {r['utilization_off']:.3f} -> {r['utilization_on']:.3f}")
-    last = [x for x in r["runs"] if x["bubbletea"]][-1]
+    for part in ("host", "device") if args.control else ():
+        ci = r[f"{part}_slowdown_ci95"]
+        print(f"{part}'s share: pairs' mean {100 * r[f'{part}_slowdown_pair_mean']:+.2f}%"
+              + (f", 95% CI {100 * ci[0]:+.2f}% to {100 * ci[1]:+.2f}%" if ci else ""))
+    last = [x for x in r["runs"] if x["bubbletea"] and not x["control"]][-1]
     print("serving (last on run): " + ", ".join(f"{k} {last.get(k)}" for k in SERVING))
     print(f"results: {args.out}/backtoback.json")
     return 0

@@ -157,6 +157,11 @@ class BubbleTeaExtension(RunExtension):
                                **emulated)
             if self.emulated:  # the worker's own device: its chunks queue on the stream training ops use
                 cfg.device_file = str(w.device_file)
+                if spec.control:  # the control arm: a device of its own, all else the same
+                    device = ctx.launcher.dir / f"{name}-control.device"
+                    create_device(device)
+                    reg.file(device)
+                    cfg.device_file = str(device)
                 self._start(ctx, f"server-{name}", "agents.bubbletea.server", cfg.to_dict(), name, host=w.host)
             elif w.record.device.startswith("cuda"):  # the worker's own GPU, as the worker sees it
                 cfg.device = "cuda:0"
@@ -376,7 +381,8 @@ def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
     ends = dict(enumerate(run.iteration_ends()))
     util_with, util_without, prefill_share = [], [], []
     for name, w in run.workers.items():
-        prefills = [(s, e) for s, e, _ in data["prefill_intervals"].get(name, [])]
+        # the control arm's chunks ran on a device of their own: none shares the worker's
+        prefills = [] if spec.control else [(s, e) for s, e, _ in data["prefill_intervals"].get(name, [])]
         w.cotenant, w.cotenant_kind = prefills, "prefill"
         for k in steady:
             start = w.iteration_end[k - 1] if k > 0 else run.go_time

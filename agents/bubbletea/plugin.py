@@ -46,6 +46,9 @@ class BubbleTeaSpec(Section):
                                                "measures training with and without prefills")
     decode_dc: str | None = Field(None, description="one decode worker, in this DC, for all prefills "
                                                     "(default: one per DC, so KV caches stay off the WAN)")
+    control: bool = Field(False, description="device: emulated: the prefill chunks run on a device of their own, "
+                                             "not the worker's (everything else as when on): the host's share of "
+                                             "the slowdown, measured apart from the device's")
     model: BubbleModelSpec = Field(default_factory=BubbleModelSpec)
     serving_profile: str | None = Field(
         None, description="device: emulated: prefill and decode times of the model above "
@@ -58,6 +61,9 @@ class BubbleTeaSpec(Section):
 def _check(exp, origin: str) -> None:
     from testbed.spec.topology import SpecError, one_line
 
+    if exp.bubbletea.control and exp.device != "emulated":
+        raise SpecError(one_line(f"{origin}: bubbletea.control needs device: emulated (a CPU's or a GPU's "
+                                 f"prefills cannot be moved off the worker's device)"))
     decode_dc, topo = exp.bubbletea.decode_dc, exp.topo
     if decode_dc is not None and decode_dc not in {dc.name for dc in topo.dcs}:
         raise SpecError(one_line(f"{origin}: bubbletea.decode_dc: no DC {decode_dc!r} in topology {topo.name} "
