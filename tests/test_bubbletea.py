@@ -480,3 +480,24 @@ def test_the_control_arm_needs_emulated_devices():
     data["bubbletea"]["control"] = True
     with pytest.raises(SpecError, match="bubbletea.control needs device: emulated"):
         parse_experiment(data, "x.yaml")
+
+
+def test_the_slowdown_within_an_alignment_is_apart_from_which_alignment_a_run_fell_into():
+    """Two alignments 0.74 and 0.83 s apart by 12%: BubbleTea 1% slower inside each, its runs
+    mostly in the fast one.  The pairs' mean mixes the two; within the alignments it reads 1%."""
+    from types import SimpleNamespace
+
+    from agents.bubbletea.backtoback import alignments, summarise
+
+    assert alignments([0.74, 0.741, 0.83, 0.829, 0.7405]) == [[0.74, 0.741], [0.829, 0.83]]
+    offs = [0.740, 0.741, 0.830, 0.831, 0.829, 0.830]
+    ons = [x * 1.01 for x in (0.740, 0.741, 0.739, 0.740, 0.830, 0.831)]
+    runs = []
+    for a, b in zip(offs, ons):
+        runs += [{"bubbletea": False, "mean_iteration_time_s": a, "utilization": 0.4},
+                 {"bubbletea": True, "mean_iteration_time_s": b, "utilization": 0.8}]
+    r = summarise(SimpleNamespace(name="x", device="emulated"), runs)
+    assert r["training_slowdown"] < 0  # on reads faster overall: it fell into the fast alignment more often
+    assert len(r["alignments"]) == 2 and r["training_slowdown_within_alignments"] == pytest.approx(0.01, abs=1e-4)
+    lo, hi = r["training_slowdown_within_alignments_ci95"]
+    assert lo < 0.01 < hi and hi - lo < 0.01

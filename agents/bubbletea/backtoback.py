@@ -15,6 +15,13 @@ with its own metrics.json.  The result
 * ``training_slowdown``: mean iteration time of the on runs over that of the off runs, less
   1; per pair (on over its own off, less 1), and the pairs' mean with its 95% confidence
   interval (Student's t over the pairs: ``training_slowdown_ci95``; none for one pair);
+* ``alignments``: the job settles, per run, into one of a few alignments of its pipelines
+  (runs' mean iteration times cluster, 0.74 / 0.79 / 0.83 s for the emulated default here,
+  wider apart than BubbleTea's effect); the runs are grouped where their sorted times jump by
+  more than 2%, and ``training_slowdown_within_alignments`` is the slowdown inside each group,
+  weighted by its runs, with a 95% interval from the pooled spread inside the groups.  It
+  assumes BubbleTea does not change which alignment a run falls into; the pairs' figure
+  above does not;
 * ``utilization``: training busy + prefill busy over device time in the on runs (the
   union per worker and iteration; ``extension.summarise``), and training alone in the off runs;
 * the serving figures of the on runs (``extension.serving_figures``): arrivals, admitted,
@@ -99,6 +106,59 @@ def ci95(values: list[float]) -> list[float] | None:
     return [round(mean - half, 5), round(mean + half, 5)]
 
 
+def alignments(times: list[float], gap: float = 0.02) -> list[list[float]]:
+    """Runs' mean iteration times split where the sorted times jump by more than ``gap`` of
+    their median: the alignments a job settles into (its pipelines' relative phase, fixed for
+    a run), each a [low, high] range."""
+    xs = sorted(times)
+    if not xs:
+        return []
+    step = gap * statistics.median(xs)
+    groups = [[xs[0], xs[0]]]
+    for v in xs[1:]:
+        if v - groups[-1][1] > step:
+            groups.append([v, v])
+        else:
+            groups[-1][1] = v
+    return groups
+
+
+def within_alignments(runs: list[dict], arm: str, against: str = "off") -> dict:
+    """The slowdown of ``arm`` over ``against`` within each alignment (runs grouped by
+    ``alignments``), and their mean weighted by the runs in both, with a 95% interval from the
+    pooled spread of the runs around their alignment's and arm's mean (normal, t past 30 runs)."""
+    def kind(r):
+        return "control" if r.get("control") else ("on" if r["bubbletea"] else "off")
+
+    groups = alignments([r["mean_iteration_time_s"] for r in runs])
+    rows, resid = [], []
+    for lo, hi in groups:
+        cell = {k: [r["mean_iteration_time_s"] for r in runs if kind(r) == k and lo <= r["mean_iteration_time_s"] <= hi]
+                for k in ("off", "on", "control")}
+        for vals in cell.values():
+            if vals:
+                mu = statistics.fmean(vals)
+                resid += [v - mu for v in vals]
+        a, b = cell[against], cell[arm]
+        rows.append({"range_s": [round(lo, 4), round(hi, 4)], **{f"n_{k}": len(v) for k, v in cell.items()},
+                     **{f"mean_{k}_s": round(statistics.fmean(v), 5) for k, v in cell.items() if v},
+                     "slowdown": round(statistics.fmean(b) / statistics.fmean(a) - 1, 5) if a and b else None})
+    used = [r for r in rows if r["slowdown"] is not None]
+    if not used:
+        return {"alignments": rows, "slowdown": None, "ci95": None}
+    groups_n = sum(1 for r in rows for k in ("off", "on", "control") if r[f"n_{k}"])
+    dof = max(1, len(resid) - groups_n)
+    sd = (sum(x * x for x in resid) / dof) ** 0.5
+    weights = [r[f"n_{arm}"] + r[f"n_{against}"] for r in used]
+    mean = sum(w * r["slowdown"] for w, r in zip(weights, used)) / sum(weights)
+    var = sum(w * w * (sd / r[f"mean_{against}_s"]) ** 2 * (1 / r[f"n_{arm}"] + 1 / r[f"n_{against}"])
+              for w, r in zip(weights, used)) / sum(weights) ** 2
+    t975 = _T975[dof - 1] if dof <= len(_T975) else 1.96 + 2.5 / dof
+    half = t975 * var ** 0.5
+    return {"alignments": rows, "slowdown": round(mean, 5), "ci95": [round(mean - half, 5), round(mean + half, 5)],
+            "pooled_sd_s": round(sd, 5)}
+
+
 def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
     off = [r for r in runs if not r["bubbletea"]]
     on = [r for r in runs if r["bubbletea"] and not r.get("control")]
@@ -127,6 +187,15 @@ def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
             "host_slowdown_ci95": ci95(host),
             "device_slowdown_per_pair": [round(x, 5) for x in device],
             "device_slowdown_pair_mean": round(statistics.fmean(device), 5), "device_slowdown_ci95": ci95(device)})
+    # the job settles into one of a few alignments per run (its pipelines' relative phase):
+    # the slowdown within an alignment, apart from which alignment a run fell into
+    aligned = within_alignments(runs, "on")
+    result.update({"alignments": aligned["alignments"], "training_slowdown_within_alignments": aligned["slowdown"],
+                   "training_slowdown_within_alignments_ci95": aligned["ci95"]})
+    if control:
+        host_aligned = within_alignments(runs, "control")
+        result.update({"host_slowdown_within_alignments": host_aligned["slowdown"],
+                       "host_slowdown_within_alignments_ci95": host_aligned["ci95"]})
     if out is not None:
         (out / "backtoback.json").write_text(json.dumps(result, indent=1))
     return result
@@ -159,6 +228,12 @@ def main() -> int:
           + (f"; pairs' mean {100 * r['training_slowdown_pair_mean']:+.2f}%, 95% CI "
              f"{100 * ci[0]:+.2f}% to {100 * ci[1]:+.2f}%" if ci else "") + "); "
           f"utilization {r['utilization_off']:.3f} -> {r['utilization_on']:.3f}")
+    if r["training_slowdown_within_alignments_ci95"]:
+        ci = r["training_slowdown_within_alignments_ci95"]
+        print(f"within an alignment ({len(r['alignments'])} alignments: "
+              + ", ".join(f"{a['range_s'][0]:.3f}-{a['range_s'][1]:.3f} s" for a in r["alignments"])
+              + f"): slowdown {100 * r['training_slowdown_within_alignments']:+.2f}%, 95% CI "
+              f"{100 * ci[0]:+.2f}% to {100 * ci[1]:+.2f}%")
     for part in ("host", "device") if args.control else ():
         ci = r[f"{part}_slowdown_ci95"]
         print(f"{part}'s share: pairs' mean {100 * r[f'{part}_slowdown_pair_mean']:+.2f}%"
