@@ -105,6 +105,24 @@ def test_waits_are_predicted_conservatively_from_recent_iterations():
     assert w.ends(now=20.08, margin_s=0.006, margin_frac=0.0) == [pytest.approx(20.094)] * 2
 
 
+def test_the_all_reduce_wait_is_a_bubble_in_its_place():
+    """The data-parallel all-reduce waits for the stage's other replicas: the worker announces
+    it as the next wait after its receives, and its length is predicted like theirs."""
+    w = WorkerBubbles()
+    start = 0.0
+    for it, ar in enumerate((0.30, 0.25, 0.35)):
+        msg = _iteration(it, start, [(0.0, 0.1), (0.3, 0.4)])
+        for e in msg.events:
+            e.mb = 1
+        end = msg.end
+        msg.events += [m.Span("allreduce", -1, end, end + ar, it), m.Span("optimizer", -1, end + ar, end + ar + 0.01, it)]
+        msg.end = end + ar + 0.01
+        w.add(msg)
+        start = msg.end
+    assert w.predict(0) == pytest.approx(0.2)  # the receive
+    assert w.predict(1) == pytest.approx(0.25)  # the all-reduce: the shortest of the three
+
+
 def test_prefill_profile_fits_a_line():
     p = PrefillProfile([(16, 0.003), (64, 0.006), (256, 0.018)])
     assert p.seconds(128) == pytest.approx(0.010, rel=0.1)

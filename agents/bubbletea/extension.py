@@ -400,6 +400,7 @@ def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
             else:
                 util_without.append(train)
     times = {k: ends[k] - (ends[k - 1] if k > 0 else run.go_time) for k in steady}
+    filled, filled_by_kind = _filled(run, data, served)
     t_on = statistics.fmean([times[k] for k in served]) if served else None
     t_off = statistics.fmean([times[k] for k in unserved]) if unserved else None
     busy_without = result.summary.mean_busy_fraction
@@ -412,7 +413,8 @@ def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
         "iteration_time_served_s": round(t_on, 4) if t_on else None,
         "iteration_time_unserved_s": round(t_off, 4) if t_off else None,
         **serving_figures(data, spec.slo_ttft_s, spec.slo_tbt_s),
-        "bubble_time_filled": round(_filled(run, data, served), 4),
+        "bubble_time_filled": round(filled, 4),
+        "bubble_time_filled_by_kind": filled_by_kind,
     }
 
 
@@ -430,17 +432,20 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _filled(run: RunRecord, data: dict, served: list[int]) -> float:
-    """Fraction of the served iterations' bubble time that prefills ran in."""
-    bubble, filled = 0.0, 0.0
+def _filled(run: RunRecord, data: dict, served: list[int]) -> tuple[float, dict[str, float]]:
+    """Fraction of the served iterations' bubble time that prefills ran in, in all and per
+    kind of bubble (a receive's wait, the all-reduce's, a send's hand-off, idle)."""
+    bubble, filled = {}, {}
     for name, w in run.workers.items():
         prefills = [(s, e) for s, e, _ in data["prefill_intervals"].get(name, [])]
         for kind, _mb, s, e, it in w.events:
             if it not in served or kind in BUSY_KINDS:
                 continue
-            bubble += e - s
-            filled += sum(max(0.0, min(e, pe) - max(s, ps)) for ps, pe in prefills)
-    return filled / bubble if bubble else 0.0
+            bubble[kind] = bubble.get(kind, 0.0) + (e - s)
+            filled[kind] = filled.get(kind, 0.0) + sum(max(0.0, min(e, pe) - max(s, ps)) for ps, pe in prefills)
+    total = sum(bubble.values())
+    by_kind = {k: round(filled[k] / v, 4) for k, v in sorted(bubble.items()) if v > 0}
+    return (sum(filled.values()) / total if total else 0.0), by_kind
 
 
 def ttft_cdf(reqs: list[dict], path: Path, title: str, slo: float) -> None:

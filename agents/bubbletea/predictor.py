@@ -28,7 +28,8 @@ def bubbles_of(events: list, start: float, end: float) -> list[tuple[float, floa
 @dataclass
 class WorkerBubbles:
     """One worker's bubbles.  The schedule fixes where they are: the n-th wait for a peer of
-    an iteration is the same wait every iteration.  The worker announces each wait as it
+    an iteration (a receive, or the data-parallel all-reduce at its end) is the same wait
+    every iteration.  The worker announces each wait as it
     begins (live); its length is predicted as the shortest that wait lasted in the last
     ``keep`` iterations (conservative: a prefill sized to it ends before training resumes)."""
 
@@ -42,7 +43,7 @@ class WorkerBubbles:
         self.pending.extend(msg.events)
         if msg.iteration_done:
             waits = [ev.end - ev.start for ev in sorted(self.pending, key=lambda ev: ev.start)
-                     if ev.kind == "recv" and ev.mb >= 0]
+                     if (ev.kind == "recv" and ev.mb >= 0) or ev.kind == "allreduce"]
             self.history.append(waits)
             self.pending = []
             self.last_end = msg.end

@@ -194,7 +194,14 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
             if len(events) >= 8:
                 flush(it)
         if cfg.replicas > 1:
+            if announce:  # the all-reduce waits for the stage's other replicas: a bubble too
+                tel.send(m.Wait(it=it, n=waits, t=time.monotonic()))
+                if board is not None:
+                    board.show(wait_id(it, waits))
+                waits += 1
             compute.allreduce()
+            if board is not None:
+                board.show(0)
             mark("allreduce", -1, it)
         loss = compute.optimizer_step()
         mark("optimizer", -1, it)
