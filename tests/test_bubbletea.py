@@ -501,3 +501,18 @@ def test_the_slowdown_within_an_alignment_is_apart_from_which_alignment_a_run_fe
     assert len(r["alignments"]) == 2 and r["training_slowdown_within_alignments"] == pytest.approx(0.01, abs=1e-4)
     lo, hi = r["training_slowdown_within_alignments_ci95"]
     assert lo < 0.01 < hi and hi - lo < 0.01
+
+
+def test_a_prefill_past_its_bubbles_end_is_counted_with_its_overrun():
+    from types import SimpleNamespace
+
+    from agents.bubbletea.extension import _overruns
+
+    w = SimpleNamespace(events=[["forward", 0, 0.0, 0.1, 0], ["recv", 0, 0.1, 0.3, 0], ["backward", 0, 0.3, 0.5, 0],
+                                ["allreduce", -1, 0.5, 0.7, 0], ["optimizer", -1, 0.7, 0.75, 0]])
+    run = SimpleNamespace(workers={"s0r0": w})
+    data = {"prefill_intervals": {"s0r0": [[0.12, 0.29, 1], [0.2, 0.302, 2], [0.55, 0.71, 3], [0.9, 1.0, 4]]}}
+    r = _overruns(run, data)
+    assert (r["chunks"], r["past_bubble_end"]) == (3, 2)  # the last started after the record's last op
+    assert r["fraction"] == pytest.approx(2 / 3, abs=1e-4)
+    assert r["overrun_max_ms"] == pytest.approx(10.0)  # past the optimizer's issue at 0.7 s; the other by 2 ms

@@ -33,6 +33,7 @@ run's record is in emulated terms already, so ``summarise`` reads one clock.
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from dataclasses import replace
@@ -415,6 +416,7 @@ def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
         **serving_figures(data, spec.slo_ttft_s, spec.slo_tbt_s),
         "bubble_time_filled": round(filled, 4),
         "bubble_time_filled_by_kind": filled_by_kind,
+        "prefill_overruns": _overruns(run, data),
     }
 
 
@@ -446,6 +448,29 @@ def _filled(run: RunRecord, data: dict, served: list[int]) -> tuple[float, dict[
     total = sum(bubble.values())
     by_kind = {k: round(filled[k] / v, 4) for k, v in sorted(bubble.items()) if v > 0}
     return (sum(filled.values()) / total if total else 0.0), by_kind
+
+
+def _overruns(run: RunRecord, data: dict) -> dict:
+    """How often a prefill chunk ran past the end of the bubble it started in (the prediction
+    missed, or the margin was too small), and by how much: past the issue of the worker's next
+    training op (forward, backward, optimizer), which on an emulated device waited that long."""
+    n, late = 0, []
+    for name, w in run.workers.items():
+        issued = sorted(s for kind, _mb, s, _e, _it in w.events if kind in BUSY_KINDS)
+        for ps, pe, *_ in data["prefill_intervals"].get(name, []):
+            i = bisect.bisect_right(issued, ps)
+            if i >= len(issued):
+                continue  # after the last op of the record
+            n += 1
+            if pe > issued[i]:
+                late.append(pe - issued[i])
+    late.sort()
+
+    def ms(q):
+        return round(1000 * late[min(len(late) - 1, int(q * len(late)))], 3) if late else 0.0
+
+    return {"chunks": n, "past_bubble_end": len(late), "fraction": round(len(late) / n, 4) if n else None,
+            "overrun_p50_ms": ms(0.5), "overrun_p99_ms": ms(0.99), "overrun_max_ms": ms(1.0)}
 
 
 def ttft_cdf(reqs: list[dict], path: Path, title: str, slo: float) -> None:
