@@ -26,7 +26,9 @@ BDP, the pipelines' queues at the enforcing gateway splitting that same BDP) and
 (16 BDP, 4 BDP a pipeline).  The ablation: one pipeline's devices 1.5 x slower, the plan's
 order from telemetry (the slow pipeline first) against the fixed r0, r1, ... with the slow
 pipeline last.  Every run is predicted by the simulator (the devices' times, the
-window, the controller's order).  Writes ``OUT/atlas_regime.csv`` and prints a table.
+window, the controller's order), and carries its TCP counters per pipeline (retransmission
+timeouts, tail-loss probes: where a waiting pipeline's dropped tail cost it).  Writes
+``OUT/atlas_regime.csv`` and prints a table.
 ``--time-dilation K`` runs every variant K times slower than the wall clock (the figures in
 emulated seconds; the simulator's prediction is the same as at K = 1), to tell how much of a
 figure was this machine; ``--variants`` picks among a, b and c.
@@ -94,6 +96,22 @@ def _write(tmp: Path, name: str, queue: int, time_dilation: float = 1.0, **over)
     return path
 
 
+def _tcp_by_pipeline(metrics: dict) -> dict[str, dict[str, int]]:
+    """The run's TCP counters (``tcp_per_host``: every host's sender side) summed per pipeline
+    (r0, r1, ...): where the retransmission timeouts and tail-loss probes fell."""
+    host_of = {w["host"]: w for w in (metrics["workers"].values() if isinstance(metrics["workers"], dict)
+                                      else metrics["workers"])}
+    out: dict[str, dict[str, int]] = {}
+    for host, counters in (metrics.get("tcp_per_host") or {}).items():
+        w = host_of.get(host)
+        if w is None:
+            continue
+        pipe = out.setdefault(f"r{w['replica']}", {"timeouts": 0, "loss_probes": 0, "retransmitted_segments": 0})
+        for key in pipe:
+            pipe[key] += counters.get(key, 0)
+    return out
+
+
 def run(tmp: Path, name: str, queue: int, **over) -> dict:
     exp = load_experiment(_write(tmp, name, queue, _DILATION, **over))
     out = tmp / name
@@ -114,10 +132,14 @@ def run(tmp: Path, name: str, queue: int, **over) -> dict:
     times, latency = emulated_stage_times(exp)
     predicted = summarise(simulate(sim_exp, policy=policy, iterations=8, fold_replicas=False, stage_times=times,
                                    message_overhead_s=latency))["summary"]["mean_iteration_time_s"]
+    tcp = _tcp_by_pipeline(json.loads((out / "metrics.json").read_text()))
     row = {"variant": name, "queue_bdp": queue, "measured_s": round(measured, 3), "predicted_s": round(predicted, 3),
-           "error": round(predicted / measured - 1, 4), "order": " ".join(order) if order else ""}
+           "error": round(predicted / measured - 1, 4), "order": " ".join(order) if order else "",
+           "rto": sum(v["timeouts"] for v in tcp.values()), "loss_probes": sum(v["loss_probes"] for v in tcp.values()),
+           "rto_by_pipeline": " ".join(f"{r}:{v['timeouts']}" for r, v in sorted(tcp.items()))}
     print(f"  {name:<24} queue {queue:>2} BDP: measured {measured:.3f} s, predicted {predicted:.3f} s "
-          f"({row['error']:+.1%}) {row['order']}", flush=True)
+          f"({row['error']:+.1%}) {row['order']}; retransmission timeouts {row['rto']} ({row['rto_by_pipeline']}), "
+          f"loss probes {row['loss_probes']}", flush=True)
     return row
 
 
