@@ -139,32 +139,28 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def _join_build(session: pytest.Session) -> None:
     """Wait for the image build started at collection; say what it said."""
     build = session.config.stash.get(_BUILD, None)
-    if build is None:
-        return
-    say = _progress(session)
-    if build["thread"].is_alive():
-        say("waiting for the netem VM's image build before the tests that build networks here")
-        t0 = time.monotonic()
-        build["thread"].join()
-        say(f"waited {time.monotonic() - t0:.0f} s")
-    for line in build["lines"]:
-        say(line)
-    build["lines"] = []
+    if build is not None:
+        _wait_for(session, build["thread"], build["lines"], "the netem VM's image build")
 
 
 def _join(session: pytest.Session) -> None:
+    """Wait for the VM run started early; say what it said."""
     thread = session.config.stash.get(_THREAD, None)
-    if thread is None:
-        return
+    if thread is not None:
+        _wait_for(session, thread, session.config.stash.get(_SAID, []), "the netem VM")
+
+
+def _wait_for(session: pytest.Session, thread: threading.Thread, lines: list[str], what: str) -> None:
+    """Join a background thread of this plugin, then say (once) the lines it collected."""
     say = _progress(session)
     if thread.is_alive():
-        say("waiting for the netem VM before the tests that build networks here")
+        say(f"waiting for {what} before the tests that build networks here")
         t0 = time.monotonic()
         thread.join()
         say(f"waited {time.monotonic() - t0:.0f} s")
-    for line in session.config.stash.get(_SAID, []):
+    for line in lines:
         say(line)
-    session.config.stash[_SAID] = []
+    lines.clear()
 
 
 def runs_in_vm(item: pytest.Item) -> bool:

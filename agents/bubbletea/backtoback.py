@@ -93,15 +93,23 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.045, 2.042)
 
 
+def _t975(df: int) -> float:
+    """Student's t quantile for a two-sided 95% interval with ``df`` degrees of freedom."""
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.5 / df  # within 0.1% of the quantile past 30
+
+
+def _arm(run: dict) -> str:
+    """Which arm a run of ``back_to_back`` belongs to: off, on, or control."""
+    return "control" if run.get("control") else ("on" if run["bubbletea"] else "off")
+
+
 def ci95(values: list[float]) -> list[float] | None:
     """The 95% confidence interval of the mean of ``values`` (Student's t, two-sided); None
     for fewer than two."""
     n = len(values)
     if n < 2:
         return None
-    df = n - 1
-    t975 = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.5 / df  # within 0.1% of the quantile past 30
-    half = t975 * statistics.stdev(values) / n ** 0.5
+    half = _t975(n - 1) * statistics.stdev(values) / n ** 0.5
     mean = statistics.fmean(values)
     return [round(mean - half, 5), round(mean + half, 5)]
 
@@ -126,14 +134,12 @@ def alignments(times: list[float], gap: float = 0.02) -> list[list[float]]:
 def within_alignments(runs: list[dict], arm: str, against: str = "off") -> dict:
     """The slowdown of ``arm`` over ``against`` within each alignment (runs grouped by
     ``alignments``), and their mean weighted by the runs in both, with a 95% interval from the
-    pooled spread of the runs around their alignment's and arm's mean (normal, t past 30 runs)."""
-    def kind(r):
-        return "control" if r.get("control") else ("on" if r["bubbletea"] else "off")
-
+    pooled spread of the runs around their alignment's and arm's mean (Student's t); no interval
+    where every cell holds one run."""
     groups = alignments([r["mean_iteration_time_s"] for r in runs])
     rows, resid = [], []
     for lo, hi in groups:
-        cell = {k: [r["mean_iteration_time_s"] for r in runs if kind(r) == k and lo <= r["mean_iteration_time_s"] <= hi]
+        cell = {k: [r["mean_iteration_time_s"] for r in runs if _arm(r) == k and lo <= r["mean_iteration_time_s"] <= hi]
                 for k in ("off", "on", "control")}
         for vals in cell.values():
             if vals:
@@ -146,27 +152,21 @@ def within_alignments(runs: list[dict], arm: str, against: str = "off") -> dict:
     used = [r for r in rows if r["slowdown"] is not None]
     if not used:
         return {"alignments": rows, "slowdown": None, "ci95": None}
-    groups_n = sum(1 for r in rows for k in ("off", "on", "control") if r[f"n_{k}"])
-    dof = len(resid) - groups_n
-    if dof < 1:  # one run per cell: no spread inside an alignment to judge by
-        return {"alignments": rows, "slowdown": round(sum((r[f"n_{arm}"] + r[f"n_{against}"]) * r["slowdown"]
-                                                          for r in used) / sum(r[f"n_{arm}"] + r[f"n_{against}"]
-                                                                               for r in used), 5), "ci95": None}
-    sd = (sum(x * x for x in resid) / dof) ** 0.5
     weights = [r[f"n_{arm}"] + r[f"n_{against}"] for r in used]
     mean = sum(w * r["slowdown"] for w, r in zip(weights, used)) / sum(weights)
+    dof = len(resid) - sum(1 for r in rows for k in ("off", "on", "control") if r[f"n_{k}"])
+    if dof < 1:  # one run per cell: no spread inside an alignment to judge by
+        return {"alignments": rows, "slowdown": round(mean, 5), "ci95": None}
+    sd = (sum(x * x for x in resid) / dof) ** 0.5
     var = sum(w * w * (sd / r[f"mean_{against}_s"]) ** 2 * (1 / r[f"n_{arm}"] + 1 / r[f"n_{against}"])
               for w, r in zip(weights, used)) / sum(weights) ** 2
-    t975 = _T975[dof - 1] if dof <= len(_T975) else 1.96 + 2.5 / dof
-    half = t975 * var ** 0.5
+    half = _t975(dof) * var ** 0.5
     return {"alignments": rows, "slowdown": round(mean, 5), "ci95": [round(mean - half, 5), round(mean + half, 5)],
             "pooled_sd_s": round(sd, 5)}
 
 
 def summarise(exp, runs: list[dict], out: Path | None = None) -> dict:
-    off = [r for r in runs if not r["bubbletea"]]
-    on = [r for r in runs if r["bubbletea"] and not r.get("control")]
-    control = [r for r in runs if r.get("control")]
+    off, on, control = ([r for r in runs if _arm(r) == k] for k in ("off", "on", "control"))
     t_off = statistics.fmean(r["mean_iteration_time_s"] for r in off)
     t_on = statistics.fmean(r["mean_iteration_time_s"] for r in on)
     per_pair = [b["mean_iteration_time_s"] / a["mean_iteration_time_s"] - 1 for a, b in zip(off, on)]

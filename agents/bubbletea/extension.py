@@ -374,6 +374,8 @@ def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
     data = json.loads(path.read_text()) if path.exists() else {"requests": [], "prefill_intervals": {}}
     steady = result.summary.steady_state_iterations
     spec = run.exp.bubbletea
+    if spec.control:  # the control arm's chunks ran on devices of their own: none shares a worker's
+        data = dict(data, prefill_intervals={})
     # the controller's rule (its iteration count from the warm-up on): with Atlas the steady
     # state starts later, and counting from there swapped served and unserved
     first = run.exp.training.warmup_iterations
@@ -382,8 +384,7 @@ def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
     ends = dict(enumerate(run.iteration_ends()))
     util_with, util_without, prefill_share = [], [], []
     for name, w in run.workers.items():
-        # the control arm's chunks ran on a device of their own: none shares the worker's
-        prefills = [] if spec.control else [(s, e) for s, e, _ in data["prefill_intervals"].get(name, [])]
+        prefills = [(s, e) for s, e, _ in data["prefill_intervals"].get(name, [])]
         w.cotenant, w.cotenant_kind = prefills, "prefill"
         for k in steady:
             start = w.iteration_end[k - 1] if k > 0 else run.go_time
@@ -463,11 +464,10 @@ def _overruns(run: RunRecord, data: dict) -> dict:
                 continue  # after the last op of the record
             n += 1
             if pe > issued[i]:
-                late.append(pe - issued[i])
-    late.sort()
+                late.append(1000 * (pe - issued[i]))
 
     def ms(q):
-        return round(1000 * late[min(len(late) - 1, int(q * len(late)))], 3) if late else 0.0
+        return round(_pct(late, q), 3) if late else 0.0
 
     return {"chunks": n, "past_bubble_end": len(late), "fraction": round(len(late) / n, 4) if n else None,
             "overrun_p50_ms": ms(0.5), "overrun_p99_ms": ms(0.99), "overrun_max_ms": ms(1.0)}

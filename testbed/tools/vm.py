@@ -90,8 +90,8 @@ _DEFAULT_TIMEOUT_S = 1800.0
 # A boot under KVM echoes in 2-5 s; one that has not in 15 s is nested KVM that hangs (this
 # machine: /dev/kvm present, the guest never starts), and TCG is chosen.
 _KVM_PROBE_S = 15.0
-# The whole build (debootstrap, apt and pip in the chroot, the guest's playbook) gives up after
-# this long: ~8 min here, so a stuck mirror or a hung guest fails CI in minutes, in one line.
+# The whole build (debootstrap, apt and pip in the chroot, the guest's doctor) gives up after
+# this long: 2-3 min here, so a stuck mirror or a hung guest fails CI in minutes, in one line.
 BUILD_TIMEOUT_S = float(os.environ.get("GTB_VM_BUILD_TIMEOUT_S", 1200))
 _build_deadline: float | None = None  # monotonic; set while build_image runs
 _build_cancel: "threading.Event | None" = None  # set while build_image runs, if it was given one
@@ -249,6 +249,11 @@ def ensure_image(progress: Callable[[str], None] | None = None,
 _DOCTOR_SCRIPT = f"{GUEST_PROJECT}/.venv/bin/testbed doctor --json > {GUEST_JOB}/doctor.json\n"
 
 
+def _doctor_said(result: "JobResult") -> dict:
+    """What ``_DOCTOR_SCRIPT`` left in the job's folder ({} where it left nothing)."""
+    return json.loads(result.files.get("doctor.json", b"{}") or b"{}")
+
+
 def _provision_script() -> str:
     """The playbook check's job: the playbook, connection local, then ``testbed doctor``."""
     extra = json.dumps({"python_exclude": GUEST_PIP_EXCLUDE, "python_extras": GUEST_EXTRAS})
@@ -260,8 +265,7 @@ echo "gtb-vm: running playbooks/site.yml (connection local)"
 export PATH={GUEST_PROJECT}/.venv/bin:$PATH ANSIBLE_NOCOLOR=1 ANSIBLE_RETRY_FILES_ENABLED=0 \\
   ANSIBLE_DEPRECATION_WARNINGS=0 ANSIBLE_LOCALHOST_WARNING=0
 ansible-playbook -i playbooks/inventory.local.ini playbooks/site.yml -e {shlex.quote(extra)}
-{GUEST_PROJECT}/.venv/bin/testbed doctor --json > {GUEST_JOB}/doctor.json
-"""
+{_DOCTOR_SCRIPT}"""
 
 
 def check_playbook(image: Image | None = None, progress: Callable[[str], None] | None = None,
@@ -281,7 +285,7 @@ def check_playbook(image: Image | None = None, progress: Callable[[str], None] |
         state = f"did not finish within {timeout_s:.0f} s" if result.timed_out else f"failed (rc {result.rc})"
         raise VMError(f"playbooks/site.yml in the VM ({accel}) {state}; console in {log}: "
                       f"{_last_error(result.console)}")
-    doctor = json.loads(result.files.get("doctor.json", b"{}") or b"{}")
+    doctor = _doctor_said(result)
     return {"doctor": doctor, "wall_s": round(result.wall_s, 1), "accel": accel}
 
 
@@ -350,7 +354,7 @@ def build_image(progress: Callable[[str], None] | None = None, keep_debs: bool =
                 (CACHE / "build-failed.log").write_text(result.console)
                 raise VMError(f"testbed doctor in the new image failed (rc {result.rc}; console in "
                               f"{CACHE / 'build-failed.log'}): {_last_error(result.console)}")
-            doctor = json.loads(result.files.get("doctor.json", b"{}") or b"{}")
+            doctor = _doctor_said(result)
             times["doctor_s"] = round(time.monotonic() - t2, 1)
             times["total_s"] = round(time.monotonic() - t0, 1)
             meta = {"key": key, "suite": SUITE, "mirror": MIRROR, "kernel": kernel_version,
