@@ -17,6 +17,9 @@ The channels that use it, and the kinds each carries:
 * the delay line's control socket (``testbed/net/delayline.py``): ``LaneSet`` (a partial
   update: fields left ``UNSET`` are not sent and not changed) and ``LaneStats``, answered
   by ``Ok``, ``Refused`` or ``LaneStatsReply``;
+* a turn server's Unix stream socket (``testbed/net/sendturns.py``): a sender's
+  ``TurnWant`` is answered ``TurnGrant`` when its pipeline's turn on the link comes; the
+  sender says ``TurnDone`` when its message has left;
 * the cluster wire (``testbed/cluster/wire.py``): the orchestrator's ``Call`` (an RPC: the
   agent checks the arguments against its op), the agent's ``Answer`` and its events
   ``Telemetry`` (a worker's message, nested), ``Exited`` and ``NetworkFailed``.
@@ -38,7 +41,8 @@ from typing import Any, ClassVar, Union
 
 __all__ = ["UNSET", "AgentGone", "Answer", "Bye", "Call", "Done", "Events", "Exited", "Go", "Hello", "LaneSet", "LaneStats",
            "LaneStatsReply", "Log", "Message", "MessageError", "NetworkFailed", "Ok", "Ready", "Record", "Refused",
-           "Span", "StartOffset", "Telemetry", "Wait", "WorkerError", "Xfer", "decode", "encode", "kinds", "line"]
+           "Span", "StartOffset", "Telemetry", "TurnDone", "TurnGrant", "TurnWant", "Wait", "WorkerError", "Xfer",
+           "decode", "encode", "kinds", "line"]
 
 
 class MessageError(ValueError):
@@ -433,6 +437,37 @@ class Refused(Message):
 
     kind: ClassVar[str] = "refused"
     error: str
+
+
+# -- a turn server's socket (testbed/net/sendturns.py) ---------------------------------------
+@dataclasses.dataclass
+class TurnWant(Message):
+    """A sender's message is ready for ``link`` (a WAN direction, ``src->dst``): grant it the
+    link when ``pipeline``'s turn comes."""
+
+    kind: ClassVar[str] = "turn_want"
+    link: str
+    pipeline: str
+
+
+@dataclasses.dataclass
+class TurnGrant(Message):
+    """The link is the asker's until it says ``TurnDone``."""
+
+    kind: ClassVar[str] = "turn_grant"
+    link: str
+
+
+@dataclasses.dataclass
+class TurnDone(Message):
+    """The message has left (what is still unacknowledged is in flight, not queued): the link
+    goes to the next pipeline, the sender itself among those waiting when ``more``.
+    ``nbytes``: the message's size, for the server's counters."""
+
+    kind: ClassVar[str] = "turn_done"
+    link: str
+    nbytes: int = 0
+    more: bool = False  # the sender has its next message ready: it waits for the link again at once
 
 
 # -- the cluster wire: orchestrator <-> machine agents (testbed/cluster/wire.py) --------------

@@ -14,7 +14,7 @@ from testbed import messages as m
 from testbed.spec.experiment import parse_experiment
 from testbed.results.metrics import summarise
 from testbed.sim.build import PAYLOAD_FRACTION, simulate
-from testbed.sim.engine import Link, PriorityPolicy, Simulator
+from testbed.sim.engine import Link, PriorityPolicy, Simulator, TurnPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,6 +114,43 @@ def test_priority_policy_gives_the_owner_the_whole_link_and_the_rest_what_it_lea
     sim.transfer([link], 60_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1")
     sim.run()
     assert done["r0"] == pytest.approx(0.25) and done["r1"] == pytest.approx(0.1)
+
+
+def test_turn_policy_hands_a_link_on_per_message_in_rank_and_never_preempts():
+    """Turns at the senders in the fluid model: a message that holds the link keeps it
+    against a higher-ranked one that comes later; the link then goes to the highest-ranked
+    waiting; a holder that cannot fill the link leaves the rest idle (not work-conserving)."""
+    link = Link("a->b", bandwidth=1e6, delay=0.0)
+    sim = Simulator(TurnPolicy(["r0", "r1", "r2"]))
+    done = {}
+    sim.transfer([link], 100_000, float("inf"), lambda t: done.setdefault("r2", t), owner="r2")
+    sim.at(0.05, lambda: sim.transfer([link], 100_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1"))
+    sim.at(0.06, lambda: sim.transfer([link], 100_000, float("inf"), lambda t: done.setdefault("r0", t), owner="r0"))
+    sim.run()
+    assert done == {"r2": pytest.approx(0.1), "r0": pytest.approx(0.2), "r1": pytest.approx(0.3)}
+    sim = Simulator(TurnPolicy(["r0", "r1"]))
+    done = {}
+    sim.transfer([link], 100_000, 4e5, lambda t: done.setdefault("r0", t), owner="r0")
+    sim.transfer([link], 60_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1")
+    sim.run()
+    assert done["r0"] == pytest.approx(0.25) and done["r1"] == pytest.approx(0.31)
+
+
+def test_turn_policy_lets_a_senders_next_message_compete_in_its_rank():
+    """A message started the instant the holder's ends (its channel's next) takes the link
+    back from a lower-ranked one granted that same instant: r0's two messages go back to back."""
+    link = Link("a->b", bandwidth=1e6, delay=0.0)
+    sim = Simulator(TurnPolicy(["r0", "r1"]))
+    done = {}
+
+    def second(t):
+        done["r0 first"] = t
+        sim.transfer([link], 100_000, float("inf"), lambda t: done.setdefault("r0 second", t), owner="r0")
+
+    sim.transfer([link], 100_000, float("inf"), second, owner="r0")
+    sim.transfer([link], 100_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1")
+    sim.run()
+    assert done == {"r0 first": pytest.approx(0.1), "r0 second": pytest.approx(0.2), "r1": pytest.approx(0.3)}
 
 
 def _two_pipelines(c: float, t: float, d: int = 2, m: int = 8):

@@ -3,6 +3,7 @@ agent killed mid-run leaves training going under fair sharing with the event in 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -19,13 +20,13 @@ pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _exp(sharing: str, iterations: int = 7, plan: str = "telemetry"):
+def _exp(sharing: str, iterations: int = 7, plan: str = "telemetry", enforce: str = "gateway"):
     return parse_experiment({
         "name": f"atlas-{sharing}", "topology": str(REPO / "tests" / "data" / "atlas2.yaml"),
         "model": {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 64},
         "training": {"iterations": iterations, "microbatches": 4, "microbatch_size": 8, "seed": 3},
         "parallel": {"stages": 2, "replicas": 2, "schedule": "1f1b", "slow_start_after_idle": False},
-        "atlas": {"sharing": sharing, "lease_s": 1.0, "plan": plan},
+        "atlas": {"sharing": sharing, "lease_s": 1.0, "plan": plan, "enforce": enforce},
     }, "atlas")
 
 
@@ -55,6 +56,56 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
     logs = (tmp_path / "temporal" / "atlas-logs" / "agent-dc1.log").read_text()
     assert "plan applied on dc1->dc2" in logs
     assert (tmp_path / "temporal" / "atlas-plans.json").exists()
+
+
+@pytest.mark.network(delay="tun")
+def test_turns_at_the_senders_give_each_direction_to_one_pipeline_at_a_time(tmp_path):
+    """``enforce: senders``: no scheduler in the delay line; every cross-DC message after the
+    plan waits for its pipeline's turn from its DC's agent, the turns on a direction never
+    overlap, and the losses are fair sharing's."""
+    fair = TrainingRun(_exp("fair"), tmp_path / "fair").run()
+    run = TrainingRun(_exp("temporal", plan="fixed", enforce="senders"), tmp_path / "senders")
+    seen = {}
+
+    def watch(worker, msg):
+        if isinstance(msg, m.Events) and msg.iteration_done and msg.it == 5 and "sched" not in seen:
+            seen["sched"] = run.net.link("dc1", "dc2").delay_line_stats()["sched"]
+
+    run.subscribe(watch)
+    result = run.run()
+    assert [it["loss"] for it in result["iterations"]] == [it["loss"] for it in fair["iterations"]]
+    assert "sched" in seen and seen["sched"] is None  # nothing of Atlas's in the network
+    atlas = result["summary"]["atlas"]
+    assert atlas["enforce"] == "senders" and set(atlas["turns"]) == {"dc1->dc2", "dc2->dc1"}
+    turns = json.loads((tmp_path / "senders" / "atlas-turns.json").read_text())
+    first_plan = run.extension("atlas").plans[0]["published_at_iteration"]
+    messages_after = 4 * 2 * (7 - first_plan - 1)  # per direction: microbatches x pipelines x iterations
+    for link, data in turns.items():
+        exclusive = sorted((t for t in data["turns"] if t[5]), key=lambda t: t[2])
+        assert data["order"] == ["r0", "r1"] and len(exclusive) >= messages_after, (link, len(exclusive))
+        assert all(b[2] >= a[3] for a, b in zip(exclusive, exclusive[1:])), link  # one holder at a time
+        assert {t[0] for t in exclusive} == {"r0", "r1"}
+
+
+@pytest.mark.network(delay="tun")
+def test_a_killed_turn_server_leaves_the_senders_sending_under_fair_sharing(tmp_path):
+    iterations = 10
+    run = TrainingRun(_exp("temporal", iterations=iterations, plan="fixed", enforce="senders"), tmp_path / "kill")
+    killed = {}
+
+    def watch(worker, msg):
+        if isinstance(msg, m.Events) and msg.iteration_done and worker == "s1r1" and msg.it == 4 and not killed:
+            killed["at"] = True
+            os.kill(run.pids()["atlas-agent-dc1"], signal.SIGKILL)
+
+    run.subscribe(watch)
+    result = run.run()
+    losses = [it["loss"] for it in result["iterations"]]
+    assert killed and len(losses) == iterations and all(loss is not None for loss in losses)
+    log = "\n".join(result["log"])
+    assert "atlas agent-dc1 died" in log and "send without turns" in log and "training continues" in log, log
+    worker_logs = "".join(p.read_text() for p in (tmp_path / "kill").rglob("s0r*.log"))
+    assert "sending without turns (fair sharing)" in worker_logs
 
 
 @pytest.mark.parametrize("victim", ["controller", pytest.param("agent-dc1", marks=pytest.mark.slow)])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed import messages as m
 from testbed.spec.experiment import parse_experiment
 from testbed.results.metrics import summarise
 from testbed.spec.schedules import ideal_bubble_fraction
@@ -114,7 +115,7 @@ def _timeline(path: Path, exp, extra_s: float, iterations: int = 3) -> Path:
     link's delay + size/rate + ``extra_s`` while the receiver waits for it."""
     from testbed.sim.build import PAYLOAD_FRACTION
 
-    link = exp.topo.direction(exp.workers()[0].dc, exp.workers()[1].dc)
+    link = exp.topo.direction(exp.workers()[0].dc, next(w.dc for w in exp.workers() if w.stage == 1))
     took = link.delay_ms / 1000 + 131072 / (link.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION) + extra_s
     events, t = [], 0.0
     for it in range(iterations):
@@ -148,6 +149,28 @@ def test_profiled_message_latency_is_the_excess_over_a_fifo_link(tmp_path):
     assert times[0].forward == pytest.approx(0.01) and times[0].samples["forward"] == (0.01,) * 4
     exact = profiled_stage_times(_timeline(tmp_path / "b.json", exp, 0.0), exp, skip_iterations=1)[1]
     assert exact == pytest.approx(0.0, abs=1e-6)
+
+
+def test_profiled_message_latency_leaves_out_messages_that_shared_their_path(tmp_path):
+    """A second pipeline's messages sent alongside the first's, arriving 0.5 s late (they
+    shared the link, lost packets): how they shared it is the network model's business, so
+    the latency comes from the messages alone on the path (4 ms), and is 0 where none was."""
+    from testbed.sim.build import profiled_stage_times
+
+    exp = _exp(2, 2, "gpipe", replicas=2)
+    path = _timeline(tmp_path / "a.json", exp, 0.004)
+    trace = json.loads(path.read_text())
+    first = [e for e in trace["traceEvents"] if e["cat"] == "xfer_act" and e["args"]["iteration"] == 0]
+    late = []
+    for e in trace["traceEvents"]:
+        if e["cat"] in ("xfer_act", "recv") and e["args"]["iteration"] == 0:
+            late.append(dict(e, tid=e["tid"].replace("s1r0", "s1r1"), dur=e["dur"] + 0.5e6))
+    trace["traceEvents"] += late
+    path.write_text(json.dumps(trace))
+    assert first and profiled_stage_times(path, exp, skip_iterations=0)[1] == pytest.approx(0.004, abs=1e-6)
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e["args"]["iteration"] == 0]
+    path.write_text(json.dumps(trace))
+    assert profiled_stage_times(path, exp, skip_iterations=0)[1] == 0.0
 
 
 def test_sim_command_takes_times_and_latency_from_a_profile(tmp_path):
@@ -299,3 +322,20 @@ def test_the_wan_path_of_a_two_stage_job_is_exactly_the_closed_form(pipelines, t
     for w in result.workers.values():  # each transfer alone: d + k x bytes / (R x payload fraction)
         for kind, mb, start, end, nbytes, it in w.transfers:
             assert nbytes == size and end - start == pytest.approx(xfer, rel=1e-6)
+
+
+def test_a_comparison_row_counts_the_drops_of_every_wan_direction_and_the_tcp_timeouts(tmp_path):
+    """``compare:``'s rows carry what each variant's packets went through: the links' drop
+    counters at their last sample (cumulative, every direction) and the senders' timeouts."""
+    from testbed.results.metrics import Summary
+    from testbed.run.compare import _network_counters
+
+    (tmp_path / "links.csv").write_text("time_s,link,tx_bytes,drops,backlog_bytes,mbps\n"
+                                        "0.1,a->b,10,3,0,\n0.1,b->a,10,1,0,\n0.5,a->b,90,7,0,1.0\n0.5,b->a,90,2,0,1.0\n")
+    s = Summary(iterations=3, steady_state_iterations=[2], mean_iteration_time_s=1.0, mean_busy_fraction=0.5,
+                bubble_fraction=0.5, busy_fraction_per_worker={}, tokens_per_s=None, final_loss=None,
+                tcp_timeouts=4, tcp_loss_probes=9)
+    assert _network_counters(s, tmp_path) == {"wan_drops": 9, "tcp_timeouts": 4, "tcp_loss_probes": 9}
+    s.tcp_timeouts = s.tcp_loss_probes = m.UNSET
+    (tmp_path / "links.csv").unlink()
+    assert _network_counters(s, tmp_path) == {}

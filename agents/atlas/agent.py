@@ -9,9 +9,16 @@ silent for ``lease_s`` the agent removes the schedulers itself; if the agent die
 leases run out in the delay line.  Either way the links are back to one FIFO (TCP fair
 sharing) within ``lease_s``, and training goes on.
 
+Turns at the senders (``atlas.enforce: senders``): the agent also hosts the core's
+``TurnServer`` (``testbed/net/sendturns.py``) for its DC's outgoing WAN directions; a plan
+sets each link's order there instead of in a delay line, and a cleared plan (or a silent
+controller) leaves every sender free to send at once (fair sharing).  When it stops it
+writes the turns' counters to ``stats``.
+
     python -m agents.atlas.agent CONFIG.json
 
-CONFIG: ``{"dc", "listen", "lease_s", "links": {"src->dst": {"control": path, "lane": name}}}``.
+CONFIG: ``{"dc", "listen", "lease_s", "links": {"src->dst": {"control": path, "lane": name}},
+"turns": path | null, "turn_links": ["src->dst", ..], "stats": path | null}``.
 Messages (``messages.py``): ``AgentPlan`` (``{"kind": "atlas.links", "links": {"src->dst":
 {"classes": {..}, "order": [..], "queue_bytes": null | "share"}}}``), ``Heartbeat``,
 ``Clear``; to the delay line, the core's ``LaneSet``.
@@ -19,7 +26,9 @@ Messages (``messages.py``): ``AgentPlan`` (``{"kind": "atlas.links", "links": {"
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -28,6 +37,7 @@ import time
 from agents.atlas.config import AgentConfig
 from agents.atlas.messages import AgentPlan, Clear, Heartbeat, LinkSchedule
 from testbed import messages as m
+from testbed.net.sendturns import TurnServer
 from testbed.procutil import DatagramClient
 
 
@@ -71,7 +81,8 @@ def run(cfg: AgentConfig) -> None:
     if os.path.exists(cfg.listen):
         os.unlink(cfg.listen)
     sock.bind(cfg.listen)
-    sock.settimeout(lease / 4)
+    sock.setblocking(False)
+    turns = TurnServer(cfg.turns) if cfg.turns else None
     by_control: dict[str, _Line] = {}  # one socket per delay line (a gateway's lanes share it)
     for link in cfg.links.values():
         if link.control not in by_control:
@@ -82,54 +93,75 @@ def run(cfg: AgentConfig) -> None:
     heard = time.monotonic()
     running = [True]
     signal.signal(signal.SIGTERM, lambda *_: running.__setitem__(0, False))
-    _log(dc, f"up, links {', '.join(lanes) or 'none'}")
+    _log(dc, f"up, links {', '.join(lanes) or 'none'}"
+             + (f", turns at the senders on {', '.join(cfg.turn_links)}" if turns else ""))
 
     def clear(why: str) -> None:
         for name in sorted(active):
-            try:
-                lines[name].request(m.LaneSet(lane=lanes[name], classes=None))
-            except (OSError, RuntimeError, ValueError) as exc:
-                _log(dc, f"{name}: clearing failed: {exc}")
+            if name in lines:
+                try:
+                    lines[name].request(m.LaneSet(lane=lanes[name], classes=None))
+                except (OSError, RuntimeError, ValueError) as exc:
+                    _log(dc, f"{name}: clearing failed: {exc}")
+            elif turns is not None:
+                turns.set_order(name, None)
         if active:
             _log(dc, f"fair sharing restored on {', '.join(sorted(active))} ({why})")
         active.clear()
 
+    renewed = time.monotonic()
     try:
         while running[0]:
+            fds = [sock.fileno()] + (turns.fds() if turns else [])
             try:
-                data = sock.recv(65536)
-                msg = m.decode(data, expect=(AgentPlan, Heartbeat, Clear))
-            except socket.timeout:
-                msg = None
-            except (OSError, ValueError):
-                msg = None
+                ready, _, _ = select.select(fds, [], [], lease / 4)
+            except InterruptedError:
+                continue
+            msg = None
+            for fd in ready:
+                if fd != sock.fileno():
+                    turns.handle(fd)
+                    continue
+                try:
+                    msg = m.decode(sock.recv(65536), expect=(AgentPlan, Heartbeat, Clear))
+                except (OSError, ValueError):
+                    msg = None
             now = time.monotonic()
             if msg is not None:
                 heard = now
                 if isinstance(msg, AgentPlan):
                     for name, link in msg.links.items():
-                        if name not in lines:
-                            continue
-                        if _apply(lines[name], lanes[name], link, lease, name in active, dc, name):
+                        if name in lines:
+                            if _apply(lines[name], lanes[name], link, lease, name in active, dc, name):
+                                active.add(name)
+                            else:
+                                active.discard(name)
+                        elif turns is not None and name in cfg.turn_links:
+                            turns.set_order(name, link.order)
                             active.add(name)
-                        else:
-                            active.discard(name)
                     _log(dc, f"plan applied on {', '.join(sorted(active)) or 'no link'}: order "
                              f"{next((link.order for link in msg.links.values()), None)}")
                 elif isinstance(msg, Clear):
                     clear("the controller asked")
             if active and now - heard > lease:
                 clear(f"controller silent for {now - heard:.1f} s")
-            for name in list(active):  # renew the leases
-                try:
-                    lines[name].request(m.LaneSet(lane=lanes[name], lease_s=lease))
-                except (OSError, RuntimeError, ValueError) as exc:
-                    _log(dc, f"{name}: lease renewal failed: {exc}")
+            if now - renewed >= lease / 4:
+                renewed = now
+                for name in [n for n in active if n in lines]:  # renew the delay lines' leases
+                    try:
+                        lines[name].request(m.LaneSet(lane=lanes[name], lease_s=lease))
+                    except (OSError, RuntimeError, ValueError) as exc:
+                        _log(dc, f"{name}: lease renewal failed: {exc}")
     finally:
         clear("agent stopping")
         for line in by_control.values():
             line.close()
         sock.close()
+        if turns is not None:
+            if cfg.stats:
+                with open(cfg.stats, "w") as fh:
+                    json.dump(turns.stats(), fh, indent=1)
+            turns.close()
         try:
             os.unlink(cfg.listen)
         except OSError:

@@ -60,6 +60,9 @@ class AgentConfig:
     listen: str  # its own datagram socket
     lease_s: float
     links: dict[str, AgentLink] = field(default_factory=dict)  # "src->dst" -> where to enforce
+    turns: str | None = None  # enforce at the senders: the turn server's socket (testbed/net/sendturns.py)
+    turn_links: list[str] = field(default_factory=list)  # ... and the links it hands out
+    stats: str | None = None  # where to write its counters when it stops (JSON)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,10 @@ every worker's timeline to the controller, passes each plan's start offsets to t
 stage of each pipeline, and writes ``atlas-plans.json`` and the processes' logs into the
 results.  A dead controller or agent is logged and training goes on under fair sharing
 (the agents' leases run out in the delay lines).  The summary counts from the first
-iteration after the first plan (the plan is then in force).
+iteration after the first plan (the plan is then in force).  With ``enforce: senders`` no
+delay line schedules anything: each worker's cross-DC channels take their turns from their
+DC's agent (``worker_options``; ``testbed/net/sendturns.py``), and the agents' counters go
+to ``atlas-turns.json``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from agents.atlas.config import AgentConfig, AgentLink, ControllerConfig, LinkPlan
 from agents.atlas.messages import PlanPublished
+from testbed.train.config import SendTurns
 from testbed import messages as m
 from testbed.results.metrics import RunSummary
 from testbed.run.hooks import RunContext, RunExtension
@@ -37,9 +41,41 @@ class AtlasExtension(RunExtension):
         self._controller_up = False
         self._dead: set[str] = set()
         self._names: list[str] = []
+        self.turns: dict[str, dict] = {}  # turns at the senders: per link, the agents' counters
 
     def network_options(self) -> dict:
-        return {"scheduling": True} if self.exp.atlas.sharing == "temporal" else {}
+        return {"scheduling": True} if self._at_gateway() else {}
+
+    def _at_gateway(self) -> bool:
+        return self.exp.atlas.sharing == "temporal" and self.exp.atlas.enforce == "gateway"
+
+    def _at_senders(self) -> bool:
+        return self.exp.atlas.sharing == "temporal" and self.exp.atlas.enforce == "senders"
+
+    @staticmethod
+    def _turn_server(ctx: RunContext, dc: str) -> str:
+        return str(ctx.net.registry.dir / f"atlas-turns-{dc}.sock")
+
+    def worker_options(self, ctx: RunContext, slot) -> dict:
+        """Turns at the senders: each outgoing cross-DC channel asks its own DC's agent for
+        its pipeline's turn on the WAN directions it crosses."""
+        if not self._at_senders() or self.exp.parallel.replicas < 2:
+            return {}
+        exp, wire = self.exp, ctx.net.topo  # the wire's rates (under time dilation, the dilated ones)
+        slots = {(s.stage, s.replica): s for s in exp.workers()}
+        out = {}
+        for key, peer in (("turns_next", slots.get((slot.stage + 1, slot.replica))),
+                          ("turns_prev", slots.get((slot.stage - 1, slot.replica)))):
+            if peer is None or peer.dc == slot.dc:
+                continue
+            hops = wire.path(slot.dc, peer.dc)
+            pairs = list(zip(hops, hops[1:]))
+            rate = min(wire.direction(x, y).rate_mbps for x, y in pairs) * 1e6 / 8
+            bdp = rate * wire.rtt_ms(slot.dc, peer.dc) / 1000
+            path = self._turn_server(ctx, slot.dc)
+            ctx.net.registry.file(path)
+            out[key] = SendTurns(path, f"r{slot.replica}", [f"{x}->{y}" for x, y in pairs], int(bdp), rate)
+        return out
 
     # -- starting -----------------------------------------------------------------------
     def start(self, ctx: RunContext) -> None:
@@ -53,8 +89,14 @@ class AtlasExtension(RunExtension):
             for dc in sorted({x for x, _ in links}):
                 mine = {f"{x}->{y}": (x, y) for x, y in links if x == dc}
                 listen = str(state / f"atlas-agent-{dc}.sock")
-                cfg = AgentConfig(dc, listen, exp.atlas.lease_s,
-                                  {n: AgentLink(net.link(*k).control_path, net.link(*k).lane) for n, k in mine.items()})
+                if self._at_senders():
+                    cfg = AgentConfig(dc, listen, exp.atlas.lease_s, {}, turns=self._turn_server(ctx, dc),
+                                      turn_links=sorted(mine), stats=str(ctx.launcher.file(f"atlas-turns-{dc}.json")))
+                    mine = {}
+                else:
+                    cfg = AgentConfig(dc, listen, exp.atlas.lease_s,
+                                      {n: AgentLink(net.link(*k).control_path, net.link(*k).lane)
+                                       for n, k in mine.items()})
                 for path in [listen] + [f"{listen}.{i}" for i in range(len(mine))]:  # its socket, one per line
                     net.registry.file(path)
                 self._start(ctx, f"agent-{dc}", "agents.atlas.agent", cfg.to_dict())
@@ -150,9 +192,11 @@ class AtlasExtension(RunExtension):
                 self._controller_gone(f"died (exit {code})")
             else:
                 self._dead.add(name)
+                how = ("its DC's senders send without turns (fair sharing) from their next message"
+                       if self._at_senders() else f"its links fall back to fair sharing when their lease ends "
+                                                  f"({self.exp.atlas.lease_s:.1f} s)")
                 self._ctx.log(f"{name.replace('-', ' ', 1)} died (exit {code}) at iteration "
-                              f"{self._ctx.iterations_done()}: its links fall back to fair sharing when their "
-                              f"lease ends ({self.exp.atlas.lease_s:.1f} s); training continues")
+                              f"{self._ctx.iterations_done()}: {how}; training continues")
 
     def steady_state_from(self) -> int:
         return self._steady_from
@@ -168,19 +212,36 @@ class AtlasExtension(RunExtension):
         self._ctx.launcher.stop(self._names)
         self._ctx.launcher.copy_logs(out_dir / "atlas-logs", self._names, rename=lambda n: n.removeprefix("atlas-"))
         (out_dir / "atlas-plans.json").write_text(json.dumps(self.plans, indent=1))
+        if self._at_senders():  # each agent's turn server's counters, per link and pipeline
+            k = self.exp.time_dilation
+            for f in sorted(self._ctx.launcher.dir.glob("atlas-turns-*.json")):
+                for link, data in json.loads(f.read_text()).items():
+                    for c in data["pipelines"].values():  # in emulated seconds
+                        c["waited_s"], c["held_s"] = round(c["waited_s"] / k, 4), round(c["held_s"] / k, 4)
+                    go = self._ctx.go_time  # each turn's instants: emulated seconds since the go
+                    data["turns"] = [[p] + [None if t is None else round((t - go) / k, 6) for t in (a, g, h)] + [n, x]
+                                     for p, a, g, h, n, x in data["turns"]]
+                    self.turns[link] = data
+            (out_dir / "atlas-turns.json").write_text(json.dumps(self.turns, indent=1))
 
     def summarise(self, record, result: RunSummary, out_dir: Path) -> dict:
         last = self.plans[-1] if self.plans else None
-        return {"atlas": {"sharing": self.exp.atlas.sharing, "plans_published": len(self.plans),
-                          "order": last["order"] if last else None,
-                          "steady_state_from_iteration": self._steady_from}}
+        out = {"sharing": self.exp.atlas.sharing, "plans_published": len(self.plans),
+               "order": last["order"] if last else None, "steady_state_from_iteration": self._steady_from}
+        if self.exp.atlas.sharing == "temporal":
+            out["enforce"] = self.exp.atlas.enforce
+        if self.turns:
+            out["turns"] = {link: {p: {"turns": c["turns"], "waited_s": c["waited_s"], "held_s": c["held_s"]}
+                                   for p, c in data["pipelines"].items()} for link, data in self.turns.items()}
+        return {"atlas": out}
 
 
 def predict_options(exp, run_dir: Path) -> dict:
     """The simulator's arguments for predicting a variant run with Atlas (``compare:``): the
-    start offsets of the last plan its controller published, and under temporal sharing
-    strict priority in that plan's order."""
-    from testbed.sim.engine import PriorityPolicy
+    start offsets of the last plan its controller published, and under temporal sharing that
+    plan's order: strict priority where the gateway enforces it, a message at a time where the
+    senders take turns."""
+    from testbed.sim.engine import PriorityPolicy, TurnPolicy
 
     plans_file = run_dir / "atlas-plans.json"
     if exp.atlas.sharing == "fair" or not plans_file.exists():
@@ -190,7 +251,8 @@ def predict_options(exp, run_dir: Path) -> dict:
         return {}
     out: dict = {"start_offsets": {int(r): v for r, v in plans[-1]["offsets"].items()}}
     if exp.atlas.sharing == "temporal":
-        out["policy"] = PriorityPolicy(plans[-1]["order"])
+        policy = TurnPolicy if exp.atlas.enforce == "senders" else PriorityPolicy
+        out["policy"] = policy(plans[-1]["order"])
     return out
 
 

@@ -35,6 +35,11 @@ class AtlasSpec(Section):
         "deep", description="the pipelines' queues at an enforcing gateway: deep = 4 x the path's BDP each "
                             "(a waiting pipeline loses nothing); share = the link's own queue split among them "
                             "(the same buffering as a FIFO link: compare at equal buffer depth)")
+    enforce: Literal["gateway", "senders"] = Field(
+        "gateway", description="where temporal sharing's turns are taken: gateway = the delay line's per-pipeline "
+                               "scheduler on the WAN egress (any job's traffic); senders = each pipeline's "
+                               "writer waits for its turn from its DC's agent (the testbed's trainer only), so "
+                               "nothing of a waiting pipeline is queued or dropped in the network")
     plan: Literal["telemetry", "fixed"] = Field(
         "telemetry", description="telemetry: the turn order follows the pipelines' measured compute (the slowest "
                                  "first) and readiness; fixed: r0, r1, ... whatever the workload (the ablation)")

@@ -7,17 +7,21 @@ simulator then predicts each variant from the compute times profiled in that var
 run; an extension the variant uses may pass the simulator more (its ``predict`` hook in
 ``testbed.extension``: a sharing policy and start offsets from what its run recorded).
 ``OUT/comparison.json`` holds, per variant, what it sets, ``measured_s`` and
-``predicted_s`` (mean steady-state iteration time), and the speedups over the first variant;
+``predicted_s`` (mean steady-state iteration time), the drops at the WAN queues and the TCP
+timeouts its senders took (``wan_drops``, ``tcp_timeouts``, ``tcp_loss_probes``), and the
+speedups over the first variant;
 ``OUT/comparison.png`` draws them.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Callable
 
 from testbed.extension import in_use
+from testbed.messages import UNSET
 from testbed.spec.experiment import Experiment
 
 
@@ -33,6 +37,25 @@ def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
             options.update(ext.load(ext.predict)(exp, run_dir))
     result = simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=overhead, **options)
     return metrics.summarise(result).summary.mean_iteration_time_s
+
+
+def _network_counters(s, run_dir: Path) -> dict:
+    """What the variant's packets went through, over the whole run: drops at the WAN links'
+    queues (links.csv's last sample, every direction) and the senders' retransmission
+    timeouts and tail-loss probes (where the hosts' TCP counters were read)."""
+    out: dict = {}
+    links = run_dir / "links.csv"
+    if links.exists():
+        last: dict[str, int] = {}
+        with open(links) as fh:
+            for row in csv.DictReader(fh):
+                last[row["link"]] = int(row["drops"])
+        out["wan_drops"] = sum(last.values())
+    for key in ("tcp_timeouts", "tcp_loss_probes"):
+        value = getattr(s, key)
+        if value is not UNSET:
+            out[key] = value
+    return out
 
 
 def _settings(exp: Experiment, name: str) -> str:
@@ -64,6 +87,7 @@ def run_comparison(exp: Experiment, out: Path, delay_backend: str = "auto",
             "steady_state_iterations": s.steady_state_iterations,
             "mean_busy_fraction": s.mean_busy_fraction,
             "losses": summary.losses,
+            **_network_counters(s, run_dir),
         }
     names = list(rows)
     result: dict = dict(rows)

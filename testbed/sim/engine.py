@@ -10,7 +10,8 @@ The network is a fluid model.  A transfer is a flow of ``size`` bytes on every l
 path; while flows share a link, a ``SharingPolicy`` (below) sets their rates, at
 most each flow's own ceiling (N connections x window / RTT).  The default policy is
 max-min fair sharing (TCP's long-run behaviour); Atlas's temporal sharing plugs in as
-another policy without touching the engine.  A flow's last byte reaches the receiver one
+another policy without touching the engine (``PriorityPolicy``: the gateway's strict
+priority; ``TurnPolicy``: turns taken at the senders, a whole message at a time).  A flow's last byte reaches the receiver one
 propagation delay after it leaves.  Rates are recomputed only when a flow starts or ends,
 so the cost is events x flows-per-link, not time steps.
 
@@ -114,6 +115,48 @@ class PriorityPolicy(SharingPolicy):
             f.rate = max(0.0, rate)
             for link in f.links:
                 remaining[id(link)] -= f.rate
+
+
+class TurnPolicy(SharingPolicy):
+    """Atlas's temporal sharing taken at the senders (``testbed/net/sendturns.py``): each link
+    is one pipeline's message at a time, not preempted.  When a link's message ends the
+    highest-ranked pipeline with a message waiting for it gets it (arrival order among
+    equals); a sender whose next message starts in the same instant competes in its rank, as
+    the server's ``more`` makes it.  The holder sends at its ceiling (the link idles where
+    its connections cannot fill it); flows of no ranked pipeline (an all-reduce across DCs)
+    share what the holder leaves equally.  A path of several links takes them in name order,
+    as the senders do (never holding one while waiting for an earlier one)."""
+
+    name = "turns"
+
+    def __init__(self, order: list[str]):
+        self.rank = {owner: i for i, owner in enumerate(order)}
+        self._holder: dict[int, tuple[int, float]] = {}  # id(link) -> (fid, granted at)
+
+    def allocate(self, flows: list[Flow], now: float) -> None:
+        ranked = [f for f in flows if f.owner in self.rank]
+        links = {id(link): link for f in flows for link in f.links}
+        for key, link in links.items():  # a holder whose message ended (or granted this instant) is re-chosen
+            held = self._holder.get(key)
+            if held is not None and (held[1] >= now or not any(g.fid == held[0] for g in link.flows)):
+                del self._holder[key]
+        for f in sorted(ranked, key=lambda f: (self.rank[f.owner], f.fid)):
+            for link in sorted(f.links, key=lambda link: link.name):  # in order; stop at the first not had
+                held = self._holder.get(id(link))
+                if held is None:
+                    self._holder[id(link)] = (f.fid, now)
+                elif held[0] != f.fid:
+                    break
+        remaining = {key: link.bandwidth for key, link in links.items()}
+        for f in ranked:
+            owns = all(self._holder.get(id(link), (None,))[0] == f.fid for link in f.links)
+            f.rate = min([f.ceiling] + [link.bandwidth for link in f.links]) if owns else 0.0
+            for link in f.links:
+                remaining[id(link)] -= f.rate
+        others = [f for f in flows if f.owner not in self.rank]
+        for f in others:
+            f.rate = max(0.0, min([f.ceiling] + [remaining[id(link)] / sum(1 for g in link.flows if g.owner not in
+                                                                             self.rank) for link in f.links]))
 
 
 class Simulator:

@@ -36,6 +36,17 @@ class Peer:
 
 
 @dataclass
+class SendTurns:
+    """One outgoing cross-DC channel's turns on the WAN (``testbed/net/sendturns.py``)."""
+
+    server: str  # the turn server's socket (the sending DC's)
+    pipeline: str  # this channel's pipeline, as the plan's order names it (r0, r1, ..)
+    links: list[str]  # the WAN directions the channel crosses ("src->dst")
+    handover_bytes: int  # hand the link on once no more than this is unacknowledged (the path's BDP)
+    rate_bytes_s: float  # the path's rate on the wire (paces the polling)
+
+
+@dataclass
 class DataParallel:
     master: str  # the address of replica 0 of this stage
     port: int
@@ -82,6 +93,8 @@ class WorkerConfig:
     wait_board: str | None = None  # and show the wait under way in this 8-byte file
     recv_timeout_s: float = 300.0  # a peer silent this long ends the run (names it)
     emulation: Emulation | None = None  # device "emulated": where its op times come from
+    turns_next: SendTurns | None = None  # activations wait for their turn on the WAN (Atlas at the senders)
+    turns_prev: SendTurns | None = None  # gradients, likewise
     extra: dict = field(default_factory=dict)  # options of run extensions the trainer does not read
 
     def to_dict(self) -> dict:
@@ -91,7 +104,8 @@ class WorkerConfig:
     def load(cls, path: str | Path) -> "WorkerConfig":
         data = json.loads(Path(path).read_text())
         data["worker"] = Me(**data["worker"])
-        for key, kind in (("next", Peer), ("prev", Peer), ("dp", DataParallel), ("emulation", Emulation)):
+        for key, kind in (("next", Peer), ("prev", Peer), ("dp", DataParallel), ("emulation", Emulation),
+                          ("turns_next", SendTurns), ("turns_prev", SendTurns)):
             if data.get(key) is not None:
                 data[key] = kind(**data[key])
         return cls(**data)

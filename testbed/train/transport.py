@@ -18,6 +18,11 @@ cap (``parallel.tcp_window_bytes``) is each connection's window clamp, held by t
 (``testbed/net/tcpwindow.py``): buffers of the cap alone gave 1.33x the cap across one
 machine's veths and 0.63x across the fake cluster's VXLAN; clamped, 0.99 of cap/RTT on both.
 
+Turns (Atlas's temporal sharing enforced at the senders): an outgoing channel given a
+``TurnClient`` writes each message only once its pipeline holds the link, and hands the
+link on when the message's tail is in flight (``testbed/net/sendturns.py``); ``send`` still
+returns at once.
+
 Wire format per slice: header ``!QIQQd`` = (message seq, slice index, total bytes, slice
 bytes, the sender's monotonic send time), then the slice.  All hosts share one clock, so
 the receiver records each message's real transfer time: from the send to the last byte in.
@@ -32,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from testbed.net.sendturns import TurnClient
 from testbed.net.tcpwindow import hold_window, set_window
 
 _HELLO = struct.Struct("!16sBBB")  # peer name, channel kind, connection index, connections
@@ -81,8 +87,10 @@ class _Outgoing:
 class Channel:
     """One direction of traffic to/from one peer over ``n`` connections."""
 
-    def __init__(self, socks: list[socket.socket], on_receive=None, window_bytes: int = 0):
+    def __init__(self, socks: list[socket.socket], on_receive=None, window_bytes: int = 0,
+                 turns: "TurnClient | None" = None):
         self.socks = socks
+        self._turns = turns
         self.n = len(socks)
         self._clamp = window_bytes
         self._on_receive = on_receive
@@ -102,6 +110,11 @@ class Channel:
                 t = threading.Thread(target=target, args=(i, sock), daemon=True)
                 t.start()
                 self._threads.append(t)
+        if turns is not None:  # messages wait for their turn on the WAN in this thread
+            self._turn_queue: queue.Queue = queue.Queue()
+            t = threading.Thread(target=self._take_turns, daemon=True)
+            t.start()
+            self._threads.append(t)
 
     # -- sending ----------------------------------------------------------------------
     def send(self, payload: bytes | memoryview) -> _Outgoing:
@@ -110,9 +123,30 @@ class Channel:
             out = _Outgoing(self._seq, payload, time.monotonic(), self.n)
             self._seq += 1
         self._last = out
+        if self._turns is not None:
+            self._turn_queue.put(out)
+        else:
+            self._start_writing(out)
+        return out
+
+    def _start_writing(self, out: _Outgoing) -> None:
         for q in self._send_queues:
             q.put(out)
-        return out
+
+    def _take_turns(self) -> None:
+        """Each message in order: the link's turn, the message written, its tail in flight,
+        the turn handed on (``testbed/net/sendturns.py``)."""
+        turns = self._turns
+        while True:
+            out = self._turn_queue.get()
+            if out is None:
+                return
+            turns.acquire()
+            self._start_writing(out)
+            out.done.wait()
+            if self._error is not None:
+                return
+            turns.release(self.socks, len(out.payload), more=not self._turn_queue.empty())
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every message sent so far is on the wire."""
@@ -188,6 +222,9 @@ class Channel:
             self._cv.notify_all()
 
     def close(self) -> None:
+        if self._turns is not None:
+            self._turn_queue.put(None)
+            self._turns.close()
         for q in self._send_queues:
             q.put(None)
         for sock in self.socks:
@@ -223,8 +260,9 @@ class Endpoint:
         self._accepted: dict[tuple[str, int], list[socket.socket | None]] = {}
 
     def connect(self, peer: str, host: str, port: int, kind: int, connections: int, buf_bytes: int,
-                timeout: float = 60.0, window_bytes: int = 0) -> Channel:
-        """Open ``connections`` TCP connections to a peer's endpoint for one channel kind."""
+                timeout: float = 60.0, window_bytes: int = 0, turns: "TurnClient | None" = None) -> Channel:
+        """Open ``connections`` TCP connections to a peer's endpoint for one channel kind; with
+        ``turns``, each message waits for its pipeline's turn on the WAN."""
         socks = []
         for i in range(connections):
             deadline = time.monotonic() + timeout
@@ -241,7 +279,7 @@ class Endpoint:
                     time.sleep(0.05)
             sock.sendall(_HELLO.pack(self.name.encode(), kind, i, connections))
             socks.append(sock)
-        return Channel(socks)
+        return Channel(socks, turns=turns)
 
     def accept(self, peer: str, kind: int, connections: int, buf_bytes: int, timeout: float = 60.0,
                on_receive=None, window_bytes: int = 0) -> Channel:

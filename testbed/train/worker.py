@@ -32,7 +32,8 @@ import traceback
 from typing import Protocol
 
 from testbed import messages as m
-from testbed.train.config import WorkerConfig
+from testbed.net.sendturns import TurnClient
+from testbed.train.config import SendTurns, WorkerConfig
 from testbed.train.telemetry import Telemetry
 from testbed.train.transport import Endpoint
 from testbed.train.waitboard import WaitBoard, wait_id
@@ -48,6 +49,14 @@ class PeerSilent(RuntimeError):
     def __init__(self, peer: str, what: str, seconds: float):
         super().__init__(f"no {what} from {peer} for {seconds:g} s")
         self.peer, self.seconds = peer, seconds
+
+
+def _turn_client(turns: SendTurns | None, name: str, timeout_s: float) -> TurnClient | None:
+    """A cross-DC channel's turns on the WAN, when the run takes them at the senders."""
+    if turns is None:
+        return None
+    return TurnClient(turns.server, turns.pipeline, turns.links, turns.handover_bytes, turns.rate_bytes_s,
+                      timeout_s=timeout_s, name=name)
 
 
 def _recv(channel, peer: str, what: str, timeout: float) -> bytearray:
@@ -98,9 +107,11 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
     act_out = grad_out = act_in = grad_in = None
     # transfers are recorded where they end: the receiver sees the last byte arrive
     if nxt:
-        act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf, window_bytes=nxt.window)
+        act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf, window_bytes=nxt.window,
+                             turns=_turn_client(cfg.turns_next, me.name, cfg.recv_timeout_s))
     if prv:
-        grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf, window_bytes=prv.window)
+        grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf, window_bytes=prv.window,
+                              turns=_turn_client(cfg.turns_prev, me.name, cfg.recv_timeout_s))
     if prv:
         act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"),
                            window_bytes=prv.window)
