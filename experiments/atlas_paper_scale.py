@@ -1,6 +1,7 @@
 """Atlas at paper scale (simulator): speedup over the plain baseline, broken down by part.
 
-    .venv/bin/python experiments/atlas_paper_scale.py [--out results/atlas-paper-scale]
+    .venv/bin/python experiments/atlas_paper_scale.py [--out results/atlas-paper-scale] [--connections 64,256]
+                                                      [--scenarios sim-1k-4dc,sim-10k]
 
 For each large scenario (``experiments/sim-1k-4dc.yaml``: 7B on 1,024 GPUs over 4 AWS
 regions; ``experiments/sim-10k.yaml``: 175B on 9,984 GPUs over 8) it simulates one
@@ -19,6 +20,9 @@ configuration per row, each adding one part of Atlas:
      stalls a round trip per microbatch across a WAN boundary; see the brief)
   s* s with Algorithm 1's DC selection and stage order over the same devices
   s+ the full combination of the paper: s* with temporal sharing (every pipeline simulated)
+  ct, s+t  c and s+ with the turns taken at the senders (``TurnPolicy``: a whole message at a
+     time, to as many pipelines as it takes to fill the link); ``--connections 64,256`` adds
+     b and ct at those connection counts (a pipeline's connections fill more of a link)
 
 and writes ``table.csv``, ``table.md`` and ``speedup.png``: iteration time, speedup over
 (a), and the factor each part contributes (b/a: connections, c/b: temporal sharing, s/b:
@@ -41,7 +45,7 @@ from agents.atlas.planner import assign_stages  # noqa: E402
 from testbed.spec.experiment import load_experiment, parse_experiment  # noqa: E402
 from testbed.results.metrics import summarise  # noqa: E402
 from testbed.sim.build import flops_stage_times, simulate, stage_params  # noqa: E402
-from testbed.sim.engine import PriorityPolicy  # noqa: E402
+from testbed.sim.engine import PriorityPolicy, TurnPolicy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 N_CONNECTIONS = 16
@@ -80,7 +84,7 @@ def _dp_across_dcs(exp) -> float:
     return one_pipeline + 2 * (k - 1) / k * grad_bytes / per_hop
 
 
-def scenario(path: Path) -> list[dict]:
+def scenario(path: Path, connections_sweep: tuple[int, ...] = ()) -> list[dict]:
     exp = load_experiment(path)
     rows = []
     t0 = time.perf_counter()
@@ -105,6 +109,8 @@ def scenario(path: Path) -> list[dict]:
           f"ms: temporal sharing gains at most {bound:.3f}x", flush=True)
     row("c", "+ temporal sharing (rank order, enforced; every pipeline simulated)",
         _time(b, policy=PriorityPolicy(plan.order), fold_replicas=False))
+    row("ct", "+ temporal sharing, turns at the senders (a message at a time, as many pipelines as fill the link)",
+        _time(b, policy=TurnPolicy(plan.order), fold_replicas=False))
     m = b.training.microbatches
     best = None
     for schedule, extra in [("1f1b", 0), ("gpipe", 0)] + [("1f1b", w) for w in
@@ -123,6 +129,12 @@ def scenario(path: Path) -> list[dict]:
     row("s*", f"s + Algorithm 1 DC selection and stage order ({len(placement)} of {len(free)} DCs)", _time(chosen))
     row("s+", "the full combination: s* + temporal sharing (every pipeline simulated)",
         _time(chosen, policy=PriorityPolicy(plan.order), fold_replicas=False))
+    row("s+t", "s* + temporal sharing, turns at the senders",
+        _time(chosen, policy=TurnPolicy(plan.order), fold_replicas=False))
+    for n in connections_sweep:  # where one pipeline's connections fill more of a link
+        bn = _variant(exp, connections=n)
+        row(f"b{n}", f"b with {n} connections", _time(bn))
+        row(f"ct{n}", f"ct with {n} connections", _time(bn, policy=TurnPolicy(plan.order), fold_replicas=False))
     base = rows[1]["iteration_s"]
     for r in rows:
         r["speedup_over_a"] = round(base / r["iteration_s"], 3)
@@ -132,11 +144,14 @@ def scenario(path: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("results/atlas-paper-scale"))
+    ap.add_argument("--connections", default="", help="also b and ct at these connection counts (e.g. 64,256)")
+    ap.add_argument("--scenarios", default="sim-1k-4dc,sim-10k")
     args = ap.parse_args()
+    sweep = tuple(int(n) for n in args.connections.split(",") if n)
     rows = []
-    for name in ("sim-1k-4dc", "sim-10k"):
+    for name in args.scenarios.split(","):
         print(f"{name}:", flush=True)
-        rows += scenario(REPO / "experiments" / f"{name}.yaml")
+        rows += scenario(REPO / "experiments" / f"{name}.yaml", sweep)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "table.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))

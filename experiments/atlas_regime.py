@@ -175,16 +175,21 @@ def run(tmp: Path, name: str, queue: int, **over) -> dict:
     times, latency = emulated_stage_times(exp)
     predicted = summarise(simulate(sim_exp, policy=policy, iterations=8, fold_replicas=False, stage_times=times,
                                    message_overhead_s=latency))["summary"]["mean_iteration_time_s"]
-    tcp = _tcp_by_pipeline(json.loads((out / "metrics.json").read_text()))
+    metrics = json.loads((out / "metrics.json").read_text())
+    tcp = _tcp_by_pipeline(metrics)
+    gateway = (metrics["summary"].get("atlas") or {}).get("gateway_drops") or {}
     steady = _steady_link_figures(out, json.loads((out / "metrics.json").read_text())["summary"])
     row = {"variant": name, "queue_bdp": queue, "measured_s": round(measured, 3), "predicted_s": round(predicted, 3),
            "error": round(predicted / measured - 1, 4), "order": " ".join(order) if order else "",
            "rto": sum(v["timeouts"] for v in tcp.values()), "loss_probes": sum(v["loss_probes"] for v in tcp.values()),
            "rto_by_pipeline": " ".join(f"{r}:{v['timeouts']}" for r, v in sorted(tcp.items())),
-           "enforce": exp.atlas.enforce if exp.atlas.sharing == "temporal" else "", **steady}
+           "enforce": exp.atlas.enforce if exp.atlas.sharing == "temporal" else "", **steady,
+           "gateway_drops": " ".join(f"{r}:{sum(d.get(r, 0) for d in gateway.values())}"
+                                     for r in sorted({r for d in gateway.values() for r in d}))}
     print(f"  {name:<24} queue {queue:>2} BDP: measured {measured:.3f} s, predicted {predicted:.3f} s "
           f"({row['error']:+.1%}) {row['order']}; retransmission timeouts {row['rto']} ({row['rto_by_pipeline']}), "
           f"loss probes {row['loss_probes']}; steady state: {steady['link_drops']} drops at the link queues"
+          + (f"; the gateway's per-pipeline queues dropped {row['gateway_drops']}" if gateway else "")
           + (f", turns held {steady['hold_excess']:+.1%} over a message's time alone (median), "
              f"{steady['handover_idle_s']:.3f} s idle between turns" if steady.get("hold_excess") is not None
              else ""), flush=True)

@@ -443,11 +443,13 @@ class Refused(Message):
 @dataclasses.dataclass
 class TurnWant(Message):
     """A sender's message is ready for ``link`` (a WAN direction, ``src->dst``): grant it the
-    link when ``pipeline``'s turn comes."""
+    link when ``pipeline``'s turn comes (beside other holders while their ceilings leave the
+    link room)."""
 
     kind: ClassVar[str] = "turn_want"
     link: str
     pipeline: str
+    ceiling_bytes_s: float = 0.0  # the most its connections can carry (N x window / RTT); 0: the whole link
 
 
 @dataclasses.dataclass

@@ -119,7 +119,7 @@ def test_priority_policy_gives_the_owner_the_whole_link_and_the_rest_what_it_lea
 def test_turn_policy_hands_a_link_on_per_message_in_rank_and_never_preempts():
     """Turns at the senders in the fluid model: a message that holds the link keeps it
     against a higher-ranked one that comes later; the link then goes to the highest-ranked
-    waiting; a holder that cannot fill the link leaves the rest idle (not work-conserving)."""
+    waiting; a holder that cannot fill the link shares it with the next in rank."""
     link = Link("a->b", bandwidth=1e6, delay=0.0)
     sim = Simulator(TurnPolicy(["r0", "r1", "r2"]))
     done = {}
@@ -133,7 +133,20 @@ def test_turn_policy_hands_a_link_on_per_message_in_rank_and_never_preempts():
     sim.transfer([link], 100_000, 4e5, lambda t: done.setdefault("r0", t), owner="r0")
     sim.transfer([link], 60_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1")
     sim.run()
-    assert done["r0"] == pytest.approx(0.25) and done["r1"] == pytest.approx(0.31)
+    assert done["r0"] == pytest.approx(0.25) and done["r1"] == pytest.approx(0.1)
+
+
+def test_turn_policy_gives_the_link_to_as_many_pipelines_as_it_takes_to_fill_it():
+    """Three pipelines whose connections can each take half the link: two hold it at once,
+    the third waits for them (then sends at its ceiling); at 0.4 each, all three hold it."""
+    link = Link("a->b", bandwidth=1e6, delay=0.0)
+    for ceiling, expect in ((5e5, {"r0": 0.08, "r1": 0.08, "r2": 0.16}), (4e5, {"r0": 0.1, "r1": 0.1, "r2": 0.15})):
+        sim = Simulator(TurnPolicy(["r0", "r1", "r2"]))
+        done = {}
+        for r in ("r2", "r1", "r0"):  # asked together: in rank
+            sim.transfer([link], 40_000, ceiling, lambda t, r=r: done.setdefault(r, t), owner=r)
+        sim.run()
+        assert done == pytest.approx(expect)
 
 
 def test_turn_policy_lets_a_senders_next_message_compete_in_its_rank():

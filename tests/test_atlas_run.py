@@ -53,6 +53,7 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
     assert seen["sched"] is not None and seen["sched"]["order"] == ["r0", "r1"]
     assert sum(seen["sched"]["bytes_out"].values()) > 0
     assert sum(seen["sched"]["drops"].values()) == 0  # a waiting pipeline is held, never dropped
+    assert result["summary"]["atlas"]["gateway_drops"]["dc1->dc2"] == {"r0": 0, "r1": 0}
     logs = (tmp_path / "temporal" / "atlas-logs" / "agent-dc1.log").read_text()
     assert "plan applied on dc1->dc2" in logs
     assert (tmp_path / "temporal" / "atlas-plans.json").exists()

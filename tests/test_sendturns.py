@@ -196,3 +196,28 @@ def test_a_sender_with_its_next_message_ready_keeps_its_rank(server):
     assert a.granted() and not b.granted(0.1)
     a.done()
     assert b.granted()
+
+
+def test_a_turn_goes_to_as_many_pipelines_as_it_takes_to_fill_the_link(server):
+    """Pipelines whose connections carry 0.4 of the link each: two hold it at once, and the
+    third waits; a holder of unknown ceiling (0: the whole link) holds it alone."""
+    server.set_order("a->b", ["r0", "r1", "r2"], capacity_bytes_s=1e6)
+    senders = [_Sender(server.path, f"r{i}") for i in range(3)]
+    for s in senders:
+        s.sock.sendall(m.line(m.TurnWant(link="a->b", pipeline=s.pipeline, ceiling_bytes_s=4e5)))
+    granted = [s.granted(0.3) for s in senders]
+    assert granted.count(True) == 3  # 0.4 + 0.4 < 1: room for a third
+    for s in senders:
+        s.done()
+    time.sleep(0.1)
+    for s in senders:
+        s.sock.sendall(m.line(m.TurnWant(link="a->b", pipeline=s.pipeline, ceiling_bytes_s=5e5)))
+    assert [s.granted(0.3) for s in senders] == [True, True, False]  # 0.5 + 0.5 fills it
+    senders[0].done()
+    assert senders[2].granted()
+    whole = _Sender(server.path, "r0")
+    whole.want()  # no ceiling: the whole link
+    assert not whole.granted(0.1)
+    senders[1].done()
+    senders[2].done()
+    assert whole.granted()

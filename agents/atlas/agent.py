@@ -137,7 +137,7 @@ def run(cfg: AgentConfig) -> None:
                             else:
                                 active.discard(name)
                         elif turns is not None and name in cfg.turn_links:
-                            turns.set_order(name, link.order)
+                            turns.set_order(name, link.order, cfg.turn_rates.get(name, 0.0))
                             active.add(name)
                     _log(dc, f"plan applied on {', '.join(sorted(active)) or 'no link'}: order "
                              f"{next((link.order for link in msg.links.values()), None)}")

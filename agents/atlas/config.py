@@ -62,6 +62,7 @@ class AgentConfig:
     links: dict[str, AgentLink] = field(default_factory=dict)  # "src->dst" -> where to enforce
     turns: str | None = None  # enforce at the senders: the turn server's socket (testbed/net/sendturns.py)
     turn_links: list[str] = field(default_factory=list)  # ... and the links it hands out
+    turn_rates: dict[str, float] = field(default_factory=dict)  # each one's rate on the wire, bytes/s
     stats: str | None = None  # where to write its counters when it stops (JSON)
 
     def to_dict(self) -> dict:

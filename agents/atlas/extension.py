@@ -23,6 +23,7 @@ from pathlib import Path
 
 from agents.atlas.config import AgentConfig, AgentLink, ControllerConfig, LinkPlan
 from agents.atlas.messages import PlanPublished
+from testbed.sim.build import PAYLOAD_FRACTION
 from testbed.train.config import SendTurns
 from testbed import messages as m
 from testbed.results.metrics import RunSummary
@@ -42,6 +43,7 @@ class AtlasExtension(RunExtension):
         self._dead: set[str] = set()
         self._names: list[str] = []
         self.turns: dict[str, dict] = {}  # turns at the senders: per link, the agents' counters
+        self.gateway: dict[str, dict] = {}  # turns at the gateway: per link, each pipeline's queue drops
 
     def network_options(self) -> dict:
         return {"scheduling": True} if self._at_gateway() else {}
@@ -74,7 +76,10 @@ class AtlasExtension(RunExtension):
             bdp = rate * wire.rtt_ms(slot.dc, peer.dc) / 1000
             path = self._turn_server(ctx, slot.dc)
             ctx.net.registry.file(path)
-            out[key] = SendTurns(path, f"r{slot.replica}", [f"{x}->{y}" for x, y in pairs], int(bdp), rate)
+            window = exp.parallel.tcp_window_bytes  # clamped: what its connections can carry, exactly
+            ceiling = exp.parallel.connections * window / (wire.rtt_ms(slot.dc, peer.dc) / 1000) if window else 0.0
+            out[key] = SendTurns(path, f"r{slot.replica}", [f"{x}->{y}" for x, y in pairs], int(bdp), rate,
+                                 ceiling)
         return out
 
     # -- starting -----------------------------------------------------------------------
@@ -85,13 +90,16 @@ class AtlasExtension(RunExtension):
         links, delays = self._links(ctx)
         state = net.registry.dir
         agents: dict[str, str] = {}
+        wire = net.topo  # under time dilation, the links as the wire carries them (the controller's clock)
         if exp.atlas.sharing == "temporal":
             for dc in sorted({x for x, _ in links}):
                 mine = {f"{x}->{y}": (x, y) for x, y in links if x == dc}
                 listen = str(state / f"atlas-agent-{dc}.sock")
                 if self._at_senders():
                     cfg = AgentConfig(dc, listen, exp.atlas.lease_s, {}, turns=self._turn_server(ctx, dc),
-                                      turn_links=sorted(mine), stats=str(ctx.launcher.file(f"atlas-turns-{dc}.json")))
+                                      turn_links=sorted(mine), stats=str(ctx.launcher.file(f"atlas-turns-{dc}.json")),
+                                      turn_rates={n: wire.direction(*k).rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION
+                                                  for n, k in mine.items()})
                     mine = {}
                 else:
                     cfg = AgentConfig(dc, listen, exp.atlas.lease_s,
@@ -101,7 +109,6 @@ class AtlasExtension(RunExtension):
                     net.registry.file(path)
                 self._start(ctx, f"agent-{dc}", "agents.atlas.agent", cfg.to_dict())
                 agents[dc] = listen
-        wire = net.topo  # under time dilation, the links as the wire carries them (the controller's clock)
         rates = [wire.direction(x, y).rate_mbps for x, y in links]
         cfg = ControllerConfig(
             telemetry=str(ctx.telemetry_path), agents=agents, sharing=exp.atlas.sharing,
@@ -203,6 +210,14 @@ class AtlasExtension(RunExtension):
 
     # -- after the run ------------------------------------------------------------------
     def training_done(self) -> None:
+        if self._at_gateway():  # the gateways' per-pipeline queues: what each pipeline lost there
+            for x, y in self._links(self._ctx)[0]:
+                try:
+                    sched = self._ctx.net.link(x, y).delay_line_stats()["sched"]
+                except (OSError, RuntimeError, KeyError, TypeError):
+                    sched = None
+                if sched is not None:
+                    self.gateway[f"{x}->{y}"] = {"drops": sched["drops"], "queue_bytes": sched["queue_bytes"]}
         if self._controller_up:
             self._ctx.send_to_peer("atlas-controller", m.Bye())
 
@@ -230,6 +245,8 @@ class AtlasExtension(RunExtension):
                "order": last["order"] if last else None, "steady_state_from_iteration": self._steady_from}
         if self.exp.atlas.sharing == "temporal":
             out["enforce"] = self.exp.atlas.enforce
+        if self.gateway:
+            out["gateway_drops"] = {link: g["drops"] for link, g in self.gateway.items()}
         if self.turns:
             out["turns"] = {link: {p: {"turns": c["turns"], "waited_s": c["waited_s"], "held_s": c["held_s"]}
                                    for p, c in data["pipelines"].items()} for link, data in self.turns.items()}

@@ -8,7 +8,9 @@ testbed's trainer (``testbed/train/transport.py``) holds a ``TurnClient`` when t
 for it (``testbed.train.config.SendTurns``).  Before a message's first byte is written the
 channel asks for the link (``TurnWant``); the server grants it (``TurnGrant``) to one
 pipeline at a time, the highest-ranked in the plan's order among those waiting (FIFO among
-equals); the channel writes the message and, once what is left of it is no more than is in
+equals), or to as many at once as it takes to fill the link where one pipeline's
+connections cannot (their ceilings, N x window / RTT, add up to less than the link's
+rate); the channel writes the message and, once what is left of it is no more than is in
 flight on the path (``handover_bytes``: the path's bandwidth-delay product), says
 ``TurnDone``, and the next pipeline's message starts as this one's tail crosses the WAN.  A
 link without an order (no plan yet, or the plan withdrawn) grants every want at once: TCP's
@@ -21,8 +23,8 @@ whole turn: with the link's buffer split among them their tails are dropped with
 duplicate ACKs behind (retransmission timeouts), and whatever is queued reports round trips
 of seconds that inflate their timers (docs/atlas.md measures both).  Here nothing waits in
 the network, so every variant keeps the link's own FIFO and the same buffer.  The price:
-a turn is a whole message (no preemption), and the link idles while an owner that cannot
-fill it alone holds it (connections x window / RTT below the rate); the gateway's scheduler
+a turn is a whole message (no preemption), and where holders' ceilings are not known the
+link idles while an owner that cannot fill it alone holds it; the gateway's scheduler
 stays for jobs whose senders are not ours (``testbed torchrun --with atlas=``).
 
 Fail-safe: a client that cannot reach its server, or whose server goes away, sends without
@@ -64,10 +66,11 @@ class TurnClient:
     channels over overlapping paths cannot each hold what the other waits for)."""
 
     def __init__(self, server: str, pipeline: str, links: list[str], handover_bytes: int, rate_bytes_s: float,
-                 timeout_s: float = 120.0, name: str = "", connect_s: float = 5.0):
+                 timeout_s: float = 120.0, name: str = "", connect_s: float = 5.0, ceiling_bytes_s: float = 0.0):
         self.server, self.pipeline, self.links = server, pipeline, sorted(links)
         self.handover_bytes, self.rate = handover_bytes, max(1.0, rate_bytes_s)
         self.timeout_s, self.name, self.connect_s = timeout_s, name, connect_s
+        self.ceiling = ceiling_bytes_s  # what its connections can carry (0: the whole link)
         self._sock: socket.socket | None = None
         self._buf = b""
         self._queued = False  # the last release asked for the first link again (``more``)
@@ -127,7 +130,8 @@ class TurnClient:
                 self._connect()
             for i, link in enumerate(self.links):
                 if not (i == 0 and self._queued):
-                    self._sock.sendall(m.line(m.TurnWant(link=link, pipeline=self.pipeline)))
+                    self._sock.sendall(m.line(m.TurnWant(link=link, pipeline=self.pipeline,
+                                                         ceiling_bytes_s=self.ceiling)))
                 if not self._read_grant(link, t0 + self.timeout_s):
                     return
             self._queued = False
@@ -167,11 +171,13 @@ class TurnClient:
 @dataclass
 class _Link:
     order: list[str] | None = None  # None: no turns (every want granted at once)
+    capacity: float = 0.0  # bytes/s; 0: one holder at a time, whatever its ceiling
     holders: dict[int, list] = field(default_factory=dict)  # fd -> its turn's entry in ``log``
-    waiting: list[tuple[int, str, float]] = field(default_factory=list)  # (fd, pipeline, since)
+    ceilings: dict[int, float] = field(default_factory=dict)  # fd -> its ceiling (0: the whole link)
+    waiting: list[tuple[int, str, float, float]] = field(default_factory=list)  # (fd, pipeline, since, ceiling)
     # per pipeline: turns, seconds waited, seconds held, bytes
     counters: dict[str, dict[str, float]] = field(default_factory=dict)
-    # every turn: [pipeline, asked, granted, handed on, bytes, exclusive] (monotonic seconds)
+    # every turn: [pipeline, asked, granted, handed on, bytes, planned] (monotonic seconds)
     log: list[list] = field(default_factory=list)
     last_order: list[str] | None = None
 
@@ -195,9 +201,12 @@ class TurnServer:
     def fds(self) -> list[int]:
         return [self._listener.fileno(), *self._conns]
 
-    def set_order(self, link: str, order: list[str] | None) -> None:
-        """The plan's order on ``link`` (None: no turns; whoever waits is granted now)."""
+    def set_order(self, link: str, order: list[str] | None, capacity_bytes_s: float = 0.0) -> None:
+        """The plan's order on ``link`` (None: no turns; whoever waits is granted now).  With
+        ``capacity_bytes_s``, a turn goes to as many pipelines as it takes to fill the link
+        (while the holders' ceilings add up to less); without, to one at a time."""
         ln = self.links.setdefault(link, _Link())
+        ln.capacity = capacity_bytes_s
         ln.order = list(order) if order else None
         ln.last_order = ln.order or ln.last_order
         self._grant(link)
@@ -233,7 +242,8 @@ class TurnServer:
                 self._drop(fd)
                 return
             if isinstance(msg, m.TurnWant):
-                self.links.setdefault(msg.link, _Link()).waiting.append((fd, msg.pipeline, time.monotonic()))
+                self.links.setdefault(msg.link, _Link()).waiting.append((fd, msg.pipeline, time.monotonic(),
+                                                                         msg.ceiling_bytes_s))
             else:
                 self._done(fd, msg.link, msg.nbytes, msg.more)
             self._grant(msg.link)
@@ -246,9 +256,10 @@ class TurnServer:
         if ln is None or fd not in ln.holders:
             return
         turn = ln.holders.pop(fd)
+        ceiling = ln.ceilings.pop(fd, 0.0)
         turn[3], turn[4] = time.monotonic(), nbytes
         if more:  # its next message is ready: it waits with the others, in its rank
-            ln.waiting.append((fd, turn[0], turn[3]))
+            ln.waiting.append((fd, turn[0], turn[3], ceiling))
         c = self._counters(ln, turn[0])
         c["held_s"] += turn[3] - turn[2]
         c["bytes"] += nbytes
@@ -258,17 +269,18 @@ class TurnServer:
         if ln is None:
             return
         now = time.monotonic()
-        while ln.waiting and (ln.order is None or not ln.holders):
+        while ln.waiting and (ln.order is None or self._room(ln)):
             if ln.order is None:
                 pick = 0
             else:
                 rank = {p: i for i, p in enumerate(ln.order)}
                 pick = min(range(len(ln.waiting)), key=lambda i: (rank.get(ln.waiting[i][1], len(rank)), i))
-            fd, pipeline, since = ln.waiting.pop(pick)
+            fd, pipeline, since, ceiling = ln.waiting.pop(pick)
             conn = self._conns.get(fd)
             if conn is None:
                 continue
             ln.holders[fd] = [pipeline, since, now, None, 0, ln.order is not None]
+            ln.ceilings[fd] = ceiling
             if len(ln.log) < 100_000:
                 ln.log.append(ln.holders[fd])
             c = self._counters(ln, pipeline)
@@ -279,6 +291,15 @@ class TurnServer:
             except OSError:
                 self._drop(fd)
 
+    @staticmethod
+    def _room(ln: _Link) -> bool:
+        """Whether another pipeline may join the holders: none hold it, or the link has a
+        capacity and their ceilings (none of them "the whole link") add up to less."""
+        if not ln.holders:
+            return True
+        ceilings = [ln.ceilings.get(fd, 0.0) for fd in ln.holders]
+        return ln.capacity > 0 and all(c > 0 for c in ceilings) and sum(ceilings) < ln.capacity
+
     def _drop(self, fd: int) -> None:
         """A sender gone: its turns and wants go with it."""
         conn = self._conns.pop(fd, None)
@@ -287,13 +308,15 @@ class TurnServer:
             conn.close()
         for name, ln in self.links.items():
             ln.waiting = [w for w in ln.waiting if w[0] != fd]
+            ln.ceilings.pop(fd, None)
             if ln.holders.pop(fd, None) is not None:
                 self._grant(name)
 
     def stats(self) -> dict:
         """Per link: the last order planned; per pipeline, turns, seconds waited and held,
-        bytes; and every turn, ``[pipeline, asked, granted, handed on, bytes, exclusive]``
-        (monotonic seconds; handed on None while held)."""
+        bytes; and every turn, ``[pipeline, asked, granted, handed on, bytes, planned]``
+        (monotonic seconds; handed on None while held; planned: granted under an order, not
+        at once for want of one)."""
         return {name: {"order": ln.last_order,
                        "pipelines": {p: {k: round(v, 4) if isinstance(v, float) else v for k, v in c.items()}
                                      for p, c in sorted(ln.counters.items())},

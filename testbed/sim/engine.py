@@ -118,45 +118,54 @@ class PriorityPolicy(SharingPolicy):
 
 
 class TurnPolicy(SharingPolicy):
-    """Atlas's temporal sharing taken at the senders (``testbed/net/sendturns.py``): each link
-    is one pipeline's message at a time, not preempted.  When a link's message ends the
-    highest-ranked pipeline with a message waiting for it gets it (arrival order among
-    equals); a sender whose next message starts in the same instant competes in its rank, as
-    the server's ``more`` makes it.  The holder sends at its ceiling (the link idles where
-    its connections cannot fill it); flows of no ranked pipeline (an all-reduce across DCs)
-    share what the holder leaves equally.  A path of several links takes them in name order,
-    as the senders do (never holding one while waiting for an earlier one)."""
+    """Atlas's temporal sharing taken at the senders (``testbed/net/sendturns.py``): a link
+    is handed a whole message at a time, not preempted, to as many pipelines as it takes to
+    fill it (one, where one pipeline's ceiling is the link's rate or more).  When a holder's
+    message ends, the highest-ranked pipeline with a message waiting for the link gets it
+    (arrival order among equals); a sender whose next message starts in the same instant
+    competes in its rank, as the server's ``more`` makes it.  Holders send at their
+    ceilings, the higher-ranked first (the link idles where they cannot fill it); flows of
+    no ranked pipeline (an all-reduce across DCs) share what the holders leave equally.  A
+    path of several links takes them in name order, as the senders do (never holding one
+    while waiting for an earlier one)."""
 
     name = "turns"
 
     def __init__(self, order: list[str]):
         self.rank = {owner: i for i, owner in enumerate(order)}
-        self._holder: dict[int, tuple[int, float]] = {}  # id(link) -> (fid, granted at)
+        self._holders: dict[int, dict[int, float]] = {}  # id(link) -> {fid: granted at}
 
     def allocate(self, flows: list[Flow], now: float) -> None:
-        ranked = [f for f in flows if f.owner in self.rank]
+        ranked = sorted((f for f in flows if f.owner in self.rank), key=lambda f: (self.rank[f.owner], f.fid))
         links = {id(link): link for f in flows for link in f.links}
-        for key, link in links.items():  # a holder whose message ended (or granted this instant) is re-chosen
-            held = self._holder.get(key)
-            if held is not None and (held[1] >= now or not any(g.fid == held[0] for g in link.flows)):
-                del self._holder[key]
-        for f in sorted(ranked, key=lambda f: (self.rank[f.owner], f.fid)):
-            for link in sorted(f.links, key=lambda link: link.name):  # in order; stop at the first not had
-                held = self._holder.get(id(link))
-                if held is None:
-                    self._holder[id(link)] = (f.fid, now)
-                elif held[0] != f.fid:
-                    break
-        remaining = {key: link.bandwidth for key, link in links.items()}
+        for key, link in links.items():  # holders whose message ended (or granted this instant) are re-chosen
+            held = self._holders.get(key)
+            if held:
+                present = {g.fid for g in link.flows}
+                for fid in [fid for fid, at in held.items() if at >= now or fid not in present]:
+                    del held[fid]
         for f in ranked:
-            owns = all(self._holder.get(id(link), (None,))[0] == f.fid for link in f.links)
-            f.rate = min([f.ceiling] + [link.bandwidth for link in f.links]) if owns else 0.0
+            for link in sorted(f.links, key=lambda link: link.name):  # in order; stop at the first not had
+                held = self._holders.setdefault(id(link), {})
+                if f.fid in held:
+                    continue
+                ceilings = {g.fid: g.ceiling for g in link.flows}
+                if held and sum(ceilings.get(fid, 0.0) for fid in held) >= link.bandwidth * (1 - 1e-9):
+                    break
+                held[f.fid] = now
+        group = {f.fid for f in flows}
+        remaining = {key: link.bandwidth - sum(g.rate for g in link.flows if g.fid not in group)
+                     for key, link in links.items()}
+        for f in ranked:
+            owns = all(f.fid in self._holders.get(id(link), ()) for link in f.links)
+            f.rate = max(0.0, min([f.ceiling] + [remaining[id(link)] for link in f.links])) if owns else 0.0
             for link in f.links:
                 remaining[id(link)] -= f.rate
-        others = [f for f in flows if f.owner not in self.rank]
-        for f in others:
-            f.rate = max(0.0, min([f.ceiling] + [remaining[id(link)] / sum(1 for g in link.flows if g.owner not in
-                                                                             self.rank) for link in f.links]))
+        for f in flows:
+            if f.owner not in self.rank:
+                f.rate = max(0.0, min([f.ceiling] + [remaining[id(link)] / sum(1 for g in link.flows
+                                                                                 if g.owner not in self.rank)
+                                                     for link in f.links]))
 
 
 class Simulator:

@@ -44,6 +44,7 @@ class SendTurns:
     links: list[str]  # the WAN directions the channel crosses ("src->dst")
     handover_bytes: int  # hand the link on once no more than this is unacknowledged (the path's BDP)
     rate_bytes_s: float  # the path's rate on the wire (paces the polling)
+    ceiling_bytes_s: float = 0.0  # what its connections can carry (N x window clamp / RTT); 0: unclamped
 
 
 @dataclass

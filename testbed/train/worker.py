@@ -56,7 +56,7 @@ def _turn_client(turns: SendTurns | None, name: str, timeout_s: float) -> TurnCl
     if turns is None:
         return None
     return TurnClient(turns.server, turns.pipeline, turns.links, turns.handover_bytes, turns.rate_bytes_s,
-                      timeout_s=timeout_s, name=name)
+                      timeout_s=timeout_s, name=name, ceiling_bytes_s=turns.ceiling_bytes_s)
 
 
 def _recv(channel, peer: str, what: str, timeout: float) -> bytearray:
