@@ -289,12 +289,14 @@ def _run_comparison(exp, out: Path, delay_backend: str) -> None:
     names = list(exp.compare)
     speed = result.get(f"speedup_over_{names[0]}", {})
     table = Table(title=f"{exp.name} on {exp.topo.name}: {len(names)} variants")
-    for col in ("variant", "sets", "measured s", "predicted s", "speedup measured", "speedup predicted"):
+    for col in ("variant", "sets", "measured s", "predicted s", "speedup measured", "speedup predicted",
+                "WAN drops", "TCP timeouts"):
         table.add_column(col, justify="right" if col not in ("variant", "sets") else "left")
     for n in names:
         r = result[n]
         table.add_row(n, r["settings"], f"{r['measured_s']:.3f}", f"{r['predicted_s']:.3f}",
-                      f"{speed[n]['measured']:.3f}x", f"{speed[n]['predicted']:.3f}x")
+                      f"{speed[n]['measured']:.3f}x", f"{speed[n]['predicted']:.3f}x",
+                      str(r.get("wan_drops", "-")), str(r.get("tcp_timeouts", "-")))
     console.print(table)
     console.print(f"same losses in every variant: {result['same_losses']}; results: {out}/comparison.json")
 
