@@ -2,7 +2,7 @@
 
     .venv/bin/python experiments/atlas_regime.py [--out results/atlas-regime] [--quick] [--schedule gpipe]
                                                  [--variants b,c] [--time-dilation K] [--enforce senders]
-                                                 [--connections 32] [--queues 2] [--sweep gpipe,1f1b]
+                                                 [--connections 32] [--queues 2] [--paced] [--sweep gpipe,1f1b]
 
 The scale model.  At paper scale (experiments/sim-10k.yaml: 175B, 78 pipelines, 50 MB
 activations, 400 Gbit/s DC pairs, 6 MiB windows over 49-67 ms round trips) the ratios that
@@ -71,6 +71,7 @@ CONNECTIONS = 16
 _DILATION = 1.0  # --time-dilation
 _ENFORCE = "gateway"  # --enforce
 _CONNECTIONS = CONNECTIONS  # --connections
+_PACED = False  # --paced
 
 
 def _t() -> float:
@@ -91,7 +92,7 @@ def _write(tmp: Path, name: str, queue: int, time_dilation: float = 1.0, d: int 
         "name": name, "topology": str(topo), "device": "emulated", "time_dilation": time_dilation,
         "model": {"layers": 2, "hidden": HIDDEN, "heads": 8, "seq_len": SEQ},
         "training": {"iterations": 5, "microbatches": M, "microbatch_size": 1, "seed": 2, "warmup_iterations": 2},
-        "parallel": {"stages": 2, "replicas": d, "schedule": "1f1b", "connections": _CONNECTIONS,
+        "parallel": {"stages": 2, "replicas": d, "schedule": "1f1b", "connections": _CONNECTIONS, "paced": _PACED,
                      "tcp_window_bytes": WINDOW},
         "sim": {"stage_times": [{"forward_s": round(c_over_t * t / 3, 4),
                                  "backward_s": round(2 * c_over_t * t / 3, 4)}] * 2},
@@ -241,6 +242,7 @@ def main() -> int:
     ap.add_argument("--enforce", default="gateway", choices=["gateway", "senders"],
                     help="where (c) takes its turns: the gateway's per-pipeline queues, or the senders")
     ap.add_argument("--connections", type=int, default=CONNECTIONS, help="connections per transfer of (b) and (c)")
+    ap.add_argument("--paced", action="store_true", help="every WAN connection paced (parallel.paced), every variant")
     ap.add_argument("--queues", default=None,
                     help="the WAN queue depths to run at, in BDPs, comma-separated (default 1 and 16; --quick: 1)")
     ap.add_argument("--sweep", default=None, metavar="SCHEDULES",
@@ -250,8 +252,8 @@ def main() -> int:
     ap.add_argument("--time-dilation", type=float, default=1.0,
                     help="k: every run k times slower than the wall clock, figures in emulated seconds")
     args = ap.parse_args()
-    global _DILATION, _ENFORCE, _CONNECTIONS
-    _DILATION, _ENFORCE, _CONNECTIONS = args.time_dilation, args.enforce, args.connections
+    global _DILATION, _ENFORCE, _CONNECTIONS, _PACED
+    _DILATION, _ENFORCE, _CONNECTIONS, _PACED = args.time_dilation, args.enforce, args.connections, args.paced
     variants = set(args.variants.split(","))
     schedule = {"parallel__schedule": args.schedule}  # of (a), (b), (c) and the ablation
     args.out.mkdir(parents=True, exist_ok=True)

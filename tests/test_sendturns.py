@@ -221,3 +221,22 @@ def test_a_turn_goes_to_as_many_pipelines_as_it_takes_to_fill_the_link(server):
     senders[1].done()
     senders[2].done()
     assert whole.granted()
+
+
+def test_a_paced_channel_carries_the_kernels_pacing_rate_and_its_messages_arrive_whole():
+    """``parallel.paced``: every connection of the channel has SO_MAX_PACING_RATE set (read
+    back from the socket), and a message striped over them arrives whole."""
+    from testbed.train.transport import _SO_MAX_PACING_RATE, Endpoint
+
+    a, b = Endpoint("a", "127.0.0.1", 0), Endpoint("b", "127.0.0.1", 0)
+    port = b._listener.getsockname()[1]
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("ch", b.accept("a", 1, 4, 0, timeout=10)), daemon=True)
+    t.start()
+    out = a.connect("b", "127.0.0.1", port, 1, 4, 0, timeout=10, pace=1_000_000)
+    t.join(10)
+    assert [s.getsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE) for s in out.socks] == [1_000_000] * 4
+    out.send(b"x" * 100_000)
+    assert bytes(got["ch"].recv(timeout=10)) == b"x" * 100_000
+    for x in (out, got["ch"], a, b):
+        x.close()

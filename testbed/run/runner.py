@@ -403,7 +403,10 @@ class TrainingRun:
         hops = topo.path(me.dc, peer.dc)
         rate = min(topo.direction(a, b).rate_mbps for a, b in zip(hops, hops[1:]))
         window = self.exp.parallel.tcp_window_bytes or 0  # exact: the transport clamps it
-        return Peer(peer.name, ip, n, socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n), window)
+        # paced at the wire's rate (under time dilation, the dilated one), payload bytes
+        wire = min(self.net.topo.direction(a, b).rate_mbps for a, b in zip(hops, hops[1:]))
+        pace = int(1.25 * wire * 1e6 / 8 * 1448 / 1514 / n) if self.exp.parallel.paced else 0
+        return Peer(peer.name, ip, n, socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n), window, pace)
 
     def _collect(self) -> None:
         hub = self._hub

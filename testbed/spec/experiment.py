@@ -70,6 +70,11 @@ class ParallelSpec(_Strict):
     slow_start_after_idle: bool = Field(
         True, description="Linux's default; false = WAN-tuned hosts (net.ipv4.tcp_slow_start_after_idle=0): "
                           "TCP keeps its window across the idle gaps between microbatches")
+    paced: bool = Field(
+        False, description="pace every WAN connection at 1.25 x the path's rate / connections (the socket's "
+                           "SO_MAX_PACING_RATE): a window leaves spread over the round trip instead of in one "
+                           "ACK-clocked burst (with traffic both ways, ACKs queued behind the other direction's "
+                           "data made window-bound senders bursty and slow: docs/benchmarks.md)")
     tcp_window_bytes: int | None = Field(
         None, ge=16384, description="every WAN connection's window, to the byte (the transport's receivers clamp "
                                     "it; the worker hosts' other connections are held by their rmem/wmem maximum): "

@@ -26,13 +26,15 @@ class Me:
 class Peer:
     """The neighbouring stage of the same pipeline: ``connections`` TCP connections, each
     with ``buf`` bytes of socket buffer (0: the kernel's autotuning; inside a DC) and, where
-    ``window`` is set, a window of exactly that many bytes (``parallel.tcp_window_bytes``)."""
+    ``window`` is set, a window of exactly that many bytes (``parallel.tcp_window_bytes``);
+    ``pace``: each connection's pacing rate (``parallel.paced``)."""
 
     name: str
     ip: str
     connections: int = 1
     buf: int = 0
     window: int = 0
+    pace: int = 0  # bytes/s each connection is paced at (SO_MAX_PACING_RATE); 0: not paced
 
 
 @dataclass

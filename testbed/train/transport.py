@@ -13,7 +13,8 @@ Why sockets and not torch.distributed P2P: the transfer must be striped over N r
 connections whose addresses name the pipeline (host of replica d -> host of replica d), so
 tc can classify each pipeline's flows, and it must always cross the emulated links, also
 where GPUs share a machine (tensors are copied to host memory; no CUDA IPC, no NVLink).
-Socket buffers are sized from the link's bandwidth-delay product (``config.py``).  A window
+Socket buffers are sized from the link's bandwidth-delay product (``config.py``); a paced
+channel's connections carry the kernel's own pacing rate (``parallel.paced``).  A window
 cap (``parallel.tcp_window_bytes``) is each connection's window clamp, held by the reader
 (``testbed/net/tcpwindow.py``): buffers of the cap alone gave 1.33x the cap across one
 machine's veths and 0.63x across the fake cluster's VXLAN; clamped, 0.99 of cap/RTT on both.
@@ -235,13 +236,18 @@ class Channel:
             sock.close()
 
 
-def _sized(sock: socket.socket, buf_bytes: int, window_bytes: int = 0) -> None:
+_SO_MAX_PACING_RATE = 47  # Linux's, not in Python's socket module
+
+
+def _sized(sock: socket.socket, buf_bytes: int, window_bytes: int = 0, pace: int = 0) -> None:
     if window_bytes:  # the clamp is the window, with buffers that never bind
         set_window(sock, window_bytes, max(buf_bytes, 2 * window_bytes), send_buffer=True)
     elif buf_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf_bytes)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if pace:  # TCP's own pacing (no fq qdisc needed): a window spread over the round trip
+        sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, pace)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
     except OSError:
@@ -260,7 +266,8 @@ class Endpoint:
         self._accepted: dict[tuple[str, int], list[socket.socket | None]] = {}
 
     def connect(self, peer: str, host: str, port: int, kind: int, connections: int, buf_bytes: int,
-                timeout: float = 60.0, window_bytes: int = 0, turns: "TurnClient | None" = None) -> Channel:
+                timeout: float = 60.0, window_bytes: int = 0, turns: "TurnClient | None" = None,
+                pace: int = 0) -> Channel:
         """Open ``connections`` TCP connections to a peer's endpoint for one channel kind; with
         ``turns``, each message waits for its pipeline's turn on the WAN."""
         socks = []
@@ -268,7 +275,7 @@ class Endpoint:
             deadline = time.monotonic() + timeout
             while True:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                _sized(sock, buf_bytes, window_bytes)
+                _sized(sock, buf_bytes, window_bytes, pace)
                 try:
                     sock.connect((host, port))
                     break

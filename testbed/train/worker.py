@@ -108,10 +108,10 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
     # transfers are recorded where they end: the receiver sees the last byte arrive
     if nxt:
         act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf, window_bytes=nxt.window,
-                             turns=_turn_client(cfg.turns_next, me.name, cfg.recv_timeout_s))
+                             turns=_turn_client(cfg.turns_next, me.name, cfg.recv_timeout_s), pace=nxt.pace)
     if prv:
         grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf, window_bytes=prv.window,
-                              turns=_turn_client(cfg.turns_prev, me.name, cfg.recv_timeout_s))
+                              turns=_turn_client(cfg.turns_prev, me.name, cfg.recv_timeout_s), pace=prv.pace)
     if prv:
         act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"),
                            window_bytes=prv.window)
