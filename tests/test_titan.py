@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from agents.titan import lp
 from agents.titan import workload as wl
-from agents.titan.placement import (INTERNET, WAN, Options, Plan, _mix, evaluate, plan_loads, realise,
-                                    realise_greedy, rule_plan)
+from agents.titan.placement import (INTERNET, WAN, Options, PeakGuard, Plan, _mix, evaluate, plan_loads, realise,
+                                    realise_greedy, realise_guarded, rule_plan)
 from agents.titan.regions import Backbone, build_world, load_wan
 from agents.titan.spec import LatencyRule, StudySpec, TitanError, WorkloadSpec, load_spec
 from testbed.spec.topology import parse_topology
@@ -243,6 +243,46 @@ def test_greedy_stays_within_the_internet_caps(small):
     assert ev.cap_excess < 0.1 and ev.over_bound == 0
 
 
+@pytest.fixture(scope="module")
+def forecast_plans(small):
+    """Day 0's demand as the forecast for day 1 (Titan-Next's LP and the WAN-only one), and
+    day 1's calls: the realisation meets a day that differs from its plan."""
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    cap = lp.capacities(world, opts, wl.demand(calls, cfg, 0.0, 3600.0, 48), 1.25)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 40), cap)
+    plans = {routes: lp.solve_day(world, opts, problem, "p", routes, 1e-3, solver="simplex")
+             for routes in ((WAN, INTERNET), (WAN,))}
+    day1 = calls.start_s >= wl.DAY_S
+    return plans, calls.select(day1), cfg[day1], prov[day1]
+
+
+def test_guarded_realisation_keeps_the_plans_peaks(small, forecast_plans):
+    """On a day that is not its forecast, quota counters alone overrun the planned peaks; the
+    guarded realisation keeps every link within its limit (the plan's peak, or a peak a call
+    could not avoid, which it then keeps to), and lowers the day's sum of peaks."""
+    world, calls, configs, cfg, prov, opts = small
+    plans, day, dcfg, dprov = forecast_plans
+    plan = plans[(WAN, INTERNET)]
+    t0 = wl.DAY_S
+    planned = plan.stats["planned_peaks"]
+    quota = evaluate(world, opts, day, dcfg, realise(plan, opts, day, dcfg, dprov, t0, 3600.0), t0, 3600.0, 24)
+    guard = PeakGuard(world)
+    guard.set_limits(planned)
+    real = realise_guarded(plan, opts, day, dcfg, dprov, t0, 3600.0, guard)
+    ev = evaluate(world, opts, day, dcfg, real, t0, 3600.0, 24)
+    assert quota.peaks().sum() > 1.05 * planned.sum()  # the plan's promise broken without a guard
+    assert np.all(ev.peaks() <= np.array(guard.limit) + 1e-6)
+    assert np.array(guard.limit).sum() < 1.02 * planned.sum() and guard.raised < 0.01 * len(day)
+    assert ev.peaks().sum() < quota.peaks().sum()
+    assert ev.over_bound == 0 and real.planned.mean() > 0.95
+    # a WAN-only plan's guard looks for room on the WAN only
+    wan_guard = PeakGuard(world)
+    wan_guard.set_limits(plans[(WAN,)].stats["planned_peaks"])
+    wan_real = realise_guarded(plans[(WAN,)], opts, day, dcfg, dprov, t0, 3600.0, wan_guard, (WAN,))
+    assert np.all(wan_real.route == WAN)
+
+
 def test_small_study_end_to_end(tmp_path):
     from agents.titan.study import BASELINES, run_study, write_outputs
 
@@ -259,6 +299,9 @@ def test_small_study_end_to_end(tmp_path):
     assert all(p["calls_over_latency_bound"] == 0 for p in pol.values())
     assert pol["titan-next"]["sum_of_peaks_week_kbps"] < pol["nearest-wan"]["sum_of_peaks_week_kbps"]
     assert set(js["titan_next_reduction"]) >= set(BASELINES)
+    for name, p in pol.items():  # planned against realised, for every policy with a plan
+        assert (p["planned_sum_of_peaks_per_day_kbps"] is None) == (name == "greedy-internet")
+        assert name == "greedy-internet" or len(p["planned_sum_of_peaks_per_day_kbps"]) == 2
     assert len(js["solves"]["titan-next"]) == 2 and all(r["solve_s"] < 30 for r in js["solves"]["titan-next"])
 
 

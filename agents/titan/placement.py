@@ -9,7 +9,10 @@ of a (configuration, slot) goes to the placement furthest below its quota of the
 placed so far, so every placement stays within one call's traffic of its share; quotas
 count traffic because the LP's fractions are fractions of traffic; no random sampling) and counts
 **migrations** (a call starts on the plan for its first participant's region alone and moves
-when its settled configuration is placed elsewhere).  ``evaluate`` measures a realisation:
+when its settled configuration is placed elsewhere).  ``realise_guarded`` keeps the plan's
+promise on a day that is not its forecast: each call goes, in start order, to the first
+placement (the quota counters' choice first) that keeps every WAN link's load within the
+plan's peak (``PeakGuard``, carried from day to day).  ``evaluate`` measures a realisation:
 per-slot load of every WAN link (kbps, from the calls' actual overlaps with the slots), each
 link's peak and their sum, DC load against capacity, per-participant RTT against the bound,
 and the share offloaded to the Internet.
@@ -19,6 +22,7 @@ Routes: 0 = WAN (the private backbone, entering at the participant's region), 1 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -184,30 +188,164 @@ def realise(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray, 
     weights = traffic.tolist()
     counters: dict[tuple, list] = {}
 
-    def place(k: int, slot: int, tag: str, weight: float) -> tuple[int, int, bool]:
-        got = plan.get(k, slot, options)
-        if got is None:
-            return options[k].nearest, WAN, False
-        dcs, routes, frac = got
-        if len(dcs) == 1:
-            return int(dcs[0]), int(routes[0]), True
-        key = (tag, plan.key(k, options), slot)
-        state = counters.get(key)
-        if state is None:
-            state = counters[key] = [0.0, np.zeros(len(dcs))]
-        state[0] += weight
-        deficit = frac * state[0] - state[1]
-        j = int(np.argmax(deficit))  # ties: the first placement of the mix
-        state[1][j] += weight
-        return int(dcs[j]), int(routes[j]), True
-
     cfg = config_ids.tolist()
     prov = provisional_ids.tolist()
     for i in range(n):
-        d, r, ok = place(cfg[i], slots[i], "final", weights[i])
+        d, r, ok = _quota_place(plan, options, counters, cfg[i], slots[i], "final", weights[i])
         dc[i], route[i], planned[i] = d, r, ok
         if prov[i] != cfg[i]:
-            pd, pr, _ = place(prov[i], slots[i], "provisional", 1.0)
+            pd, pr, _ = _quota_place(plan, options, counters, prov[i], slots[i], "provisional", 1.0)
+            migrated[i] = (pd, pr) != (d, r)
+    return Realisation(dc, route, migrated, planned)
+
+
+def _quota_place(plan: Plan, options: Options, counters: dict, k: int, slot: int, tag: str,
+                 weight: float) -> tuple[int, int, bool]:
+    """The placement furthest below its quota of the traffic placed so far in its (plan key,
+    slot) (``counters`` holds each one's [total, per placement]); (dc, route, planned)."""
+    got = plan.get(k, slot, options)
+    if got is None:
+        return options[k].nearest, WAN, False
+    dcs, routes, frac = got
+    if len(dcs) == 1:
+        return int(dcs[0]), int(routes[0]), True
+    key = (tag, plan.key(k, options), slot)
+    state = counters.get(key)
+    if state is None:
+        state = counters[key] = [0.0, np.zeros(len(dcs))]
+    state[0] += weight
+    deficit = frac * state[0] - state[1]
+    j = int(np.argmax(deficit))  # ties: the first placement of the mix
+    state[1][j] += weight
+    return int(dcs[j]), int(routes[j]), True
+
+
+class PeakGuard:
+    """What a realisation that keeps the plan's promise carries from call to call and day to day.
+
+    ``limit`` holds each WAN link's allowed load (kbps): the plan's peak, raised to a load a
+    call could not avoid (that peak is then paid, so later calls may use it).  ``load`` is the
+    links' load *now* (the calls in progress, instantaneous), ``active`` the calls in
+    progress (a heap by end time, so a call that spans midnight still counts the next day).
+    Keeping every link's instantaneous load within its limit keeps its slot average, which
+    is what is billed, within it too.
+    """
+
+    def __init__(self, world: World):
+        self.world = world
+        self.limit = [0.0] * world.n_links
+        self.load = [0.0] * world.n_links
+        self.active: list[tuple[float, int, dict[int, float]]] = []
+        self.raised = 0  # calls that had to raise a link's limit
+        self._seq = 0
+
+    def set_limits(self, limits: np.ndarray) -> None:
+        """A new plan's peaks (a day's, or raised by what the period has paid already)."""
+        if len(limits) != self.world.n_links:
+            raise TitanError(f"guard: {len(limits)} link limits for {self.world.n_links} links")
+        self.limit = [float(v) for v in limits]
+
+    def _advance(self, now: float) -> None:
+        while self.active and self.active[0][0] <= now:
+            _, _, contrib = heapq.heappop(self.active)
+            for link, v in contrib.items():
+                self.load[link] -= v
+
+    def _excess(self, contrib: dict[int, float]) -> float:
+        return sum(max(self.load[l] + v - self.limit[l] * (1 + 1e-9) - 1e-6, 0.0) for l, v in contrib.items())
+
+    def _commit(self, end: float, contrib: dict[int, float]) -> None:
+        over = False
+        for link, v in contrib.items():
+            self.load[link] += v
+            if self.load[link] > self.limit[link]:
+                self.limit[link] = self.load[link]
+                over = True
+        self.raised += over
+        self._seq += 1
+        heapq.heappush(self.active, (end, self._seq, contrib))
+
+
+def _wan_contrib(world: World, members: list[tuple[int, int]], d: int, up: float, down: float) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for u, c in members:
+        if world.local[u, d]:
+            continue
+        for link in world.up_links[u][d]:
+            out[link] = out.get(link, 0.0) + c * up
+        for link in world.down_links[u][d]:
+            out[link] = out.get(link, 0.0) + c * down
+    return out
+
+
+def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray,
+                    provisional_ids: np.ndarray, t0: float, slot_s: float, guard: PeakGuard,
+                    routes: tuple[int, ...] = (WAN, INTERNET)) -> Realisation:
+    """One placement per call, in start order, that keeps the plan's peaks where it can.
+
+    Each call's candidates: its plan mix's placements, furthest below their quota first (the
+    quota counters of ``realise``), then every other placement the latency rule allows,
+    lowest mean latency first (on ``routes`` only: a WAN-only plan stays on the WAN).  The first candidate that keeps every WAN link's load now
+    within ``guard.limit`` is taken; if none does, the one that exceeds the limits least
+    (summed over links) is, and the links it overloads have their limits raised (that peak
+    is paid).  Migrations are counted as in ``realise``."""
+    world = options.world
+    n = len(calls)
+    dc = np.empty(n, dtype=np.int64)
+    route = np.empty(n, dtype=np.int64)
+    migrated = np.zeros(n, dtype=bool)
+    planned = np.ones(n, dtype=bool)
+    slots = np.floor((calls.start_s - t0) / slot_s).astype(np.int64).tolist()
+    lens = np.diff(calls.ptr)
+    traffic = np.bincount(np.repeat(np.arange(n), lens), weights=calls.count, minlength=n) * (
+        calls.up_kbps + calls.down_kbps)
+    weights = traffic.tolist()
+    starts, ends = calls.start_s.tolist(), calls.end_s.tolist()
+    ups, downs = calls.up_kbps.tolist(), calls.down_kbps.tolist()
+    regions, counts, ptr = calls.region.tolist(), calls.count.tolist(), calls.ptr.tolist()
+    counters: dict[tuple, list] = {}
+
+    def candidates(k: int, slot: int, tag: str, weight: float):
+        """(placements in preference order, the quota state and mix to book the choice on)."""
+        got = plan.get(k, slot, options)
+        allowed = [o for o in options[k].options if o[1] in routes]
+        if got is None:
+            near = (options[k].nearest, WAN)
+            return [near] + [o for o in allowed if o != near], None, None, False
+        dcs, rts, frac = got
+        mix = list(zip(dcs.tolist(), rts.tolist()))
+        if len(mix) == 1:
+            return mix + [o for o in allowed if o != mix[0]], None, mix, True
+        key = (tag, plan.key(k, options), slot)
+        state = counters.get(key)
+        if state is None:
+            state = counters[key] = [0.0, np.zeros(len(mix))]
+        state[0] += weight
+        deficit = frac * state[0] - state[1]
+        order = sorted(range(len(mix)), key=lambda j: (-deficit[j], j))
+        pref = [mix[j] for j in order]
+        return pref + [o for o in allowed if o not in pref], state, mix, True
+
+    cfg, prov = config_ids.tolist(), provisional_ids.tolist()
+    for i in range(n):
+        guard._advance(starts[i])
+        members = list(zip(regions[ptr[i]:ptr[i + 1]], counts[ptr[i]:ptr[i + 1]]))
+        cands, state, mix, ok = candidates(cfg[i], slots[i], "final", weights[i])
+        best, best_excess, best_contrib = None, np.inf, None
+        for d, r in cands:
+            contrib = _wan_contrib(world, members, d, ups[i], downs[i]) if r == WAN else {}
+            excess = guard._excess(contrib)
+            if excess < best_excess:
+                best, best_excess, best_contrib = (d, r), excess, contrib
+            if excess <= 0:
+                break
+        d, r = best
+        guard._commit(ends[i], best_contrib)
+        if state is not None and (d, r) in mix:
+            state[1][mix.index((d, r))] += weights[i]
+        dc[i], route[i], planned[i] = d, r, ok
+        if prov[i] != cfg[i]:
+            pd, pr, _ = _quota_place(plan, options, counters, prov[i], slots[i], "provisional", 1.0)
             migrated[i] = (pd, pr) != (d, r)
     return Realisation(dc, route, migrated, planned)
 

@@ -11,7 +11,7 @@ get wrong raises ``TitanError`` with a one-line message naming the field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -99,6 +99,7 @@ class StudySpec(_CapMixin, _Strict):
     titan_fraction: float | None = Field(None, ge=0, le=1, description="Titan baseline: share of eligible calls offloaded (default: internet_cap)")
     max_configs: int = Field(200, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
     tie_break_eps: float = Field(1e-3, ge=0, description="tie-break re-solve keeps sum of peaks <= (1+eps) x optimum")
+    realisation: Literal["quota", "guarded"] = Field("guarded", description="how the LP policies' plans become calls: quota counters alone, or guarded (each call at the first placement, plan's first, that keeps every WAN link within the plan's peaks)")
     targets: Targets = Targets()
 
     @model_validator(mode="after")

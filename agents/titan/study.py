@@ -6,7 +6,11 @@ demand as the mean of the same kind of day (weekday/weekend) in the preceding
 ``history_days``.  Per day it solves Titan-Next's LP on the forecast and on the day's
 actual demand (the oracle), and the WAN-only LP (Switchboard-like) on the forecast
 (``lp.py``); the rule baselines need no solving.  Every plan is realised call by call with
-quota counters (greedy by its own share counters), the realisations of all days are joined,
+quota counters (greedy by its own share counters); the LPs' plans, by default, through the
+guard that keeps each WAN link within the plan's peaks (``realisation: guarded``; a plan on
+the forecast is otherwise overrun on every day busier than the mean).  Each policy's
+planned sum of peaks (on the demand it planned for) is reported beside the realised one.
+The realisations of all days are joined,
 and ``placement.evaluate`` measures them on the calls' real overlaps with the slots: each
 WAN link's per-slot load, its peak per day and over the week, and their sums.
 
@@ -36,8 +40,8 @@ import numpy as np
 
 from agents.titan import lp
 from agents.titan import workload as wl
-from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, Realisation, evaluate, incidence, realise,
-                        realise_greedy, rule_plan)
+from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, PeakGuard, Realisation, evaluate, incidence,
+                                    plan_loads, realise, realise_greedy, realise_guarded, rule_plan)
 from agents.titan.regions import build_world
 from agents.titan.spec import StudySpec
 
@@ -75,6 +79,8 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     solves: dict[str, list[dict]] = {p: [] for p in ("titan-next", "titan-next-oracle", "wan-lp")}
     rules = {"nearest-wan": rule_plan("nearest-wan", options, all_cfg, 0.0),
              "titan": rule_plan("titan", options, all_cfg, spec.titan_share)}
+    guards = {name: PeakGuard(world) for name in solves}
+    planned: dict[str, list[float]] = {p: [] for p in POLICIES if p != "greedy-internet"}
     for e in range(H, H + N):
         t0 = e * wl.DAY_S
         day_mask = (ev_calls.start_s >= t0) & (ev_calls.start_s < t0 + wl.DAY_S)
@@ -91,8 +97,15 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
             stats["solve_s"] = plan.solve_s
             solves[name].append(stats)
             log(f"day {e - H + 1}/{N}: {name} LP {plan.stats['variables']:,} variables, {plan.solve_s:.1f} s")
-            real[name].append(realise(plan, options, day, dcfg, dprov, t0, slot_s))
+            planned[name].append(plan.stats["sum_of_peaks_after_tiebreak_kbps"])
+            if spec.realisation == "guarded":
+                guards[name].set_limits(plan.stats["planned_peaks"])
+                real[name].append(realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name],
+                                                     routes))
+            else:
+                real[name].append(realise(plan, options, day, dcfg, dprov, t0, slot_s))
         for name, plan in rules.items():
+            planned[name].append(float(plan_loads(world, options, plan, forecast).max(axis=1).sum()))
             real[name].append(realise(plan, options, day, dcfg, dprov, t0, slot_s))
     real["greedy-internet"] = [realise_greedy(options, ev_calls, ev_cfg, ev_prov, t_eval, slot_s)]
     incid = incidence(world)
@@ -102,13 +115,15 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
         joined = Realisation(*(np.concatenate([getattr(r, f) for r in parts]) for f in
                                ("dc", "route", "migrated", "planned")))
         evals[name] = evaluate(world, options, ev_calls, ev_cfg, joined, t_eval, slot_s, T * N, incid)
-    summary = _summarise(spec, world, evals, solves, capacity, len(ev_calls), len(configs), T)
+    summary = _summarise(spec, world, evals, solves, planned, capacity, len(ev_calls), len(configs), T)
+    for name, g in guards.items():
+        summary["policies"][name]["guard_raised_calls"] = g.raised if spec.realisation == "guarded" else None
     summary["wall_s"] = time.perf_counter() - t_all
     summary["_arrays"] = {"evals": evals, "world": world, "slots_per_day": T, "slot_minutes": spec.slot_minutes}
     return summary
 
 
-def _summarise(spec, world, evals, solves, capacity, n_calls, n_configs, T) -> dict:
+def _summarise(spec, world, evals, solves, planned, capacity, n_calls, n_configs, T) -> dict:
     out: dict = {
         "spec": json.loads(spec.model_dump_json()),
         "calls": n_calls, "configurations": n_configs, "user_regions": len(world.users), "dcs": len(world.dcs),
@@ -122,6 +137,10 @@ def _summarise(spec, world, evals, solves, capacity, n_calls, n_configs, T) -> d
         out["policies"][name] = {
             "sum_of_peaks_week_kbps": ev.sum_of_peaks(), "sum_of_peaks_per_day_kbps": per_day.tolist(),
             "sum_of_peaks_day_mean_kbps": float(per_day.mean()),
+            # what the plan expected on its own demand (the forecast; the oracle: the day's), fractions as
+            # they are; greedy has no plan
+            "planned_sum_of_peaks_per_day_kbps": planned.get(name),
+            "planned_sum_of_peaks_day_mean_kbps": float(np.mean(planned[name])) if name in planned else None,
             "internet_share_calls": ev.internet_share_calls, "internet_share_traffic": ev.internet_share_traffic,
             "migrations": ev.migrations, "unplanned": ev.unplanned, "calls_over_latency_bound": ev.over_bound,
             "internet_cap_excess": ev.cap_excess,
