@@ -283,6 +283,29 @@ def test_guarded_realisation_keeps_the_plans_peaks(small, forecast_plans):
     assert np.all(wan_real.route == WAN)
 
 
+def test_guarded_realisation_keeps_the_internet_caps(small, forecast_plans):
+    """Kept at placement (as greedy keeps them): an Internet placement is taken only while
+    every path of the call stays within its cap over the calls in progress; without that the
+    guard, looking for room off the full WAN links, offloads past the caps."""
+    world, calls, configs, cfg, prov, opts = small
+    plans, day, dcfg, dprov = forecast_plans
+    plan = plans[(WAN, INTERNET)]
+    t0 = wl.DAY_S
+    got = {}
+    for keep in (False, True):
+        guard = PeakGuard(world, keep_caps=keep)
+        guard.set_limits(plan.stats["planned_peaks"])
+        real = realise_guarded(plan, opts, day, dcfg, dprov, t0, 3600.0, guard)
+        got[keep] = (evaluate(world, opts, day, dcfg, real, t0, 3600.0, 24), real, guard)
+    ev, real, guard = got[True]
+    assert got[False][0].cap_excess > 0.02
+    assert ev.cap_excess < 0.005 and guard.over_cap == 0
+    assert real.route.mean() > 0.1  # it still offloads
+    # every path's Internet share within its cap at the end of the day, over the calls still in progress
+    for (u, d), (n, inet) in guard.on_path.items():
+        assert inet <= world.inet_cap[u, d] * n + 1e-9
+
+
 def test_small_study_end_to_end(tmp_path):
     from agents.titan.study import BASELINES, run_study, write_outputs
 

@@ -228,15 +228,23 @@ class PeakGuard:
     links' load *now* (the calls in progress, instantaneous), ``active`` the calls in
     progress (a heap by end time, so a call that spans midnight still counts the next day).
     Keeping every link's instantaneous load within its limit keeps its slot average, which
-    is what is billed, within it too.
+    is what is billed, within it too.  ``on_path`` counts the participants now on each
+    (region, DC) path that crosses regions, and how many of them ride the Internet: with
+    ``keep_caps`` an Internet placement is taken only if every such path of the call stays
+    within its Internet share cap, counted over the participants in progress (greedy counts
+    the ones started in the slot).
     """
 
-    def __init__(self, world: World):
+    def __init__(self, world: World, keep_caps: bool = True):
         self.world = world
+        self.keep_caps = keep_caps
         self.limit = [0.0] * world.n_links
         self.load = [0.0] * world.n_links
-        self.active: list[tuple[float, int, dict[int, float]]] = []
+        self.active: list[tuple[float, int, dict[int, float], list[tuple[int, int, int, int]]]] = []
+        self.on_path: dict[tuple[int, int], list[int]] = {}  # (user, dc) -> [participants, on the Internet] now
         self.raised = 0  # calls that had to raise a link's limit
+        self.over_cap = 0  # calls put on the Internet over a cap (no placement within the caps allowed)
+        self._cap = world.inet_cap.tolist()
         self._seq = 0
 
     def set_limits(self, limits: np.ndarray) -> None:
@@ -247,14 +255,34 @@ class PeakGuard:
 
     def _advance(self, now: float) -> None:
         while self.active and self.active[0][0] <= now:
-            _, _, contrib = heapq.heappop(self.active)
+            _, _, contrib, paths = heapq.heappop(self.active)
             for link, v in contrib.items():
                 self.load[link] -= v
+            for u, d, c, inet in paths:
+                a = self.on_path[(u, d)]
+                a[0] -= c
+                a[1] -= inet
+
+    def _within_caps(self, members: list[tuple[int, int]], d: int) -> bool:
+        """Would an Internet placement at ``d`` keep every crossing path within its cap now?"""
+        for u, c in members:
+            if self.world.local[u, d]:
+                continue
+            a = self.on_path.get((u, d), (0, 0))
+            if a[1] + c > self._cap[u][d] * (a[0] + c) + 1e-9:
+                return False
+        return True
 
     def _excess(self, contrib: dict[int, float]) -> float:
         return sum(max(self.load[l] + v - self.limit[l] * (1 + 1e-9) - 1e-6, 0.0) for l, v in contrib.items())
 
-    def _commit(self, end: float, contrib: dict[int, float]) -> None:
+    def _commit(self, end: float, contrib: dict[int, float], members: list[tuple[int, int]], d: int,
+                r: int) -> None:
+        paths = [(u, d, c, c if r == INTERNET else 0) for u, c in members if not self.world.local[u, d]]
+        for u, _, c, inet in paths:
+            a = self.on_path.setdefault((u, d), [0, 0])
+            a[0] += c
+            a[1] += inet
         over = False
         for link, v in contrib.items():
             self.load[link] += v
@@ -263,7 +291,7 @@ class PeakGuard:
                 over = True
         self.raised += over
         self._seq += 1
-        heapq.heappush(self.active, (end, self._seq, contrib))
+        heapq.heappush(self.active, (end, self._seq, contrib, paths))
 
 
 def _wan_contrib(world: World, members: list[tuple[int, int]], d: int, up: float, down: float) -> dict[int, float]:
@@ -285,8 +313,10 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
 
     Each call's candidates: its plan mix's placements, furthest below their quota first (the
     quota counters of ``realise``), then every other placement the latency rule allows,
-    lowest mean latency first (on ``routes`` only: a WAN-only plan stays on the WAN).  The first candidate that keeps every WAN link's load now
-    within ``guard.limit`` is taken; if none does, the one that exceeds the limits least
+    lowest mean latency first (on ``routes`` only: a WAN-only plan stays on the WAN).  With
+    ``guard.keep_caps`` an Internet candidate that would take a path over its share cap is
+    dropped (unless no candidate is left).  The first candidate that keeps every WAN link's
+    load now within ``guard.limit`` is taken; if none does, the one that exceeds the limits least
     (summed over links) is, and the links it overloads have their limits raised (that peak
     is paid).  Migrations are counted as in ``realise``."""
     world = options.world
@@ -331,6 +361,12 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
         guard._advance(starts[i])
         members = list(zip(regions[ptr[i]:ptr[i + 1]], counts[ptr[i]:ptr[i + 1]]))
         cands, state, mix, ok = candidates(cfg[i], slots[i], "final", weights[i])
+        if guard.keep_caps:
+            within = [o for o in cands if o[1] == WAN or guard._within_caps(members, o[0])]
+            if within:
+                cands = within
+            else:
+                guard.over_cap += 1
         best, best_excess, best_contrib = None, np.inf, None
         for d, r in cands:
             contrib = _wan_contrib(world, members, d, ups[i], downs[i]) if r == WAN else {}
@@ -340,7 +376,7 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
             if excess <= 0:
                 break
         d, r = best
-        guard._commit(ends[i], best_contrib)
+        guard._commit(ends[i], best_contrib, members, d, r)
         if state is not None and (d, r) in mix:
             state[1][mix.index((d, r))] += weights[i]
         dc[i], route[i], planned[i] = d, r, ok

@@ -100,6 +100,7 @@ class StudySpec(_CapMixin, _Strict):
     max_configs: int = Field(200, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
     tie_break_eps: float = Field(1e-3, ge=0, description="tie-break re-solve keeps sum of peaks <= (1+eps) x optimum")
     realisation: Literal["quota", "guarded"] = Field("guarded", description="how the LP policies' plans become calls: quota counters alone, or guarded (each call at the first placement, plan's first, that keeps every WAN link within the plan's peaks)")
+    guard_keeps_caps: bool = Field(True, description="the guarded realisation puts a call on the Internet only within every path's share cap (counted over the calls in progress)")
     targets: Targets = Targets()
 
     @model_validator(mode="after")

@@ -79,7 +79,7 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     solves: dict[str, list[dict]] = {p: [] for p in ("titan-next", "titan-next-oracle", "wan-lp")}
     rules = {"nearest-wan": rule_plan("nearest-wan", options, all_cfg, 0.0),
              "titan": rule_plan("titan", options, all_cfg, spec.titan_share)}
-    guards = {name: PeakGuard(world) for name in solves}
+    guards = {name: PeakGuard(world, spec.guard_keeps_caps) for name in solves}
     planned: dict[str, list[float]] = {p: [] for p in POLICIES if p != "greedy-internet"}
     for e in range(H, H + N):
         t0 = e * wl.DAY_S
@@ -117,7 +117,9 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
         evals[name] = evaluate(world, options, ev_calls, ev_cfg, joined, t_eval, slot_s, T * N, incid)
     summary = _summarise(spec, world, evals, solves, planned, capacity, len(ev_calls), len(configs), T)
     for name, g in guards.items():
-        summary["policies"][name]["guard_raised_calls"] = g.raised if spec.realisation == "guarded" else None
+        guarded = spec.realisation == "guarded"
+        summary["policies"][name]["guard_raised_calls"] = g.raised if guarded else None
+        summary["policies"][name]["guard_over_cap_calls"] = g.over_cap if guarded else None
     summary["wall_s"] = time.perf_counter() - t_all
     summary["_arrays"] = {"evals": evals, "world": world, "slots_per_day": T, "slot_minutes": spec.slot_minutes}
     return summary
