@@ -228,11 +228,11 @@ class PeakGuard:
     links' load *now* (the calls in progress, instantaneous), ``active`` the calls in
     progress (a heap by end time, so a call that spans midnight still counts the next day).
     Keeping every link's instantaneous load within its limit keeps its slot average, which
-    is what is billed, within it too.  ``on_path`` counts the participants now on each
-    (region, DC) path that crosses regions, and how many of them ride the Internet: with
-    ``keep_caps`` an Internet placement is taken only if every such path of the call stays
-    within its Internet share cap, counted over the participants in progress (greedy counts
-    the ones started in the slot).
+    is what is billed, within it too.  ``on_path`` counts, per slot (of the whole horizon)
+    and (region, DC) path that crosses regions, the participants of the calls started on it
+    and how many of them ride the Internet: with ``keep_caps`` an Internet placement is
+    taken only if every such path of the call stays within its Internet share cap, counted
+    as greedy counts it.
     """
 
     def __init__(self, world: World, keep_caps: bool = True):
@@ -240,8 +240,8 @@ class PeakGuard:
         self.keep_caps = keep_caps
         self.limit = [0.0] * world.n_links
         self.load = [0.0] * world.n_links
-        self.active: list[tuple[float, int, dict[int, float], list[tuple[int, int, int, int]]]] = []
-        self.on_path: dict[tuple[int, int], list[int]] = {}  # (user, dc) -> [participants, on the Internet] now
+        self.active: list[tuple[float, int, dict[int, float]]] = []
+        self.on_path: dict[tuple[int, int, int], list[int]] = {}  # (slot, user, dc) -> [participants, on the Internet]
         self.raised = 0  # calls that had to raise a link's limit
         self.over_cap = 0  # calls put on the Internet over a cap (no placement within the caps allowed)
         self._cap = world.inet_cap.tolist()
@@ -255,20 +255,16 @@ class PeakGuard:
 
     def _advance(self, now: float) -> None:
         while self.active and self.active[0][0] <= now:
-            _, _, contrib, paths = heapq.heappop(self.active)
+            _, _, contrib = heapq.heappop(self.active)
             for link, v in contrib.items():
                 self.load[link] -= v
-            for u, d, c, inet in paths:
-                a = self.on_path[(u, d)]
-                a[0] -= c
-                a[1] -= inet
 
-    def _within_caps(self, members: list[tuple[int, int]], d: int) -> bool:
-        """Would an Internet placement at ``d`` keep every crossing path within its cap now?"""
+    def _within_caps(self, members: list[tuple[int, int]], d: int, slot: int) -> bool:
+        """Would an Internet placement at ``d`` keep every crossing path within its cap?"""
         for u, c in members:
             if self.world.local[u, d]:
                 continue
-            a = self.on_path.get((u, d), (0, 0))
+            a = self.on_path.get((slot, u, d), (0, 0))
             if a[1] + c > self._cap[u][d] * (a[0] + c) + 1e-9:
                 return False
         return True
@@ -277,12 +273,12 @@ class PeakGuard:
         return sum(max(self.load[l] + v - self.limit[l] * (1 + 1e-9) - 1e-6, 0.0) for l, v in contrib.items())
 
     def _commit(self, end: float, contrib: dict[int, float], members: list[tuple[int, int]], d: int,
-                r: int) -> None:
-        paths = [(u, d, c, c if r == INTERNET else 0) for u, c in members if not self.world.local[u, d]]
-        for u, _, c, inet in paths:
-            a = self.on_path.setdefault((u, d), [0, 0])
-            a[0] += c
-            a[1] += inet
+                r: int, slot: int) -> None:
+        for u, c in members:
+            if not self.world.local[u, d]:
+                a = self.on_path.setdefault((slot, u, d), [0, 0])
+                a[0] += c
+                a[1] += c if r == INTERNET else 0
         over = False
         for link, v in contrib.items():
             self.load[link] += v
@@ -291,7 +287,7 @@ class PeakGuard:
                 over = True
         self.raised += over
         self._seq += 1
-        heapq.heappush(self.active, (end, self._seq, contrib, paths))
+        heapq.heappush(self.active, (end, self._seq, contrib))
 
 
 def _wan_contrib(world: World, members: list[tuple[int, int]], d: int, up: float, down: float) -> dict[int, float]:
@@ -359,10 +355,11 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
     cfg, prov = config_ids.tolist(), provisional_ids.tolist()
     for i in range(n):
         guard._advance(starts[i])
+        abs_slot = int(starts[i] // slot_s)
         members = list(zip(regions[ptr[i]:ptr[i + 1]], counts[ptr[i]:ptr[i + 1]]))
         cands, state, mix, ok = candidates(cfg[i], slots[i], "final", weights[i])
         if guard.keep_caps:
-            within = [o for o in cands if o[1] == WAN or guard._within_caps(members, o[0])]
+            within = [o for o in cands if o[1] == WAN or guard._within_caps(members, o[0], abs_slot)]
             if within:
                 cands = within
             else:
@@ -376,7 +373,7 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
             if excess <= 0:
                 break
         d, r = best
-        guard._commit(ends[i], best_contrib, members, d, r)
+        guard._commit(ends[i], best_contrib, members, d, r, abs_slot)
         if state is not None and (d, r) in mix:
             state[1][mix.index((d, r))] += weights[i]
         dc[i], route[i], planned[i] = d, r, ok
