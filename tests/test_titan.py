@@ -205,6 +205,22 @@ def test_tie_break_lowers_latency_without_raising_the_peaks(small):
     assert latency(tied) <= latency(plain) + 1e-6
 
 
+def test_headroom_tie_break_puts_less_on_the_wan_within_the_same_peaks(small):
+    """The latency tie-break fills links up to their peaks off the peak; the headroom one
+    keeps the same peaks and puts less traffic on the WAN in every slot."""
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    cap = lp.capacities(world, opts, demand, 1.25)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 40), cap)
+    plans = {tb: lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), 1e-3, solver="simplex", tie_break=tb)
+             for tb in ("latency", "headroom")}
+    loads = {tb: plan_loads(world, opts, p, demand) for tb, p in plans.items()}
+    peaks = plans["latency"].stats["peak_limits"]
+    assert np.all(loads["headroom"].max(axis=1) <= peaks * (1 + 1e-3) + 1e-3)
+    assert np.all(loads["headroom"].sum(axis=0) <= loads["latency"].sum(axis=0) + 1e-3)
+    assert loads["headroom"].sum() < 0.95 * loads["latency"].sum()
+
+
 def test_quota_counters_realise_fractions_deterministically_and_count_migrations(small):
     world, calls, configs, cfg, prov, opts = small
     multi = np.flatnonzero(np.diff(calls.ptr) >= 2)
@@ -304,6 +320,37 @@ def test_guarded_realisation_keeps_the_internet_caps(small, forecast_plans):
     # every path's Internet share within its cap in every slot, over the calls started in it
     for (_, u, d), (n, inet) in guard.on_path.items():
         assert inet <= world.inet_cap[u, d] * n + 1e-9
+
+
+def test_billing_period_counts_only_the_excess_over_peaks_already_paid(small):
+    """With the period's peaks so far, a day's LP pays only for what it adds above them: none
+    when the day fits under them, all of it when nothing is paid yet; and its plan may fill
+    a link up to a paid peak (the tie-break's limit) but no further than it pays for."""
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    cap = lp.capacities(world, opts, demand, 1.25)
+    head = lp.top_configs(demand, 40)
+    alone = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap), "x", (WAN, INTERNET), 1e-3, solver="simplex")
+    need = alone.stats["peak_limits"]
+    total = alone.stats["planned_sum_of_peaks_kbps"]
+    assert total > 0
+    paid_all = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap, need * 1.01), "x", (WAN, INTERNET), 1e-3,
+                            solver="simplex")
+    assert paid_all.stats["planned_excess_kbps"] <= 1e-6 * total
+    nothing = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap, np.zeros(world.n_links)), "x",
+                           (WAN, INTERNET), 1e-3, solver="simplex")
+    assert nothing.stats["planned_excess_kbps"] == pytest.approx(total, rel=1e-6)
+    # half the busy links already paid at twice what the day needs: the day pays for at most the rest
+    busy = np.flatnonzero(need > 0)
+    paid = np.zeros(world.n_links)
+    paid[busy[::2]] = 2 * need[busy[::2]]
+    half = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap, paid), "x", (WAN, INTERNET), 1e-3,
+                        solver="simplex")
+    assert half.stats["planned_excess_kbps"] <= need[busy[1::2]].sum() * (1 + 1e-6)
+    limits = half.stats["peak_limits"]
+    assert np.all(limits >= paid - 1e-6)
+    assert limits.sum() - paid.sum() == pytest.approx(half.stats["planned_excess_kbps"], rel=1e-6, abs=1e-3)
+    assert np.all(half.stats["planned_peaks"] <= limits * (1 + 1e-3) + 1e-3)
 
 
 def test_small_study_end_to_end(tmp_path):

@@ -80,6 +80,8 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     rules = {"nearest-wan": rule_plan("nearest-wan", options, all_cfg, 0.0),
              "titan": rule_plan("titan", options, all_cfg, spec.titan_share)}
     guards = {name: PeakGuard(world, spec.guard_keeps_caps) for name in solves}
+    incid = incidence(world)
+    billed = {name: np.zeros((world.n_links, T * N)) for name in solves}  # realised so far, for the period's peaks
     planned: dict[str, list[float]] = {p: [] for p in POLICIES if p != "greedy-internet"}
     for e in range(H, H + N):
         t0 = e * wl.DAY_S
@@ -90,25 +92,28 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
         for name, demand, routes in (("titan-next", forecast, (WAN, INTERNET)),
                                      ("titan-next-oracle", daily[e], (WAN, INTERNET)),
                                      ("wan-lp", forecast, (WAN,))):
-            problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity)
-            plan = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver=solver)
-            stats = {k: v for k, v in plan.stats.items() if k != "planned_peaks"}
+            paid = billed[name][:, : (e - H) * T].max(axis=1) if spec.billing == "period" and e > H else None
+            problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity, paid)
+            plan = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver=solver,
+                                tie_break=spec.tie_break)
+            stats = {k: v for k, v in plan.stats.items() if k not in ("planned_peaks", "peak_limits")}
             stats["day"] = e - H
             stats["solve_s"] = plan.solve_s
             solves[name].append(stats)
             log(f"day {e - H + 1}/{N}: {name} LP {plan.stats['variables']:,} variables, {plan.solve_s:.1f} s")
             planned[name].append(plan.stats["sum_of_peaks_after_tiebreak_kbps"])
             if spec.realisation == "guarded":
-                guards[name].set_limits(plan.stats["planned_peaks"])
-                real[name].append(realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name],
-                                                     routes))
+                guards[name].set_limits(plan.stats["planned_peaks"] if paid is None else plan.stats["peak_limits"])
+                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
             else:
-                real[name].append(realise(plan, options, day, dcfg, dprov, t0, slot_s))
+                got = realise(plan, options, day, dcfg, dprov, t0, slot_s)
+            real[name].append(got)
+            if spec.billing == "period":
+                billed[name] += evaluate(world, options, day, dcfg, got, t_eval, slot_s, T * N, incid).link_load
         for name, plan in rules.items():
             planned[name].append(float(plan_loads(world, options, plan, forecast).max(axis=1).sum()))
             real[name].append(realise(plan, options, day, dcfg, dprov, t0, slot_s))
     real["greedy-internet"] = [realise_greedy(options, ev_calls, ev_cfg, ev_prov, t_eval, slot_s)]
-    incid = incidence(world)
     evals: dict[str, Evaluation] = {}
     for name in POLICIES:
         parts = real[name]
