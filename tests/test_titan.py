@@ -205,6 +205,37 @@ def test_tie_break_lowers_latency_without_raising_the_peaks(small):
     assert latency(tied) <= latency(plain) + 1e-6
 
 
+def test_configurations_by_media_send_the_costly_calls_over_the_internet(small):
+    """The caps count participants, the peaks kbps: told apart by media, the LP gives the
+    Internet share to HD and video participants before audio ones and plans lower peaks."""
+    world, calls, *_ = small
+    got = {}
+    for by_media in (False, True):
+        configs = wl.Configs(by_media=by_media)
+        cfg = configs.of_calls(calls)
+        opts = Options(world, configs, LatencyRule(delta_ms=20))
+        demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+        cap = lp.capacities(world, opts, demand, 1.25)
+        plan = lp.solve_day(world, opts, lp.DayProblem(demand, lp.top_configs(demand, 60), cap), "x",
+                            (WAN, INTERNET), 1e-3, solver="simplex")
+        media = np.array(configs.media)
+        assert set(media.tolist()) == ({0, 1, 2} if by_media else {-1})
+        got[by_media] = plan.stats["planned_sum_of_peaks_kbps"]
+        classes = {key[0] for key in plan.class_of}  # the long tail's classes: one set per medium
+        assert classes == ({0, 1, 2} if by_media else {-1})
+    inet = np.zeros(3)
+    part = np.zeros(3)
+    for i in range(len(demand.config)):  # the split plan's Internet share of each medium's crossing participants
+        k, t, u = int(demand.config[i]), int(demand.slot[i]), int(demand.region[i])
+        for d, r, f in zip(*plan.get(k, t, opts)):
+            if not world.local[u, d]:
+                part[media[k]] += f * demand.participants[i]
+                inet[media[k]] += f * demand.participants[i] * (r == INTERNET)
+    audio, video, hd = inet / part
+    assert hd > audio + 0.2 and video > audio + 0.2
+    assert got[True] < 0.8 * got[False]
+
+
 def test_headroom_tie_break_puts_less_on_the_wan_within_the_same_peaks(small):
     """The latency tie-break fills links up to their peaks off the peak; the headroom one
     keeps the same peaks and puts less traffic on the WAN in every slot."""

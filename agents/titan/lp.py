@@ -226,9 +226,10 @@ class _Rows:
                 key = k
                 n_head += 1
             else:
-                key = plan.class_of.get(pset)
+                ck = options.class_key(k)
+                key = plan.class_of.get(ck)
                 if key is None:
-                    key = plan.class_of[pset] = -1 - len(plan.class_of)
+                    key = plan.class_of[ck] = -1 - len(plan.class_of)
             key_of_cfg[i] = key
             self.placements[key] = [o for o in pset if o[1] in routes]
             if not self.placements[key]:

@@ -92,6 +92,11 @@ class Options:
         """The configuration's allowed placements as a canonical sorted tuple."""
         return tuple(sorted(self[k].options))
 
+    def class_key(self, k: int) -> tuple:
+        """What the LP's long tail shares a mix by: the allowed placements (and the media,
+        where configurations are told apart by it)."""
+        return (self.configs.media[k], self.placement_set(k))
+
     def option_index(self, k: int, dc: int, route: int) -> int | None:
         try:
             return self[k].options.index((dc, route))
@@ -112,9 +117,10 @@ class Plan:
     """Placement mixes per (plan key, slot).
 
     A plan key is a configuration, or (for the LP's long tail) a class of configurations
-    with the same allowed placements: ``class_of`` maps such a placement set (a sorted tuple
-    of (dc, route)) to its key, so a configuration never seen in the forecast still finds
-    its class.  ``cells`` maps (key, slot) to a mix; a key missing from ``cells`` uses
+    with the same allowed placements: ``class_of`` maps such a class (``Options.class_key``:
+    the media, -1 where configurations have none, and the placement set, a sorted tuple of
+    (dc, route)) to its key, so a configuration never seen in the forecast still finds its
+    class.  ``cells`` maps (key, slot) to a mix; a key missing from ``cells`` uses
     ``default`` (key -> mix); a configuration with neither goes to its nearest DC over the
     WAN (counted as unplanned).
     """
@@ -132,7 +138,7 @@ class Plan:
         if self.class_of:
             if self._own is None:
                 self._own = {key for key, _ in self.cells} | set(self.default)
-            got = self.class_of.get(options.placement_set(k))
+            got = self.class_of.get(options.class_key(k))
             if got is not None and k not in self._own:
                 return got
         return k

@@ -61,7 +61,7 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     log(f"{len(world.users)} user regions, {len(world.dcs)} DCs, backbone of {len(world.backbone.edges)} links "
         f"over {len(world.backbone.nodes)} regions")
     calls = wl.generate(world, spec.workload, H + N)
-    configs = wl.Configs()
+    configs = wl.Configs(by_media=spec.configs_by_media)
     cfg = configs.of_calls(calls)
     prov = configs.provisional_of_calls(calls)
     options = Options(world, configs, spec.latency)
