@@ -236,6 +236,21 @@ def test_configurations_by_media_send_the_costly_calls_over_the_internet(small):
     assert got[True] < 0.8 * got[False]
 
 
+def test_titans_fixed_fraction_does_not_change_when_configurations_have_media(small):
+    """The rule baselines' mixes are the same for every medium: their quota counters run per
+    region set, so telling configurations apart by media leaves Titan's realisation as it was."""
+    world, calls, *_ = small
+    routes = {}
+    for by_media in (False, True):
+        configs = wl.Configs(by_media=by_media)
+        cfg, prov = configs.of_calls(calls), configs.provisional_of_calls(calls)
+        opts = Options(world, configs, LatencyRule(delta_ms=20))
+        plan = rule_plan("titan", opts, np.concatenate((cfg, prov)), 0.5)
+        routes[by_media] = realise(plan, opts, calls, cfg, prov, 0.0, 3600.0).route
+    assert routes[False].mean() > 0.2
+    assert np.array_equal(routes[False], routes[True])
+
+
 def test_headroom_tie_break_puts_less_on_the_wan_within_the_same_peaks(small):
     """The latency tie-break fills links up to their peaks off the peak; the headroom one
     keeps the same peaks and puts less traffic on the WAN in every slot."""

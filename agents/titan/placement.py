@@ -129,6 +129,7 @@ class Plan:
     cells: dict[tuple[int, int], Mix] = field(default_factory=dict)
     default: dict[int, Mix] = field(default_factory=dict)
     class_of: dict[tuple, int] = field(default_factory=dict)
+    count_by_regions: bool = False  # quota counters per region set (a rule's mix is the same for every medium)
     solve_s: float = 0.0
     stats: dict = field(default_factory=dict)
     _own: set[int] | None = field(default=None, init=False, repr=False)  # keys with mixes, built on first use
@@ -156,7 +157,7 @@ def _mix(pairs: list[tuple[int, int]], fracs: list[float]) -> Mix:
 def rule_plan(name: str, options: Options, config_ids: np.ndarray, internet_fraction: float) -> Plan:
     """The rule-based baselines at the nearest DC: ``internet_fraction`` 0 = nearest DC over
     the WAN; f = Titan's fixed fraction of the calls whose Internet placement is allowed."""
-    plan = Plan(name)
+    plan = Plan(name, count_by_regions=True)  # configurations told apart by media share their counters
     for k in np.unique(config_ids):
         k = int(k)
         co = options[k]
@@ -215,7 +216,7 @@ def _quota_place(plan: Plan, options: Options, counters: dict, k: int, slot: int
     dcs, routes, frac = got
     if len(dcs) == 1:
         return int(dcs[0]), int(routes[0]), True
-    key = (tag, plan.key(k, options), slot)
+    key = (tag, options.configs.keys[k] if plan.count_by_regions else plan.key(k, options), slot)
     state = counters.get(key)
     if state is None:
         state = counters[key] = [0.0, np.zeros(len(dcs))]

@@ -102,7 +102,10 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
             solves[name].append(stats)
             log(f"day {e - H + 1}/{N}: {name} LP {plan.stats['variables']:,} variables, {plan.solve_s:.1f} s")
             planned[name].append(plan.stats["sum_of_peaks_after_tiebreak_kbps"])
-            if spec.realisation == "guarded":
+            if spec.realisation == "capped":  # the guard without limits: the caps alone
+                guards[name].set_limits(np.full(world.n_links, np.inf))
+                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
+            elif spec.realisation == "guarded":
                 guards[name].set_limits(plan.stats["planned_peaks"] if paid is None else plan.stats["peak_limits"])
                 got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
             else:
@@ -122,7 +125,7 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
         evals[name] = evaluate(world, options, ev_calls, ev_cfg, joined, t_eval, slot_s, T * N, incid)
     summary = _summarise(spec, world, evals, solves, planned, capacity, len(ev_calls), len(configs), T)
     for name, g in guards.items():
-        guarded = spec.realisation == "guarded"
+        guarded = spec.realisation != "quota"
         summary["policies"][name]["guard_raised_calls"] = g.raised if guarded else None
         summary["policies"][name]["guard_over_cap_calls"] = g.over_cap if guarded else None
     summary["wall_s"] = time.perf_counter() - t_all
