@@ -29,7 +29,10 @@ most forecast traffic get their own mix per slot; the long tail (here tens of th
 configurations: large calls spanning many regions, each seen a few times, together a third
 of the traffic) is grouped by allowed placement set: configurations the latency rule allows
 exactly the same (DC, route) placements share one mix per slot, their demands summed per
-region.  That restriction (same placements, same mix) is the only approximation; it keeps
+region (where configurations are told apart by media, ``workload.Configs(by_media=True)``,
+a class is one medium's: the caps count participants and the peaks kbps, so the LP sends
+HD and video participants over the Internet before audio ones).  That restriction (same
+placements, same mix) is the only approximation; it keeps
 the LP at a few hundred thousand variables without leaving the tail unplanned, and a
 configuration first seen on the day itself still finds its class.  The y/z variables keep
 the matrix sparse: a placement touches one y per participant region instead of every link
@@ -41,7 +44,14 @@ peak is held at (1+eps) times its optimal value instead (a subset of that set: e
 keeps its own peak), which makes the re-solve separate by slot: 24-96 small LPs, one per
 slot, each minimising RTT under the link limits.  Re-solving the whole day took longer
 than the peaks LP itself (a WAN-only day at 96 slots: 118 s for the peaks, 70 s more for
-the re-solve).
+the re-solve).  ``tie_break="headroom"`` minimises instead each slot's WAN traffic summed
+over the links it crosses (RTT second, weighted 1e-3): the same peaks, but no link filled
+up to its peak off the peak, so a day above its forecast finds room (the study's default).
+
+Billing period: a link is billed for its peak over a period, not a day.  With
+``DayProblem.paid`` (each link's realised peak in the period so far) the objective is
+``sum_l E[l]`` with ``P[l] - E[l] <= paid[l]``, ``E >= 0``: only the excess over what the
+period has paid costs, and the tie-break may fill a link up to ``paid + E``.
 
 Solving: HiGHS's interior point method, without crossover to a vertex for the peaks LP
 (only its peaks are used; each slot's placement comes from its tie-break LP), with crossover

@@ -11,8 +11,9 @@ count traffic because the LP's fractions are fractions of traffic; no random sam
 **migrations** (a call starts on the plan for its first participant's region alone and moves
 when its settled configuration is placed elsewhere).  ``realise_guarded`` keeps the plan's
 promise on a day that is not its forecast: each call goes, in start order, to the first
-placement (the quota counters' choice first) that keeps every WAN link's load within the
-plan's peak (``PeakGuard``, carried from day to day).  ``evaluate`` measures a realisation:
+placement (the quota counters' choice first) that keeps the Internet share caps (counted
+as greedy counts them) and every WAN link's load within the plan's peak (``PeakGuard``,
+carried from day to day).  ``evaluate`` measures a realisation:
 per-slot load of every WAN link (kbps, from the calls' actual overlaps with the slots), each
 link's peak and their sum, DC load against capacity, per-participant RTT against the bound,
 and the share offloaded to the Internet.

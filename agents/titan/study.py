@@ -5,14 +5,21 @@ plus ``days`` days of calls (``workload.py``), and for each evaluated day foreca
 demand as the mean of the same kind of day (weekday/weekend) in the preceding
 ``history_days``.  Per day it solves Titan-Next's LP on the forecast and on the day's
 actual demand (the oracle), and the WAN-only LP (Switchboard-like) on the forecast
-(``lp.py``); the rule baselines need no solving.  Every plan is realised call by call with
-quota counters (greedy by its own share counters); the LPs' plans, by default, through the
-guard that keeps each WAN link within the plan's peaks (``realisation: guarded``; a plan on
-the forecast is otherwise overrun on every day busier than the mean).  Each policy's
-planned sum of peaks (on the demand it planned for) is reported beside the realised one.
-The realisations of all days are joined,
-and ``placement.evaluate`` measures them on the calls' real overlaps with the slots: each
-WAN link's per-slot load, its peak per day and over the week, and their sums.
+(``lp.py``); the rule baselines need no solving.  The LPs plan configurations told apart
+by media (``configs_by_media``).  With ``billing: period`` (the default) the evaluated days
+are one billing period: each day's LPs count only each link's excess over the peak the
+period has already paid (realised, from the days before), and may fill up to it.
+
+Every plan is realised call by call with quota counters (greedy by its own share
+counters); the LPs' plans, by default, through ``placement.realise_guarded``
+(``realisation: guarded``): each call at the first placement, the quota counters' choice
+first, that keeps the Internet share caps (as greedy counts them) and every WAN link within
+the plan's peaks; ``capped`` keeps the caps alone, ``quota`` neither.  A plan on the
+forecast realised by quota counters alone is overrun on any day busier than the mean.
+Each policy's planned sum of peaks (on the demand it planned for: the forecast, or the
+day's for the oracle) is reported beside the realised one.  The realisations of all days
+are joined, and ``placement.evaluate`` measures them on the calls' real overlaps with the
+slots: each WAN link's per-slot load, its peak per day and over the week, and their sums.
 
 Policies (all on the same calls, latency rule, DC capacities and Internet share caps):
 

@@ -21,7 +21,8 @@ public, so everything here is **synthetic** (only the bitrates are Teams' publis
 How it fits: ``generate`` makes ``Calls`` (flat numpy arrays: one row per call, one entry
 per (call, participant region)); ``Configs`` maps each call to its configuration (the set of
 regions its participants are in: the LP places configurations, and the latency rule depends
-only on where participants are); ``demand`` turns calls into per-slot ``Demand`` (concurrent
+only on where participants are; optionally the call's media too, ``Configs(by_media=True)``);
+``demand`` turns calls into per-slot ``Demand`` (concurrent
 participants and kbps per config, slot and region), ``predict`` averages past days' demand.
 """
 
