@@ -53,11 +53,16 @@ def _value(text: str):
 def _cell(base: dict, key: str, value: float, seeds: list[int]) -> dict:
     """One cell: the study per seed; per policy the week's sums, the days' planned and realised
     means and the cap excess, and Titan-Next's reduction against Titan per seed."""
-    runs = []
+    runs, failed = [], []
     for seed in seeds:
         spec = load_spec(StudySpec, None, {**base, key: value, "workload.seed": seed})
         t = time.perf_counter()
-        js = run_study(spec)
+        try:
+            js = run_study(spec)
+        except TitanError as exc:  # e.g. an LP HiGHS ends infeasible: say so, keep the other seeds
+            failed.append({"seed": seed, "error": str(exc)})
+            print(f"  {key} = {value:g}, seed {seed}: {exc}")
+            continue
         runs.append({"seed": seed, "wall_s": time.perf_counter() - t, "policies": {
             name: {"week_gbps": p["sum_of_peaks_week_kbps"] / 1e6,
                    "day_gbps": p["sum_of_peaks_day_mean_kbps"] / 1e6,
@@ -65,13 +70,16 @@ def _cell(base: dict, key: str, value: float, seeds: list[int]) -> dict:
                    "cap_excess": p["internet_cap_excess"]}
             for name, p in js["policies"].items()}})
     red = [1 - r["policies"]["titan-next"]["week_gbps"] / r["policies"]["titan"]["week_gbps"] for r in runs]
-    return {"key": key, "value": value, "runs": runs, "reduction_vs_titan": red,
-            "reduction_mean": statistics.fmean(red), "reduction_ci95": ci95(red)}
+    return {"key": key, "value": value, "runs": runs, "failed": failed, "reduction_vs_titan": red,
+            "reduction_mean": statistics.fmean(red) if red else None, "reduction_ci95": ci95(red)}
 
 
 def _print(cell: dict) -> None:
     runs = cell["runs"]
-    print(f"{cell['key']} = {cell['value']:g} ({len(runs)} seeds, {sum(r['wall_s'] for r in runs):.0f} s)")
+    print(f"{cell['key']} = {cell['value']:g} ({len(runs)} seeds, {sum(r['wall_s'] for r in runs):.0f} s"
+          + (f"; {len(cell['failed'])} failed" if cell["failed"] else "") + ")")
+    if not runs:
+        return
     for name in SHOWN:
         week = [r["policies"][name]["week_gbps"] for r in runs]
         day = [r["policies"][name]["day_gbps"] for r in runs]
@@ -96,7 +104,7 @@ def _plot(cells: list[dict], out: Path) -> Path:
     keys = sorted({c["key"] for c in cells})
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        mine = [c for c in cells if c["key"] == key]
+        mine = [c for c in cells if c["key"] == key and c["runs"]]
         for name in SHOWN:
             xs, ys, err = [], [], []
             for c in mine:
