@@ -251,6 +251,35 @@ def test_titans_fixed_fraction_does_not_change_when_configurations_have_media(sm
     assert np.array_equal(routes[False], routes[True])
 
 
+def test_peaks_lp_falls_back_to_simplex_when_ipm_ends_without_an_optimum(small, monkeypatch):
+    """IPM ended 'Infeasible' on feasible 8-region days (simplex solved them): the study
+    then stopped.  An IPM that ends without an optimum is followed by simplex."""
+    import highspy
+
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 40), lp.capacities(world, opts, demand, 1.25))
+    real_highs = lp._highs
+
+    class _FailingIpm:  # HiGHS as it was seen: IPM (and its crossover) ends 'Infeasible'
+        def __init__(self, h):
+            self._h = h
+
+        def __getattr__(self, name):
+            return getattr(self._h, name)
+
+        def getModelStatus(self):
+            return highspy.HighsModelStatus.kInfeasible
+
+    monkeypatch.setattr(lp, "_highs", lambda built, solver: _FailingIpm(real_highs(built, solver)) if solver == "ipm"
+                        else real_highs(built, solver))
+    plan = lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), 1e-3, solver="ipm")
+    assert plan.stats["rounds"][-1]["fallback"] == "simplex"
+    monkeypatch.setattr(lp, "_highs", real_highs)
+    direct = lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), 1e-3, solver="simplex")
+    assert plan.stats["planned_sum_of_peaks_kbps"] == pytest.approx(direct.stats["planned_sum_of_peaks_kbps"], rel=1e-6)
+
+
 def test_headroom_tie_break_puts_less_on_the_wan_within_the_same_peaks(small):
     """The latency tie-break fills links up to their peaks off the peak; the headroom one
     keeps the same peaks and puts less traffic on the WAN in every slot."""

@@ -55,7 +55,8 @@ period has paid costs, and the tie-break may fill a link up to ``paid + E``.
 
 Solving: HiGHS's interior point method, without crossover to a vertex for the peaks LP
 (only its peaks are used; each slot's placement comes from its tie-break LP), with crossover
-only where IPM alone ends without a certified optimum.  Measured here
+only where IPM alone ends without a certified optimum, and dual simplex where IPM with
+crossover still ends without one (IPM ended "Infeasible" on feasible 8-region days).  Measured here
 (2 shared cores), the peaks LP of a day over 54 user regions and 21 DCs took 383 s at 96
 slots of 15 minutes, 34 s at 24 slots of an hour; dual simplex took 413 s on just 8 slots
 (the peak columns, each in every slot's link row, make the LP very degenerate), IPM 10 s.
@@ -152,9 +153,17 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
         if solver == "ipm":  # only the peaks are used (each slot's placement comes from its tie-break LP):
             h.setOptionValue("run_crossover", "off")  # no need to cross over to a vertex
         h.run()
+        fallback = None
         if solver == "ipm" and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             h.setOptionValue("run_crossover", "on")  # IPM alone could not certify it: finish with crossover
             h.run()
+            fallback = "crossover"
+        if solver == "ipm" and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            # IPM can end "Infeasible" on a feasible LP (seen on 8-region days, with and
+            # without crossover, that simplex solves): let simplex decide
+            h = _highs(built, "simplex")
+            h.run()
+            fallback = "simplex"
         _check(h, name, "sum of peaks")
         sol = np.asarray(h.getSolution().col_value)
         peaks = np.zeros(L)
@@ -181,6 +190,7 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
         if log:
             log(f"{name}: {len(all_slots)} slot LPs {time.perf_counter() - t2:.1f} s, {len(misfits)} do not fit")
         rounds.append({"active_slots": len(active), "sum_of_peaks_kbps": peak_opt, "master_s": master_s,
+                       "fallback": fallback,
                        "slots_s": time.perf_counter() - t2, "misfits": len(misfits), "master_variables": built.n_col})
         if not misfits or len(rounds) >= max_rounds:
             break
