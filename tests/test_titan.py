@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from agents.titan import lp
 from agents.titan import workload as wl
-from agents.titan.placement import (INTERNET, WAN, Options, Plan, _mix, evaluate, plan_loads, realise,
-                                    realise_greedy, rule_plan)
+from agents.titan.placement import (INTERNET, WAN, Options, PeakGuard, Plan, _mix, evaluate, plan_loads, realise,
+                                    realise_greedy, realise_guarded, rule_plan)
 from agents.titan.regions import Backbone, build_world, load_wan
 from agents.titan.spec import LatencyRule, StudySpec, TitanError, WorkloadSpec, load_spec
 from testbed.spec.topology import parse_topology
@@ -205,6 +205,97 @@ def test_tie_break_lowers_latency_without_raising_the_peaks(small):
     assert latency(tied) <= latency(plain) + 1e-6
 
 
+def test_configurations_by_media_send_the_costly_calls_over_the_internet(small):
+    """The caps count participants, the peaks kbps: told apart by media, the LP gives the
+    Internet share to HD and video participants before audio ones and plans lower peaks."""
+    world, calls, *_ = small
+    got = {}
+    for by_media in (False, True):
+        configs = wl.Configs(by_media=by_media)
+        cfg = configs.of_calls(calls)
+        opts = Options(world, configs, LatencyRule(delta_ms=20))
+        demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+        cap = lp.capacities(world, opts, demand, 1.25)
+        plan = lp.solve_day(world, opts, lp.DayProblem(demand, lp.top_configs(demand, 60), cap), "x",
+                            (WAN, INTERNET), 1e-3, solver="simplex")
+        media = np.array(configs.media)
+        assert set(media.tolist()) == ({0, 1, 2} if by_media else {-1})
+        got[by_media] = plan.stats["planned_sum_of_peaks_kbps"]
+        classes = {key[0] for key in plan.class_of}  # the long tail's classes: one set per medium
+        assert classes == ({0, 1, 2} if by_media else {-1})
+    inet = np.zeros(3)
+    part = np.zeros(3)
+    for i in range(len(demand.config)):  # the split plan's Internet share of each medium's crossing participants
+        k, t, u = int(demand.config[i]), int(demand.slot[i]), int(demand.region[i])
+        for d, r, f in zip(*plan.get(k, t, opts)):
+            if not world.local[u, d]:
+                part[media[k]] += f * demand.participants[i]
+                inet[media[k]] += f * demand.participants[i] * (r == INTERNET)
+    audio, video, hd = inet / part
+    assert hd > audio + 0.2 and video > audio + 0.2
+    assert got[True] < 0.8 * got[False]
+
+
+def test_titans_fixed_fraction_does_not_change_when_configurations_have_media(small):
+    """The rule baselines' mixes are the same for every medium: their quota counters run per
+    region set, so telling configurations apart by media leaves Titan's realisation as it was."""
+    world, calls, *_ = small
+    routes = {}
+    for by_media in (False, True):
+        configs = wl.Configs(by_media=by_media)
+        cfg, prov = configs.of_calls(calls), configs.provisional_of_calls(calls)
+        opts = Options(world, configs, LatencyRule(delta_ms=20))
+        plan = rule_plan("titan", opts, np.concatenate((cfg, prov)), 0.5)
+        routes[by_media] = realise(plan, opts, calls, cfg, prov, 0.0, 3600.0).route
+    assert routes[False].mean() > 0.2
+    assert np.array_equal(routes[False], routes[True])
+
+
+def test_peaks_lp_falls_back_to_simplex_when_ipm_ends_without_an_optimum(small, monkeypatch):
+    """IPM ended 'Infeasible' on feasible 8-region days (simplex solved them): the study
+    then stopped.  An IPM that ends without an optimum is followed by simplex."""
+    import highspy
+
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 40), lp.capacities(world, opts, demand, 1.25))
+    real_highs = lp._highs
+
+    class _FailingIpm:  # HiGHS as it was seen: IPM (and its crossover) ends 'Infeasible'
+        def __init__(self, h):
+            self._h = h
+
+        def __getattr__(self, name):
+            return getattr(self._h, name)
+
+        def getModelStatus(self):
+            return highspy.HighsModelStatus.kInfeasible
+
+    monkeypatch.setattr(lp, "_highs", lambda built, solver: _FailingIpm(real_highs(built, solver)) if solver == "ipm"
+                        else real_highs(built, solver))
+    plan = lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), 1e-3, solver="ipm")
+    assert plan.stats["rounds"][-1]["fallback"] == "simplex"
+    monkeypatch.setattr(lp, "_highs", real_highs)
+    direct = lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), 1e-3, solver="simplex")
+    assert plan.stats["planned_sum_of_peaks_kbps"] == pytest.approx(direct.stats["planned_sum_of_peaks_kbps"], rel=1e-6)
+
+
+def test_headroom_tie_break_puts_less_on_the_wan_within_the_same_peaks(small):
+    """The latency tie-break fills links up to their peaks off the peak; the headroom one
+    keeps the same peaks and puts less traffic on the WAN in every slot."""
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    cap = lp.capacities(world, opts, demand, 1.25)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 40), cap)
+    plans = {tb: lp.solve_day(world, opts, problem, "x", (WAN, INTERNET), 1e-3, solver="simplex", tie_break=tb)
+             for tb in ("latency", "headroom")}
+    loads = {tb: plan_loads(world, opts, p, demand) for tb, p in plans.items()}
+    peaks = plans["latency"].stats["peak_limits"]
+    assert np.all(loads["headroom"].max(axis=1) <= peaks * (1 + 1e-3) + 1e-3)
+    assert np.all(loads["headroom"].sum(axis=0) <= loads["latency"].sum(axis=0) + 1e-3)
+    assert loads["headroom"].sum() < 0.95 * loads["latency"].sum()
+
+
 def test_quota_counters_realise_fractions_deterministically_and_count_migrations(small):
     world, calls, configs, cfg, prov, opts = small
     multi = np.flatnonzero(np.diff(calls.ptr) >= 2)
@@ -243,6 +334,100 @@ def test_greedy_stays_within_the_internet_caps(small):
     assert ev.cap_excess < 0.1 and ev.over_bound == 0
 
 
+@pytest.fixture(scope="module")
+def forecast_plans(small):
+    """Day 0's demand as the forecast for day 1 (Titan-Next's LP and the WAN-only one), and
+    day 1's calls: the realisation meets a day that differs from its plan."""
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    cap = lp.capacities(world, opts, wl.demand(calls, cfg, 0.0, 3600.0, 48), 1.25)
+    problem = lp.DayProblem(demand, lp.top_configs(demand, 40), cap)
+    plans = {routes: lp.solve_day(world, opts, problem, "p", routes, 1e-3, solver="simplex")
+             for routes in ((WAN, INTERNET), (WAN,))}
+    day1 = calls.start_s >= wl.DAY_S
+    return plans, calls.select(day1), cfg[day1], prov[day1]
+
+
+def test_guarded_realisation_keeps_the_plans_peaks(small, forecast_plans):
+    """On a day that is not its forecast, quota counters alone overrun the planned peaks; the
+    guarded realisation keeps every link within its limit (the plan's peak, or a peak a call
+    could not avoid, which it then keeps to), and lowers the day's sum of peaks."""
+    world, calls, configs, cfg, prov, opts = small
+    plans, day, dcfg, dprov = forecast_plans
+    plan = plans[(WAN, INTERNET)]
+    t0 = wl.DAY_S
+    planned = plan.stats["planned_peaks"]
+    quota = evaluate(world, opts, day, dcfg, realise(plan, opts, day, dcfg, dprov, t0, 3600.0), t0, 3600.0, 24)
+    guard = PeakGuard(world, keep_caps=False)  # the caps: the next test
+    guard.set_limits(planned)
+    real = realise_guarded(plan, opts, day, dcfg, dprov, t0, 3600.0, guard)
+    ev = evaluate(world, opts, day, dcfg, real, t0, 3600.0, 24)
+    assert quota.peaks().sum() > 1.05 * planned.sum()  # the plan's promise broken without a guard
+    assert np.all(ev.peaks() <= np.array(guard.limit) + 1e-6)
+    assert np.array(guard.limit).sum() < 1.02 * planned.sum() and guard.raised < 0.01 * len(day)
+    assert ev.peaks().sum() < quota.peaks().sum()
+    assert ev.over_bound == 0 and real.planned.mean() > 0.95
+    # a WAN-only plan's guard looks for room on the WAN only
+    wan_guard = PeakGuard(world)
+    wan_guard.set_limits(plans[(WAN,)].stats["planned_peaks"])
+    wan_real = realise_guarded(plans[(WAN,)], opts, day, dcfg, dprov, t0, 3600.0, wan_guard, (WAN,))
+    assert np.all(wan_real.route == WAN)
+
+
+def test_guarded_realisation_keeps_the_internet_caps(small, forecast_plans):
+    """Kept at placement (as greedy keeps them): an Internet placement is taken only while
+    every path of the call stays within its cap over the calls in progress; without that the
+    guard, looking for room off the full WAN links, offloads past the caps."""
+    world, calls, configs, cfg, prov, opts = small
+    plans, day, dcfg, dprov = forecast_plans
+    plan = plans[(WAN, INTERNET)]
+    t0 = wl.DAY_S
+    got = {}
+    for keep in (False, True):
+        guard = PeakGuard(world, keep_caps=keep)
+        guard.set_limits(plan.stats["planned_peaks"])
+        real = realise_guarded(plan, opts, day, dcfg, dprov, t0, 3600.0, guard)
+        got[keep] = (evaluate(world, opts, day, dcfg, real, t0, 3600.0, 24), real, guard)
+    ev, real, guard = got[True]
+    assert got[False][0].cap_excess > 0.02
+    assert ev.cap_excess < 0.005 and guard.over_cap == 0
+    assert real.route.mean() > 0.1  # it still offloads
+    # every path's Internet share within its cap in every slot, over the calls started in it
+    for (_, u, d), (n, inet) in guard.on_path.items():
+        assert inet <= world.inet_cap[u, d] * n + 1e-9
+
+
+def test_billing_period_counts_only_the_excess_over_peaks_already_paid(small):
+    """With the period's peaks so far, a day's LP pays only for what it adds above them: none
+    when the day fits under them, all of it when nothing is paid yet; and its plan may fill
+    a link up to a paid peak (the tie-break's limit) but no further than it pays for."""
+    world, calls, configs, cfg, prov, opts = small
+    demand = wl.demand(calls, cfg, 0.0, 3600.0, 24)
+    cap = lp.capacities(world, opts, demand, 1.25)
+    head = lp.top_configs(demand, 40)
+    alone = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap), "x", (WAN, INTERNET), 1e-3, solver="simplex")
+    need = alone.stats["peak_limits"]
+    total = alone.stats["planned_sum_of_peaks_kbps"]
+    assert total > 0
+    paid_all = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap, need * 1.01), "x", (WAN, INTERNET), 1e-3,
+                            solver="simplex")
+    assert paid_all.stats["planned_excess_kbps"] <= 1e-6 * total
+    nothing = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap, np.zeros(world.n_links)), "x",
+                           (WAN, INTERNET), 1e-3, solver="simplex")
+    assert nothing.stats["planned_excess_kbps"] == pytest.approx(total, rel=1e-6)
+    # half the busy links already paid at twice what the day needs: the day pays for at most the rest
+    busy = np.flatnonzero(need > 0)
+    paid = np.zeros(world.n_links)
+    paid[busy[::2]] = 2 * need[busy[::2]]
+    half = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap, paid), "x", (WAN, INTERNET), 1e-3,
+                        solver="simplex")
+    assert half.stats["planned_excess_kbps"] <= need[busy[1::2]].sum() * (1 + 1e-6)
+    limits = half.stats["peak_limits"]
+    assert np.all(limits >= paid - 1e-6)
+    assert limits.sum() - paid.sum() == pytest.approx(half.stats["planned_excess_kbps"], rel=1e-6, abs=1e-3)
+    assert np.all(half.stats["planned_peaks"] <= limits * (1 + 1e-3) + 1e-3)
+
+
 def test_small_study_end_to_end(tmp_path):
     from agents.titan.study import BASELINES, run_study, write_outputs
 
@@ -259,6 +444,9 @@ def test_small_study_end_to_end(tmp_path):
     assert all(p["calls_over_latency_bound"] == 0 for p in pol.values())
     assert pol["titan-next"]["sum_of_peaks_week_kbps"] < pol["nearest-wan"]["sum_of_peaks_week_kbps"]
     assert set(js["titan_next_reduction"]) >= set(BASELINES)
+    for name, p in pol.items():  # planned against realised, for every policy with a plan
+        assert (p["planned_sum_of_peaks_per_day_kbps"] is None) == (name == "greedy-internet")
+        assert name == "greedy-internet" or len(p["planned_sum_of_peaks_per_day_kbps"]) == 2
     assert len(js["solves"]["titan-next"]) == 2 and all(r["solve_s"] < 30 for r in js["solves"]["titan-next"])
 
 

@@ -82,13 +82,17 @@ def study(
         return
     table = Table(title=f"{s.name}: {js['calls']:,} calls, {js['user_regions']} user regions, {js['dcs']} DCs, "
                         f"{s.days} days")
-    for col in ("policy", "sum of peaks, week (Gbit/s)", "mean day (Gbit/s)", "Titan-Next saves (week)",
-                "Internet share", "migrations", "over bound"):
+    for col in ("policy", "sum of peaks, week (Gbit/s)", "mean day (Gbit/s)", "planned day (Gbit/s)",
+                "Titan-Next saves (week)",
+                "Internet share", "above caps", "migrations", "over bound"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     red = js["titan_next_reduction"]
     for name, p in js["policies"].items():
+        plan = p["planned_sum_of_peaks_day_mean_kbps"]
         table.add_row(name, f"{p['sum_of_peaks_week_kbps'] / 1e6:.2f}", f"{p['sum_of_peaks_day_mean_kbps'] / 1e6:.2f}",
+                      "-" if plan is None else f"{plan / 1e6:.2f}",
                       f"{red[name]['week']:.1%}" if name in red else "-", f"{p['internet_share_traffic']:.1%}",
+                      f"{p['internet_cap_excess']:.1%}",
                       f"{p['migrations']:.1%}", str(p["calls_over_latency_bound"]))
     console.print(table)
     solve = js["solve_s"]

@@ -29,7 +29,10 @@ most forecast traffic get their own mix per slot; the long tail (here tens of th
 configurations: large calls spanning many regions, each seen a few times, together a third
 of the traffic) is grouped by allowed placement set: configurations the latency rule allows
 exactly the same (DC, route) placements share one mix per slot, their demands summed per
-region.  That restriction (same placements, same mix) is the only approximation; it keeps
+region (where configurations are told apart by media, ``workload.Configs(by_media=True)``,
+a class is one medium's: the caps count participants and the peaks kbps, so the LP sends
+HD and video participants over the Internet before audio ones).  That restriction (same
+placements, same mix) is the only approximation; it keeps
 the LP at a few hundred thousand variables without leaving the tail unplanned, and a
 configuration first seen on the day itself still finds its class.  The y/z variables keep
 the matrix sparse: a placement touches one y per participant region instead of every link
@@ -41,11 +44,19 @@ peak is held at (1+eps) times its optimal value instead (a subset of that set: e
 keeps its own peak), which makes the re-solve separate by slot: 24-96 small LPs, one per
 slot, each minimising RTT under the link limits.  Re-solving the whole day took longer
 than the peaks LP itself (a WAN-only day at 96 slots: 118 s for the peaks, 70 s more for
-the re-solve).
+the re-solve).  ``tie_break="headroom"`` minimises instead each slot's WAN traffic summed
+over the links it crosses (RTT second, weighted 1e-3): the same peaks, but no link filled
+up to its peak off the peak, so a day above its forecast finds room (the study's default).
+
+Billing period: a link is billed for its peak over a period, not a day.  With
+``DayProblem.paid`` (each link's realised peak in the period so far) the objective is
+``sum_l E[l]`` with ``P[l] - E[l] <= paid[l]``, ``E >= 0``: only the excess over what the
+period has paid costs, and the tie-break may fill a link up to ``paid + E``.
 
 Solving: HiGHS's interior point method, without crossover to a vertex for the peaks LP
 (only its peaks are used; each slot's placement comes from its tie-break LP), with crossover
-only where IPM alone ends without a certified optimum.  Measured here
+only where IPM alone ends without a certified optimum, and dual simplex where IPM with
+crossover still ends without one (IPM ended "Infeasible" on feasible 8-region days).  Measured here
 (2 shared cores), the peaks LP of a day over 54 user regions and 21 DCs took 383 s at 96
 slots of 15 minutes, 34 s at 24 slots of an hour; dual simplex took 413 s on just 8 slots
 (the peak columns, each in every slot's link row, make the LP very degenerate), IPM 10 s.
@@ -81,6 +92,7 @@ class DayProblem:
     demand: Demand
     head: set[int]  # configurations with their own mix per slot; the rest share one per placement set
     capacity: np.ndarray  # [dc] participants
+    paid: np.ndarray | None = None  # [link] kbps: the billing period's peak so far (None: the day is billed alone)
 
 
 def capacities(world: World, options: Options, demand: Demand, headroom: float) -> np.ndarray:
@@ -113,7 +125,7 @@ def top_configs(demand: Demand, max_configs: int) -> set[int]:
 def solve_day(world: World, options: Options, problem: DayProblem, name: str = "titan-next",
               routes: tuple[int, ...] = (WAN, INTERNET), tie_break_eps: float | None = 1e-3,
               solver: str = "ipm", aggregate: bool = True, initial_slots: int | None = None,
-              max_rounds: int = 12, log: Callable[[str], None] | None = None) -> Plan:
+              max_rounds: int = 12, log: Callable[[str], None] | None = None, tie_break: str = "latency") -> Plan:
     """Solve one day's LP and return its plan (cells indexed by the day's slots, 0-based).
 
     The peaks LP over ``initial_slots`` busy slots (None: all), then every slot's latency
@@ -136,18 +148,29 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
     slot_sol: dict[int, tuple] = {}
     while True:
         t1 = time.perf_counter()
-        built = _build(rows, np.isin(rows.slot, sorted(active)), problem.capacity, T)
+        built = _build(rows, np.isin(rows.slot, sorted(active)), problem.capacity, T, problem.paid)
         h = _highs(built, solver)
         if solver == "ipm":  # only the peaks are used (each slot's placement comes from its tie-break LP):
             h.setOptionValue("run_crossover", "off")  # no need to cross over to a vertex
         h.run()
+        fallback = None
         if solver == "ipm" and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             h.setOptionValue("run_crossover", "on")  # IPM alone could not certify it: finish with crossover
             h.run()
+            fallback = "crossover"
+        if solver == "ipm" and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            # IPM can end "Infeasible" on a feasible LP (seen on 8-region days, with and
+            # without crossover, that simplex solves): let simplex decide
+            h = _highs(built, "simplex")
+            h.run()
+            fallback = "simplex"
         _check(h, name, "sum of peaks")
         sol = np.asarray(h.getSolution().col_value)
         peaks = np.zeros(L)
-        peaks[built.links] = sol[built.P0:].reshape(len(built.links), built.S)[:, 0]
+        peaks[built.links] = sol[built.P0:built.P0 + len(built.links) * built.S].reshape(len(built.links), built.S)[:, 0]
+        if problem.paid is not None:  # what the day may fill: the period's peak so far, plus its excess
+            peaks = problem.paid.astype(np.float64).copy()
+            peaks[built.links] += sol[built.P0 + len(built.links) * built.S:]
         peak_opt = float(h.getInfo().objective_function_value)
         master_s = time.perf_counter() - t1
         if log:
@@ -160,13 +183,14 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
         for t in all_slots:
             if t in slot_sol and slot_sol[t][0] is not None and np.all(slot_sol[t][1] <= limit):
                 continue  # still fits: its earlier solution stands (the limits only grew)
-            got = _solve_slot(rows, t, problem.capacity, T, limit)
+            got = _solve_slot(rows, t, problem.capacity, T, limit, tie_break)
             slot_sol[t] = got
             if got[0] is None:
                 misfits.append(t)
         if log:
             log(f"{name}: {len(all_slots)} slot LPs {time.perf_counter() - t2:.1f} s, {len(misfits)} do not fit")
         rounds.append({"active_slots": len(active), "sum_of_peaks_kbps": peak_opt, "master_s": master_s,
+                       "fallback": fallback,
                        "slots_s": time.perf_counter() - t2, "misfits": len(misfits), "master_variables": built.n_col})
         if not misfits or len(rounds) >= max_rounds:
             break
@@ -194,7 +218,10 @@ def solve_day(world: World, options: Options, problem: DayProblem, name: str = "
         "configs": int(rows.n_configs), "head_configs": int(rows.n_head), "tail_classes": len(plan.class_of),
         "slots": len(all_slots), "active_slots": len(active), "rounds": rounds,
         "master_variables": rounds[-1]["master_variables"],
-        "planned_sum_of_peaks_kbps": rounds[-1]["sum_of_peaks_kbps"],
+        "planned_sum_of_peaks_kbps": (rounds[-1]["sum_of_peaks_kbps"] if problem.paid is None
+                                      else float(peaks.sum())),
+        "planned_excess_kbps": rounds[-1]["sum_of_peaks_kbps"] if problem.paid is not None else None,
+        "peak_limits": peaks,
         "sum_of_peaks_after_tiebreak_kbps": float(final.sum()), "planned_peaks": final,
         "split_cells": int(sum(1 for v in plan.cells.values() if len(v[0]) > 1)),
     }
@@ -219,9 +246,10 @@ class _Rows:
                 key = k
                 n_head += 1
             else:
-                key = plan.class_of.get(pset)
+                ck = options.class_key(k)
+                key = plan.class_of.get(ck)
                 if key is None:
-                    key = plan.class_of[pset] = -1 - len(plan.class_of)
+                    key = plan.class_of[ck] = -1 - len(plan.class_of)
             key_of_cfg[i] = key
             self.placements[key] = [o for o in pset if o[1] in routes]
             if not self.placements[key]:
@@ -267,14 +295,17 @@ class _Built:
     cell_key: np.ndarray
     cell_slot: np.ndarray
     lat_cost: np.ndarray
+    wan_cost: np.ndarray  # per x: the kbps it puts on WAN links, summed over the links (hops)
     links: np.ndarray  # global link ids that have a peak column here
     P0: int
     R_L: int  # first link row
     S: int  # slots in this LP (peak columns per link)
 
 
-def _build(rows: _Rows, sel: np.ndarray, capacity: np.ndarray, T: int) -> _Built:
-    """The LP over the selected demand rows (whole cells: select by slot)."""
+def _build(rows: _Rows, sel: np.ndarray, capacity: np.ndarray, T: int, paid: np.ndarray | None = None) -> _Built:
+    """The LP over the selected demand rows (whole cells: select by slot).  With ``paid`` (the
+    billing period's peak per link so far) the objective is each link's excess over it:
+    columns E[l] >= 0 after the peaks, rows P[l] - E[l] <= paid[l], cost on E only."""
     import highspy
 
     world, routes = rows.world, rows.routes
@@ -344,12 +375,15 @@ def _build(rows: _Rows, sel: np.ndarray, capacity: np.ndarray, T: int) -> _Built
     # each link's peak is one column per slot, chained equal (P[l,s] = P[l,s+1]): the same LP,
     # but no column touches all of a link's slots, which keeps the interior point method's
     # normal equations sparse (a single P[l] column makes them a dense block per link)
-    n_col = P0 + n_p * S
+    n_e = n_p if paid is not None else 0
+    E0 = P0 + n_p * S
+    n_col = E0 + n_e
     R_Y, R_Z, R_L = n_cells, n_cells + n_y, n_cells + 2 * n_y
     R_C = R_L + n_p * S
     R_S = R_C + D * S
     R_E = R_S + n_sh
-    n_row = R_E + n_p * (S - 1)
+    R_B = R_E + n_p * (S - 1)
+    n_row = R_B + n_e
     r_list, c_list, v_list = [], [], []
 
     def add(r, c, v):
@@ -383,6 +417,9 @@ def _build(rows: _Rows, sel: np.ndarray, capacity: np.ndarray, T: int) -> _Built
         add(erow, P0 + chain, 1.0)
         add(erow, P0 + chain + 1, -1.0)
     add(R_C + e_d * S + slot_pos[e_t], e_x, e_part)
+    if n_e:
+        add(R_B + np.arange(n_e), P0 + np.arange(n_p) * S, 1.0)
+        add(R_B + np.arange(n_e), E0 + np.arange(n_e), -1.0)
     if n_sh:
         add(R_S + sh_row, e_x[sh_e], sh_val)
 
@@ -396,20 +433,28 @@ def _build(rows: _Rows, sel: np.ndarray, capacity: np.ndarray, T: int) -> _Built
     inf = highspy.kHighsInf
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = n_col, n_row
-    lp.col_cost_ = np.concatenate((np.zeros(n_x + 2 * n_y), np.tile(np.eye(1, S).ravel(), n_p)))
+    peak_cost = np.tile(np.eye(1, S).ravel(), n_p) * (0.0 if n_e else 1.0)
+    lp.col_cost_ = np.concatenate((np.zeros(n_x + 2 * n_y), peak_cost, np.ones(n_e)))
     lp.col_lower_ = np.zeros(n_col)
-    lp.col_upper_ = np.concatenate((np.ones(n_x), np.full(2 * n_y + n_p * S, inf)))
+    lp.col_upper_ = np.concatenate((np.ones(n_x), np.full(2 * n_y + n_p * S + n_e, inf)))
     lp.row_lower_ = np.concatenate((np.ones(n_cells), np.zeros(2 * n_y), np.full(n_p * S + D * S + n_sh, -inf),
-                                    np.zeros(n_p * (S - 1))))
+                                    np.zeros(n_p * (S - 1)), np.full(n_e, -inf)))
     lp.row_upper_ = np.concatenate((np.ones(n_cells), np.zeros(2 * n_y), np.zeros(n_p * S),
-                                    np.repeat(capacity, S), np.zeros(n_sh), np.zeros(n_p * (S - 1))))
+                                    np.repeat(capacity, S), np.zeros(n_sh), np.zeros(n_p * (S - 1)),
+                                    paid[links] if n_e else np.zeros(0)))
     order = np.argsort(c_all, kind="stable")
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_ = np.concatenate(([0], np.cumsum(np.bincount(c_all, minlength=n_col)))).astype(np.int32)
     lp.a_matrix_.index_ = r_all[order].astype(np.int32)
     lp.a_matrix_.value_ = vals[order]
     lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n_col, n_row
-    return _Built(lp, n_col, n_cells, x_start, x_dc, x_route, cell_key, cell_slot, lat_cost, links, P0, R_L, S)
+    hops_up = np.array([len(v) for v in up_links])
+    hops_dn = np.array([len(v) for v in dn_links])
+    w_pair = e_u[wan_e] * D + e_d[wan_e]
+    wan_cost = np.bincount(e_x[wan_e], weights=upk[e_row[wan_e]] * hops_up[w_pair] + dnk[e_row[wan_e]] * hops_dn[w_pair],
+                           minlength=n_x)
+    return _Built(lp, n_col, n_cells, x_start, x_dc, x_route, cell_key, cell_slot, lat_cost, wan_cost, links, P0,
+                  R_L, S)
 
 
 def _highs(built: _Built, solver: str):
@@ -423,16 +468,21 @@ def _highs(built: _Built, solver: str):
     return h
 
 
-def _solve_slot(rows: _Rows, t: int, capacity: np.ndarray, T: int, limit: np.ndarray):
-    """One slot's latency-minimal placement with every link at most ``limit``; (x, loads, built)
-    or (None, None, built) if the slot cannot fit."""
+def _solve_slot(rows: _Rows, t: int, capacity: np.ndarray, T: int, limit: np.ndarray, tie_break: str = "latency"):
+    """One slot's latency-minimal placement with every link at most ``limit`` (``tie_break``
+    "headroom": the one with the least WAN traffic, link by link, latency second); (x, loads,
+    built) or (None, None, built) if the slot cannot fit."""
     import highspy
 
     built = _build(rows, rows.slot == t, capacity, T)
     lp = built.lp
     n_p = built.n_col - built.P0
     cost = np.zeros(built.n_col)
-    cost[: len(built.lat_cost)] = built.lat_cost
+    if tie_break == "headroom":
+        lat = built.lat_cost / max(float(built.lat_cost.max(initial=0.0)), 1e-9)
+        cost[: len(built.lat_cost)] = built.wan_cost / max(float(built.wan_cost.max(initial=0.0)), 1e-9) + 1e-3 * lat
+    else:
+        cost[: len(built.lat_cost)] = built.lat_cost
     lp.col_cost_ = cost
     upper = np.asarray(lp.col_upper_).copy()
     upper[built.P0:] = limit[built.links]

@@ -9,7 +9,11 @@ of a (configuration, slot) goes to the placement furthest below its quota of the
 placed so far, so every placement stays within one call's traffic of its share; quotas
 count traffic because the LP's fractions are fractions of traffic; no random sampling) and counts
 **migrations** (a call starts on the plan for its first participant's region alone and moves
-when its settled configuration is placed elsewhere).  ``evaluate`` measures a realisation:
+when its settled configuration is placed elsewhere).  ``realise_guarded`` keeps the plan's
+promise on a day that is not its forecast: each call goes, in start order, to the first
+placement (the quota counters' choice first) that keeps the Internet share caps (counted
+as greedy counts them) and every WAN link's load within the plan's peak (``PeakGuard``,
+carried from day to day).  ``evaluate`` measures a realisation:
 per-slot load of every WAN link (kbps, from the calls' actual overlaps with the slots), each
 link's peak and their sum, DC load against capacity, per-participant RTT against the bound,
 and the share offloaded to the Internet.
@@ -19,6 +23,7 @@ Routes: 0 = WAN (the private backbone, entering at the participant's region), 1 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,6 +93,11 @@ class Options:
         """The configuration's allowed placements as a canonical sorted tuple."""
         return tuple(sorted(self[k].options))
 
+    def class_key(self, k: int) -> tuple:
+        """What the LP's long tail shares a mix by: the allowed placements (and the media,
+        where configurations are told apart by it)."""
+        return (self.configs.media[k], self.placement_set(k))
+
     def option_index(self, k: int, dc: int, route: int) -> int | None:
         try:
             return self[k].options.index((dc, route))
@@ -108,9 +118,10 @@ class Plan:
     """Placement mixes per (plan key, slot).
 
     A plan key is a configuration, or (for the LP's long tail) a class of configurations
-    with the same allowed placements: ``class_of`` maps such a placement set (a sorted tuple
-    of (dc, route)) to its key, so a configuration never seen in the forecast still finds
-    its class.  ``cells`` maps (key, slot) to a mix; a key missing from ``cells`` uses
+    with the same allowed placements: ``class_of`` maps such a class (``Options.class_key``:
+    the media, -1 where configurations have none, and the placement set, a sorted tuple of
+    (dc, route)) to its key, so a configuration never seen in the forecast still finds its
+    class.  ``cells`` maps (key, slot) to a mix; a key missing from ``cells`` uses
     ``default`` (key -> mix); a configuration with neither goes to its nearest DC over the
     WAN (counted as unplanned).
     """
@@ -119,6 +130,7 @@ class Plan:
     cells: dict[tuple[int, int], Mix] = field(default_factory=dict)
     default: dict[int, Mix] = field(default_factory=dict)
     class_of: dict[tuple, int] = field(default_factory=dict)
+    count_by_regions: bool = False  # quota counters per region set (a rule's mix is the same for every medium)
     solve_s: float = 0.0
     stats: dict = field(default_factory=dict)
     _own: set[int] | None = field(default=None, init=False, repr=False)  # keys with mixes, built on first use
@@ -128,7 +140,7 @@ class Plan:
         if self.class_of:
             if self._own is None:
                 self._own = {key for key, _ in self.cells} | set(self.default)
-            got = self.class_of.get(options.placement_set(k))
+            got = self.class_of.get(options.class_key(k))
             if got is not None and k not in self._own:
                 return got
         return k
@@ -146,7 +158,7 @@ def _mix(pairs: list[tuple[int, int]], fracs: list[float]) -> Mix:
 def rule_plan(name: str, options: Options, config_ids: np.ndarray, internet_fraction: float) -> Plan:
     """The rule-based baselines at the nearest DC: ``internet_fraction`` 0 = nearest DC over
     the WAN; f = Titan's fixed fraction of the calls whose Internet placement is allowed."""
-    plan = Plan(name)
+    plan = Plan(name, count_by_regions=True)  # configurations told apart by media share their counters
     for k in np.unique(config_ids):
         k = int(k)
         co = options[k]
@@ -184,30 +196,197 @@ def realise(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray, 
     weights = traffic.tolist()
     counters: dict[tuple, list] = {}
 
-    def place(k: int, slot: int, tag: str, weight: float) -> tuple[int, int, bool]:
-        got = plan.get(k, slot, options)
-        if got is None:
-            return options[k].nearest, WAN, False
-        dcs, routes, frac = got
-        if len(dcs) == 1:
-            return int(dcs[0]), int(routes[0]), True
-        key = (tag, plan.key(k, options), slot)
-        state = counters.get(key)
-        if state is None:
-            state = counters[key] = [0.0, np.zeros(len(dcs))]
-        state[0] += weight
-        deficit = frac * state[0] - state[1]
-        j = int(np.argmax(deficit))  # ties: the first placement of the mix
-        state[1][j] += weight
-        return int(dcs[j]), int(routes[j]), True
-
     cfg = config_ids.tolist()
     prov = provisional_ids.tolist()
     for i in range(n):
-        d, r, ok = place(cfg[i], slots[i], "final", weights[i])
+        d, r, ok = _quota_place(plan, options, counters, cfg[i], slots[i], "final", weights[i])
         dc[i], route[i], planned[i] = d, r, ok
         if prov[i] != cfg[i]:
-            pd, pr, _ = place(prov[i], slots[i], "provisional", 1.0)
+            pd, pr, _ = _quota_place(plan, options, counters, prov[i], slots[i], "provisional", 1.0)
+            migrated[i] = (pd, pr) != (d, r)
+    return Realisation(dc, route, migrated, planned)
+
+
+def _quota_place(plan: Plan, options: Options, counters: dict, k: int, slot: int, tag: str,
+                 weight: float) -> tuple[int, int, bool]:
+    """The placement furthest below its quota of the traffic placed so far in its (plan key,
+    slot) (``counters`` holds each one's [total, per placement]); (dc, route, planned)."""
+    got = plan.get(k, slot, options)
+    if got is None:
+        return options[k].nearest, WAN, False
+    dcs, routes, frac = got
+    if len(dcs) == 1:
+        return int(dcs[0]), int(routes[0]), True
+    key = (tag, options.configs.keys[k] if plan.count_by_regions else plan.key(k, options), slot)
+    state = counters.get(key)
+    if state is None:
+        state = counters[key] = [0.0, np.zeros(len(dcs))]
+    state[0] += weight
+    deficit = frac * state[0] - state[1]
+    j = int(np.argmax(deficit))  # ties: the first placement of the mix
+    state[1][j] += weight
+    return int(dcs[j]), int(routes[j]), True
+
+
+class PeakGuard:
+    """What a realisation that keeps the plan's promise carries from call to call and day to day.
+
+    ``limit`` holds each WAN link's allowed load (kbps): the plan's peak, raised to a load a
+    call could not avoid (that peak is then paid, so later calls may use it).  ``load`` is the
+    links' load *now* (the calls in progress, instantaneous), ``active`` the calls in
+    progress (a heap by end time, so a call that spans midnight still counts the next day).
+    Keeping every link's instantaneous load within its limit keeps its slot average, which
+    is what is billed, within it too.  ``on_path`` counts, per slot (of the whole horizon)
+    and (region, DC) path that crosses regions, the participants of the calls started on it
+    and how many of them ride the Internet: with ``keep_caps`` an Internet placement is
+    taken only if every such path of the call stays within its Internet share cap, counted
+    as greedy counts it.
+    """
+
+    def __init__(self, world: World, keep_caps: bool = True):
+        self.world = world
+        self.keep_caps = keep_caps
+        self.limit = [0.0] * world.n_links
+        self.load = [0.0] * world.n_links
+        self.active: list[tuple[float, int, dict[int, float]]] = []
+        self.on_path: dict[tuple[int, int, int], list[int]] = {}  # (slot, user, dc) -> [participants, on the Internet]
+        self.raised = 0  # calls that had to raise a link's limit
+        self.over_cap = 0  # calls put on the Internet over a cap (no placement within the caps allowed)
+        self._cap = world.inet_cap.tolist()
+        self._seq = 0
+
+    def set_limits(self, limits: np.ndarray) -> None:
+        """A new plan's peaks (a day's, or raised by what the period has paid already)."""
+        if len(limits) != self.world.n_links:
+            raise TitanError(f"guard: {len(limits)} link limits for {self.world.n_links} links")
+        self.limit = [float(v) for v in limits]
+
+    def _advance(self, now: float) -> None:
+        while self.active and self.active[0][0] <= now:
+            _, _, contrib = heapq.heappop(self.active)
+            for link, v in contrib.items():
+                self.load[link] -= v
+
+    def _within_caps(self, members: list[tuple[int, int]], d: int, slot: int) -> bool:
+        """Would an Internet placement at ``d`` keep every crossing path within its cap?"""
+        for u, c in members:
+            if self.world.local[u, d]:
+                continue
+            a = self.on_path.get((slot, u, d), (0, 0))
+            if a[1] + c > self._cap[u][d] * (a[0] + c) + 1e-9:
+                return False
+        return True
+
+    def _excess(self, contrib: dict[int, float]) -> float:
+        return sum(max(self.load[l] + v - self.limit[l] * (1 + 1e-9) - 1e-6, 0.0) for l, v in contrib.items())
+
+    def _commit(self, end: float, contrib: dict[int, float], members: list[tuple[int, int]], d: int,
+                r: int, slot: int) -> None:
+        for u, c in members:
+            if not self.world.local[u, d]:
+                a = self.on_path.setdefault((slot, u, d), [0, 0])
+                a[0] += c
+                a[1] += c if r == INTERNET else 0
+        over = False
+        for link, v in contrib.items():
+            self.load[link] += v
+            if self.load[link] > self.limit[link]:
+                self.limit[link] = self.load[link]
+                over = True
+        self.raised += over
+        self._seq += 1
+        heapq.heappush(self.active, (end, self._seq, contrib))
+
+
+def _wan_contrib(world: World, members: list[tuple[int, int]], d: int, up: float, down: float) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for u, c in members:
+        if world.local[u, d]:
+            continue
+        for link in world.up_links[u][d]:
+            out[link] = out.get(link, 0.0) + c * up
+        for link in world.down_links[u][d]:
+            out[link] = out.get(link, 0.0) + c * down
+    return out
+
+
+def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray,
+                    provisional_ids: np.ndarray, t0: float, slot_s: float, guard: PeakGuard,
+                    routes: tuple[int, ...] = (WAN, INTERNET)) -> Realisation:
+    """One placement per call, in start order, that keeps the plan's peaks where it can.
+
+    Each call's candidates: its plan mix's placements, furthest below their quota first (the
+    quota counters of ``realise``), then every other placement the latency rule allows,
+    lowest mean latency first (on ``routes`` only: a WAN-only plan stays on the WAN).  With
+    ``guard.keep_caps`` an Internet candidate that would take a path over its share cap is
+    dropped (unless no candidate is left).  The first candidate that keeps every WAN link's
+    load now within ``guard.limit`` is taken; if none does, the one that exceeds the limits least
+    (summed over links) is, and the links it overloads have their limits raised (that peak
+    is paid).  Migrations are counted as in ``realise``."""
+    world = options.world
+    n = len(calls)
+    dc = np.empty(n, dtype=np.int64)
+    route = np.empty(n, dtype=np.int64)
+    migrated = np.zeros(n, dtype=bool)
+    planned = np.ones(n, dtype=bool)
+    slots = np.floor((calls.start_s - t0) / slot_s).astype(np.int64).tolist()
+    lens = np.diff(calls.ptr)
+    traffic = np.bincount(np.repeat(np.arange(n), lens), weights=calls.count, minlength=n) * (
+        calls.up_kbps + calls.down_kbps)
+    weights = traffic.tolist()
+    starts, ends = calls.start_s.tolist(), calls.end_s.tolist()
+    ups, downs = calls.up_kbps.tolist(), calls.down_kbps.tolist()
+    regions, counts, ptr = calls.region.tolist(), calls.count.tolist(), calls.ptr.tolist()
+    counters: dict[tuple, list] = {}
+
+    def candidates(k: int, slot: int, tag: str, weight: float):
+        """(placements in preference order, the quota state and mix to book the choice on)."""
+        got = plan.get(k, slot, options)
+        allowed = [o for o in options[k].options if o[1] in routes]
+        if got is None:
+            near = (options[k].nearest, WAN)
+            return [near] + [o for o in allowed if o != near], None, None, False
+        dcs, rts, frac = got
+        mix = list(zip(dcs.tolist(), rts.tolist()))
+        if len(mix) == 1:
+            return mix + [o for o in allowed if o != mix[0]], None, mix, True
+        key = (tag, plan.key(k, options), slot)
+        state = counters.get(key)
+        if state is None:
+            state = counters[key] = [0.0, np.zeros(len(mix))]
+        state[0] += weight
+        deficit = frac * state[0] - state[1]
+        order = sorted(range(len(mix)), key=lambda j: (-deficit[j], j))
+        pref = [mix[j] for j in order]
+        return pref + [o for o in allowed if o not in pref], state, mix, True
+
+    cfg, prov = config_ids.tolist(), provisional_ids.tolist()
+    for i in range(n):
+        guard._advance(starts[i])
+        abs_slot = int(starts[i] // slot_s)
+        members = list(zip(regions[ptr[i]:ptr[i + 1]], counts[ptr[i]:ptr[i + 1]]))
+        cands, state, mix, ok = candidates(cfg[i], slots[i], "final", weights[i])
+        if guard.keep_caps:
+            within = [o for o in cands if o[1] == WAN or guard._within_caps(members, o[0], abs_slot)]
+            if within:
+                cands = within
+            else:
+                guard.over_cap += 1
+        best, best_excess, best_contrib = None, np.inf, None
+        for d, r in cands:
+            contrib = _wan_contrib(world, members, d, ups[i], downs[i]) if r == WAN else {}
+            excess = guard._excess(contrib)
+            if excess < best_excess:
+                best, best_excess, best_contrib = (d, r), excess, contrib
+            if excess <= 0:
+                break
+        d, r = best
+        guard._commit(ends[i], best_contrib, members, d, r, abs_slot)
+        if state is not None and (d, r) in mix:
+            state[1][mix.index((d, r))] += weights[i]
+        dc[i], route[i], planned[i] = d, r, ok
+        if prov[i] != cfg[i]:
+            pd, pr, _ = _quota_place(plan, options, counters, prov[i], slots[i], "provisional", 1.0)
             migrated[i] = (pd, pr) != (d, r)
     return Realisation(dc, route, migrated, planned)
 

@@ -11,7 +11,7 @@ get wrong raises ``TitanError`` with a one-line message naming the field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -99,6 +99,11 @@ class StudySpec(_CapMixin, _Strict):
     titan_fraction: float | None = Field(None, ge=0, le=1, description="Titan baseline: share of eligible calls offloaded (default: internet_cap)")
     max_configs: int = Field(200, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
     tie_break_eps: float = Field(1e-3, ge=0, description="tie-break re-solve keeps sum of peaks <= (1+eps) x optimum")
+    configs_by_media: bool = Field(True, description="the LPs plan audio, video and HD calls of the same regions as configurations of their own (the caps count participants, the peaks kbps: the costly media go over the Internet first)")
+    tie_break: Literal["latency", "headroom"] = Field("headroom", description="each slot's placement under the peaks found: the lowest RTT (fills every link up to its peak), or the least WAN traffic (leaves headroom for a day above its forecast; RTT second)")
+    realisation: Literal["quota", "capped", "guarded"] = Field("guarded", description="how the LP policies' plans become calls: quota counters alone; capped (the quota counters' order, an Internet placement only within the caps); guarded (capped, and each call at the first such placement that keeps every WAN link within the plan's peaks)")
+    billing: Literal["day", "period"] = Field("period", description="what a link's peak is billed over: each day alone, or the study's evaluated days as one period (each day's LP then counts only the excess over the period's realised peak so far)")
+    guard_keeps_caps: bool = Field(True, description="the guarded realisation puts a call on the Internet only within every path's share cap (counted over the calls in progress)")
     targets: Targets = Targets()
 
     @model_validator(mode="after")

@@ -5,10 +5,21 @@ plus ``days`` days of calls (``workload.py``), and for each evaluated day foreca
 demand as the mean of the same kind of day (weekday/weekend) in the preceding
 ``history_days``.  Per day it solves Titan-Next's LP on the forecast and on the day's
 actual demand (the oracle), and the WAN-only LP (Switchboard-like) on the forecast
-(``lp.py``); the rule baselines need no solving.  Every plan is realised call by call with
-quota counters (greedy by its own share counters), the realisations of all days are joined,
-and ``placement.evaluate`` measures them on the calls' real overlaps with the slots: each
-WAN link's per-slot load, its peak per day and over the week, and their sums.
+(``lp.py``); the rule baselines need no solving.  The LPs plan configurations told apart
+by media (``configs_by_media``).  With ``billing: period`` (the default) the evaluated days
+are one billing period: each day's LPs count only each link's excess over the peak the
+period has already paid (realised, from the days before), and may fill up to it.
+
+Every plan is realised call by call with quota counters (greedy by its own share
+counters); the LPs' plans, by default, through ``placement.realise_guarded``
+(``realisation: guarded``): each call at the first placement, the quota counters' choice
+first, that keeps the Internet share caps (as greedy counts them) and every WAN link within
+the plan's peaks; ``capped`` keeps the caps alone, ``quota`` neither.  A plan on the
+forecast realised by quota counters alone is overrun on any day busier than the mean.
+Each policy's planned sum of peaks (on the demand it planned for: the forecast, or the
+day's for the oracle) is reported beside the realised one.  The realisations of all days
+are joined, and ``placement.evaluate`` measures them on the calls' real overlaps with the
+slots: each WAN link's per-slot load, its peak per day and over the week, and their sums.
 
 Policies (all on the same calls, latency rule, DC capacities and Internet share caps):
 
@@ -36,8 +47,8 @@ import numpy as np
 
 from agents.titan import lp
 from agents.titan import workload as wl
-from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, Realisation, evaluate, incidence, realise,
-                        realise_greedy, rule_plan)
+from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, PeakGuard, Realisation, evaluate, incidence,
+                                    plan_loads, realise, realise_greedy, realise_guarded, rule_plan)
 from agents.titan.regions import build_world
 from agents.titan.spec import StudySpec
 
@@ -57,7 +68,7 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     log(f"{len(world.users)} user regions, {len(world.dcs)} DCs, backbone of {len(world.backbone.edges)} links "
         f"over {len(world.backbone.nodes)} regions")
     calls = wl.generate(world, spec.workload, H + N)
-    configs = wl.Configs()
+    configs = wl.Configs(by_media=spec.configs_by_media)
     cfg = configs.of_calls(calls)
     prov = configs.provisional_of_calls(calls)
     options = Options(world, configs, spec.latency)
@@ -75,6 +86,10 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     solves: dict[str, list[dict]] = {p: [] for p in ("titan-next", "titan-next-oracle", "wan-lp")}
     rules = {"nearest-wan": rule_plan("nearest-wan", options, all_cfg, 0.0),
              "titan": rule_plan("titan", options, all_cfg, spec.titan_share)}
+    guards = {name: PeakGuard(world, spec.guard_keeps_caps) for name in solves}
+    incid = incidence(world)
+    billed = {name: np.zeros((world.n_links, T * N)) for name in solves}  # realised so far, for the period's peaks
+    planned: dict[str, list[float]] = {p: [] for p in POLICIES if p != "greedy-internet"}
     for e in range(H, H + N):
         t0 = e * wl.DAY_S
         day_mask = (ev_calls.start_s >= t0) & (ev_calls.start_s < t0 + wl.DAY_S)
@@ -84,31 +99,48 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
         for name, demand, routes in (("titan-next", forecast, (WAN, INTERNET)),
                                      ("titan-next-oracle", daily[e], (WAN, INTERNET)),
                                      ("wan-lp", forecast, (WAN,))):
-            problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity)
-            plan = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver=solver)
-            stats = {k: v for k, v in plan.stats.items() if k != "planned_peaks"}
+            paid = billed[name][:, : (e - H) * T].max(axis=1) if spec.billing == "period" and e > H else None
+            problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity, paid)
+            plan = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver=solver,
+                                tie_break=spec.tie_break)
+            stats = {k: v for k, v in plan.stats.items() if k not in ("planned_peaks", "peak_limits")}
             stats["day"] = e - H
             stats["solve_s"] = plan.solve_s
             solves[name].append(stats)
             log(f"day {e - H + 1}/{N}: {name} LP {plan.stats['variables']:,} variables, {plan.solve_s:.1f} s")
-            real[name].append(realise(plan, options, day, dcfg, dprov, t0, slot_s))
+            planned[name].append(plan.stats["sum_of_peaks_after_tiebreak_kbps"])
+            if spec.realisation == "capped":  # the guard without limits: the caps alone
+                guards[name].set_limits(np.full(world.n_links, np.inf))
+                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
+            elif spec.realisation == "guarded":
+                guards[name].set_limits(plan.stats["planned_peaks"] if paid is None else plan.stats["peak_limits"])
+                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
+            else:
+                got = realise(plan, options, day, dcfg, dprov, t0, slot_s)
+            real[name].append(got)
+            if spec.billing == "period":
+                billed[name] += evaluate(world, options, day, dcfg, got, t_eval, slot_s, T * N, incid).link_load
         for name, plan in rules.items():
+            planned[name].append(float(plan_loads(world, options, plan, forecast).max(axis=1).sum()))
             real[name].append(realise(plan, options, day, dcfg, dprov, t0, slot_s))
     real["greedy-internet"] = [realise_greedy(options, ev_calls, ev_cfg, ev_prov, t_eval, slot_s)]
-    incid = incidence(world)
     evals: dict[str, Evaluation] = {}
     for name in POLICIES:
         parts = real[name]
         joined = Realisation(*(np.concatenate([getattr(r, f) for r in parts]) for f in
                                ("dc", "route", "migrated", "planned")))
         evals[name] = evaluate(world, options, ev_calls, ev_cfg, joined, t_eval, slot_s, T * N, incid)
-    summary = _summarise(spec, world, evals, solves, capacity, len(ev_calls), len(configs), T)
+    summary = _summarise(spec, world, evals, solves, planned, capacity, len(ev_calls), len(configs), T)
+    for name, g in guards.items():
+        guarded = spec.realisation != "quota"
+        summary["policies"][name]["guard_raised_calls"] = g.raised if guarded else None
+        summary["policies"][name]["guard_over_cap_calls"] = g.over_cap if guarded else None
     summary["wall_s"] = time.perf_counter() - t_all
     summary["_arrays"] = {"evals": evals, "world": world, "slots_per_day": T, "slot_minutes": spec.slot_minutes}
     return summary
 
 
-def _summarise(spec, world, evals, solves, capacity, n_calls, n_configs, T) -> dict:
+def _summarise(spec, world, evals, solves, planned, capacity, n_calls, n_configs, T) -> dict:
     out: dict = {
         "spec": json.loads(spec.model_dump_json()),
         "calls": n_calls, "configurations": n_configs, "user_regions": len(world.users), "dcs": len(world.dcs),
@@ -122,6 +154,10 @@ def _summarise(spec, world, evals, solves, capacity, n_calls, n_configs, T) -> d
         out["policies"][name] = {
             "sum_of_peaks_week_kbps": ev.sum_of_peaks(), "sum_of_peaks_per_day_kbps": per_day.tolist(),
             "sum_of_peaks_day_mean_kbps": float(per_day.mean()),
+            # what the plan expected on its own demand (the forecast; the oracle: the day's), fractions as
+            # they are; greedy has no plan
+            "planned_sum_of_peaks_per_day_kbps": planned.get(name),
+            "planned_sum_of_peaks_day_mean_kbps": float(np.mean(planned[name])) if name in planned else None,
             "internet_share_calls": ev.internet_share_calls, "internet_share_traffic": ev.internet_share_traffic,
             "migrations": ev.migrations, "unplanned": ev.unplanned, "calls_over_latency_bound": ev.over_bound,
             "internet_cap_excess": ev.cap_excess,

@@ -21,7 +21,8 @@ public, so everything here is **synthetic** (only the bitrates are Teams' publis
 How it fits: ``generate`` makes ``Calls`` (flat numpy arrays: one row per call, one entry
 per (call, participant region)); ``Configs`` maps each call to its configuration (the set of
 regions its participants are in: the LP places configurations, and the latency rule depends
-only on where participants are); ``demand`` turns calls into per-slot ``Demand`` (concurrent
+only on where participants are; optionally the call's media too, ``Configs(by_media=True)``);
+``demand`` turns calls into per-slot ``Demand`` (concurrent
 participants and kbps per config, slot and region), ``predict`` averages past days' demand.
 """
 
@@ -166,31 +167,43 @@ def generate(world: World, spec: WorkloadSpec, days: int, seed_offset: int = 0) 
 
 
 class Configs:
-    """Call configurations: the sorted tuple of regions a call's participants are in."""
+    """Call configurations: the sorted tuple of regions a call's participants are in (and,
+    with ``by_media``, the call's media: audio, video and HD calls of the same regions are
+    then configurations of their own, so a plan can send the costly ones over the Internet
+    and keep the cheap ones on the WAN within the same participant caps).
 
-    def __init__(self) -> None:
+    ``keys[k]`` is always configuration k's regions; ``media[k]`` its media (-1: any)."""
+
+    def __init__(self, by_media: bool = False) -> None:
+        self.by_media = by_media
         self.keys: list[tuple[int, ...]] = []
-        self._ids: dict[tuple[int, ...], int] = {}
+        self.media: list[int] = []
+        self._ids: dict[tuple, int] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def id(self, key: tuple[int, ...]) -> int:
-        i = self._ids.get(key)
+    def id(self, key: tuple[int, ...], media: int = -1) -> int:
+        m = int(media) if self.by_media else -1
+        i = self._ids.get((key, m))
         if i is None:
-            i = self._ids[key] = len(self.keys)
+            i = self._ids[(key, m)] = len(self.keys)
             self.keys.append(key)
+            self.media.append(m)
         return i
 
     def of_calls(self, calls: Calls) -> np.ndarray:
         regions = calls.region.tolist()
         ptr = calls.ptr.tolist()
-        return np.fromiter((self.id(tuple(regions[ptr[i]:ptr[i + 1]])) for i in range(len(calls))),
+        media = calls.media.tolist()
+        return np.fromiter((self.id(tuple(regions[ptr[i]:ptr[i + 1]]), media[i]) for i in range(len(calls))),
                            dtype=np.int64, count=len(calls))
 
     def provisional_of_calls(self, calls: Calls) -> np.ndarray:
-        """The configuration known when a call starts: its first participant's region alone."""
-        return np.fromiter((self.id((int(f),)) for f in calls.first), dtype=np.int64, count=len(calls))
+        """The configuration known when a call starts: its first participant's region alone
+        (and its media, which the call declares when it starts)."""
+        return np.fromiter((self.id((int(f),), m) for f, m in zip(calls.first.tolist(), calls.media.tolist())),
+                           dtype=np.int64, count=len(calls))
 
 
 @dataclass
