@@ -107,7 +107,8 @@ def test_the_indexed_engine_gives_the_plain_engines_results_bit_for_bit(policy, 
     assert len(done) == 72  # 60 transfers and 12 twins, every one finished
     assert done == want  # the same finish times in the same order, exactly
     assert counters == want_counters
-    assert sim.events_processed == plain.events_processed
+    # the void finish entries it no longer pushes, one per flow re-rated, are all it skips
+    assert sim.events_processed < plain.events_processed
 
 
 def test_the_workload_has_full_links_waiting_flows_and_ties():

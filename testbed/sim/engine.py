@@ -16,7 +16,10 @@ propagation delay after it leaves.  Rates are recomputed only when a flow starts
 keeps indexes of its flows (the links they cross, those with a rate, and for strict
 priority their order), so a re-rating costs what those flows cost, not the square of a
 link's flows, and under strict priority only the flows that get a rate (and the first one
-behind each full link) are visited: a flow with no rate has nothing to settle.  The
+behind each full link) are visited: a flow with no rate has nothing to settle.  A
+re-rating reschedules every rated flow it touched (so that finish times round exactly as
+they always have) but puts one heap entry for all of them (``_schedule_finishes``): the next
+re-rating voids most, and ``events_processed`` counts heap entries, void ones included.  The
 indexed engine gives the results of the plain one bit for bit
 (``tests/test_sim_rerating.py`` holds the plain one and compares them).
 
@@ -147,6 +150,8 @@ class PriorityPolicy(SharingPolicy):
         """``allocate`` over every flow on ``links``, walking their queues merged in key order;
         a link's queue is left once the link has nothing left to give, since every flow behind
         it would get 0.  Sets and returns the flows visited; the others on ``links`` get 0."""
+        if len(links) == 1:  # (then each of its flows crosses it alone)
+            return self._allocate_queue(links[0])
         remaining: dict[int, float] = {}
         heads = [(link._queue[0][0], i, 0) for i, link in enumerate(links) if link._queue]
         heapq.heapify(heads)
@@ -171,13 +176,26 @@ class PriorityPolicy(SharingPolicy):
                 heapq.heappush(heads, (queue[pos][0], i, pos))
         return list(visited.values())
 
+    @staticmethod
+    def _allocate_queue(link: Link) -> list[Flow]:
+        left = link.bandwidth
+        visited = []
+        for _, f in link._queue:
+            rate = f.ceiling if f.ceiling <= left else left
+            f.rate = max(0.0, rate)
+            left -= f.rate
+            visited.append(f)
+            if not left > 0:
+                break
+        return visited
+
 
 class Simulator:
     def __init__(self, policy: SharingPolicy | None = None):
         self.now = 0.0
         self.policy = policy or SharingPolicy()
         self._events: list = []
-        self._seq = itertools.count()
+        self._seq = 0  # every event's tie-breaker, in the order they were scheduled
         self._fid = itertools.count()
         self.events_processed = 0
         # the network's work: how many times flows were re-rated, and how many flows the
@@ -188,7 +206,9 @@ class Simulator:
 
     # -- event queue ----------------------------------------------------------------
     def at(self, time: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (time, next(self._seq), fn))
+        seq = self._seq
+        self._seq = seq + 1
+        heapq.heappush(self._events, (time, seq, fn))
 
     def run(self, until: float = float("inf")) -> None:
         events = self._events
@@ -352,8 +372,31 @@ class Simulator:
                 for link in f.links:
                     del link._rated[f.fid]
             f.version += 1  # its pending finish (if any) is void
-        for f in self._group(links, rated_only=True):
-            self.at(now + max(0.0, f.remaining) / f.rate, lambda f=f, v=f.version: self._finish(f, v))
+        self._schedule_finishes(self._group(links, rated_only=True))
+
+    def _schedule_finishes(self, flows: list[Flow]) -> None:
+        """Each flow's finish, at now + remaining / rate, ordered among all events as if each
+        had an entry of its own (a sequence number each, in this order).  The heap gets one
+        entry for the lot, the earliest, which hands on to the next one still current when it
+        comes up: most are voided first, since the next start or end on their link re-rates
+        them, and a void entry is one heap operation wasted, not one per flow."""
+        if flows:
+            now, seq = self.now, self._seq
+            self._seq = seq + len(flows)
+            self._next_finish(sorted((now + max(0.0, f.remaining) / f.rate, seq + i, f, f.version)
+                                     for i, f in enumerate(flows)), 0)
+
+    def _next_finish(self, batch: list[tuple], i: int) -> None:
+        for j in range(i, len(batch)):
+            time, seq, flow, version = batch[j]
+            if flow.version == version:
+                heapq.heappush(self._events, (time, seq, lambda j=j: self._finish_from(batch, j)))
+                return
+
+    def _finish_from(self, batch: list[tuple], j: int) -> None:
+        _, _, flow, version = batch[j]
+        self._finish(flow, version)
+        self._next_finish(batch, j + 1)
 
     def _finish(self, flow: Flow, version: int) -> None:
         if version != flow.version:
