@@ -182,7 +182,7 @@ class PriorityPolicy(SharingPolicy):
         visited = []
         for _, f in link._queue:
             rate = f.ceiling if f.ceiling <= left else left
-            f.rate = max(0.0, rate)
+            f.rate = rate if rate > 0.0 else 0.0  # max(0.0, rate)
             left -= f.rate
             visited.append(f)
             if not left > 0:
@@ -291,28 +291,25 @@ class Simulator:
 
     def _settle(self, links) -> None:
         """Advance every flow on these links (and the links they touch) to ``now``.  A flow
-        without a rate has nothing to advance, so only the links' ``_rated`` flows are walked."""
+        without a rate has nothing to advance, so only the links' ``_rated`` flows are walked;
+        nor has a link settled at this instant already (a flow rated since has ``updated`` now)."""
         now = self.now
         touched = self._reach(links)
         touched.update((id(link), link) for link in links)
         for link in touched.values():
             dt = now - link._last_update
-            if dt > 0:
-                rated = link._rated
-                # summed in fid order, as the flows sit on the link (floating point is not associative)
-                carried = sum(rated[fid].rate for fid in sorted(rated)) * dt
-                link.bytes_carried += carried
-                if link.flows:
-                    link.busy_time += dt
-                link._last_update = now
-        seen = set()
-        for link in touched.values():
-            for f in link._rated.values():
-                if f.fid in seen:
-                    continue
-                seen.add(f.fid)
-                f.remaining -= f.rate * (now - f.updated)
-                f.updated = now
+            if not dt > 0:
+                continue
+            rated = link._rated
+            # summed in fid order, as the flows sit on the link (floating point is not associative)
+            link.bytes_carried += sum(rated[fid].rate for fid in sorted(rated)) * dt
+            if link.flows:
+                link.busy_time += dt
+            link._last_update = now
+            for f in rated.values():
+                if f.updated != now:  # (a flow crossing several links comes up once per link)
+                    f.remaining -= f.rate * (now - f.updated)
+                    f.updated = now
 
     @staticmethod
     def _group(links, rated_only: bool) -> list[Flow]:
@@ -323,6 +320,8 @@ class Simulator:
         def on(link: Link):
             return [link._rated[fid] for fid in sorted(link._rated)] if rated_only else link.flows
 
+        if len(links) == 1 and not links[0]._multi:  # one link, whose flows cross it alone
+            return list(on(links[0]))
         group: dict[int, Flow] = {}
         for link in links:
             for f in on(link):
@@ -357,21 +356,22 @@ class Simulator:
             self.policy.allocate(rated, self.now)
         self.reallocations += 1
         self.flows_rated += len(rated)
-        for f in rated:
-            before.pop(f.fid, None)
-        for f in before.values():  # had a rate, was not reached: behind a full link
-            f.rate = 0.0
         now = self.now
-        for f in itertools.chain(rated, before.values()):
-            had = f.fid in f.links[0]._rated
-            if f.rate > 0 and not had:
-                f.updated = now  # nothing has moved since it last had a rate
-                for link in f.links:
-                    link._rated[f.fid] = f
-            elif had and not f.rate > 0:
+        for f in rated:
+            if before.pop(f.fid, None) is None:  # had no rate
+                if f.rate > 0:
+                    f.updated = now  # nothing has moved since it last had one
+                    for link in f.links:
+                        link._rated[f.fid] = f
+            elif not f.rate > 0:
                 for link in f.links:
                     del link._rated[f.fid]
             f.version += 1  # its pending finish (if any) is void
+        for f in before.values():  # had a rate, was not reached: behind a full link
+            f.rate = 0.0
+            for link in f.links:
+                del link._rated[f.fid]
+            f.version += 1
         self._schedule_finishes(self._group(links, rated_only=True))
 
     def _schedule_finishes(self, flows: list[Flow]) -> None:
