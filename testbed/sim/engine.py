@@ -126,9 +126,9 @@ class PriorityPolicy(SharingPolicy):
     ``allocate`` is the definition (every flow of the group, in key order); the engine calls
     ``allocate_queues``, which gives the same rates while visiting only the flows that get a
     rate (and at most one behind each full link): on a full link the pipelines behind the
-    owner wait at 0 and cost nothing.  (At paper scale no link fills: 400 Gbit/s per DC pair,
-    each flow held to its connections' ceiling, so every flow has a rate and a re-rating
-    costs what they do.)"""
+    owner wait at 0 and cost nothing.  (At paper scale a link seldom fills: 400 Gbit/s per
+    DC pair, each flow held to its connections' ceiling, so nearly every flow has a rate and
+    a re-rating costs what they do.)"""
 
     name = "temporal"
     ordered = True
@@ -200,9 +200,9 @@ class Simulator:
         self._seq = 0  # every event's tie-breaker, in the order they were scheduled
         self._fid = itertools.count()
         self.events_processed = 0
-        # the network's work: how many times flows were re-rated, and how many flows the
-        # policy rated in all (a strict-priority run's rate per re-rating stays near the
-        # number of flows that get a rate, however many wait)
+        # the network's work: how many re-ratings, and how many flows their policy rated in
+        # all (under strict priority, flows_rated / reallocations stays near the number of
+        # flows that get a rate, however many wait behind them)
         self.reallocations = 0
         self.flows_rated = 0
 
