@@ -84,6 +84,14 @@ def _dp_across_dcs(exp) -> float:
     return one_pipeline + 2 * (k - 1) / k * grad_bytes / per_hop
 
 
+def temporal_plan(b) -> tuple:
+    """The controller's plan for ``b`` (its turn order, enforced) from the compute time its
+    FLOPs give and one activation's time on a WAN link; and that compute time (C)."""
+    compute = max(t.forward + t.backward for t in flops_stage_times(b))
+    act = b.training.microbatch_size * b.model.seq_len * b.model.hidden * b.sim.dtype_bytes
+    return make_plan(b.parallel.replicas, compute, act, b.sim.wan_link_gbps * 1e9 / 8, enforced=True), compute
+
+
 def scenario(path: Path, connections_sweep: tuple[int, ...] = ()) -> list[dict]:
     exp = load_experiment(path)
     rows = []
@@ -99,11 +107,7 @@ def scenario(path: Path, connections_sweep: tuple[int, ...] = ()) -> list[dict]:
     row("a", "stages across DCs, 1 connection, fair", _time(a))
     b = _variant(exp, connections=N_CONNECTIONS)
     row("b", f"+ {N_CONNECTIONS} connections", _time(b))
-    times = flops_stage_times(b)
-    compute = max(t.forward + t.backward for t in times)
-    act = b.training.microbatch_size * b.model.seq_len * b.model.hidden * b.sim.dtype_bytes
-    link = b.sim.wan_link_gbps * 1e9 / 8
-    plan = make_plan(b.parallel.replicas, compute, act, link, enforced=True)
+    plan, compute = temporal_plan(b)
     bound = min(1 + compute / (b.parallel.replicas * plan.transfer_s), plan.lockstep_s / plan.temporal_s)
     print(f"  {exp.name}  closed form: C = {compute * 1e3:.1f} ms, D*t = {b.parallel.replicas * plan.transfer_s * 1e3:.1f} "
           f"ms: temporal sharing gains at most {bound:.3f}x", flush=True)
