@@ -220,15 +220,21 @@ class TurnPolicy(SharingPolicy):
                 present = {g.fid for g in link.flows}
                 for fid in [fid for fid, at in held.items() if at >= now or fid not in present]:
                     del held[fid]
+        used: dict[int, float] = {}  # per link: its holders' ceilings, summed
+        for key, link in links.items():
+            held = self._holders.get(key)
+            if held:
+                used[key] = sum(g.ceiling for g in link.flows if g.fid in held)
         for f in ranked:
-            for link in sorted(f.links, key=lambda link: link.name):  # in order; stop at the first not had
-                held = self._holders.setdefault(id(link), {})
+            for link in (f.links if len(f.links) == 1 else sorted(f.links, key=lambda link: link.name)):
+                key = id(link)  # in order; stop at the first not had
+                held = self._holders.setdefault(key, {})
                 if f.fid in held:
                     continue
-                ceilings = {g.fid: g.ceiling for g in link.flows}
-                if held and sum(ceilings.get(fid, 0.0) for fid in held) >= link.bandwidth * (1 - 1e-9):
+                if held and used.get(key, 0.0) >= link.bandwidth * (1 - 1e-9):
                     break
                 held[f.fid] = now
+                used[key] = used.get(key, 0.0) + f.ceiling
         group = {f.fid for f in flows}
         remaining = {key: link.bandwidth - sum(g.rate for g in link.flows if g.fid not in group)
                      for key, link in links.items()}
