@@ -100,24 +100,24 @@ def test_an_order_arriving_waits_for_the_free_turns_to_end(server):
     assert b.granted()
 
 
-def test_a_plan_withdrawn_frees_everyone_waiting(server):
+def _one_holding_one_waiting(server) -> tuple[_Sender, _Sender]:
     server.set_order("a->b", ["r0", "r1"])
     a, b = _Sender(server.path, "r0"), _Sender(server.path, "r1")
     a.want()
     assert a.granted()
     b.want()
     assert not b.granted(0.1)
+    return a, b
+
+
+def test_a_plan_withdrawn_frees_everyone_waiting(server):
+    _a, b = _one_holding_one_waiting(server)
     server.set_order("a->b", None)
     assert b.granted()
 
 
 def test_a_dead_senders_turn_goes_to_the_next(server):
-    server.set_order("a->b", ["r0", "r1"])
-    a, b = _Sender(server.path, "r0"), _Sender(server.path, "r1")
-    a.want()
-    assert a.granted()
-    b.want()
-    assert not b.granted(0.1)
+    a, b = _one_holding_one_waiting(server)
     a.sock.close()  # killed while holding the link
     assert b.granted()
 

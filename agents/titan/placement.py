@@ -181,19 +181,23 @@ class Realisation:
     planned: np.ndarray  # bool: the call's configuration had a plan cell or rule (else fallback)
 
 
+def _placement_arrays(calls: Calls, t0: float, slot_s: float) -> tuple:
+    """A realisation's empty outputs (DC, route, migrated, planned per call), each call's
+    slot and its traffic (participants x kbps, the quota counters' weight)."""
+    n = len(calls)
+    lens = np.diff(calls.ptr)
+    traffic = np.bincount(np.repeat(np.arange(n), lens), weights=calls.count, minlength=n) * (
+        calls.up_kbps + calls.down_kbps)
+    return (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(n, dtype=bool),
+            np.ones(n, dtype=bool), np.floor((calls.start_s - t0) / slot_s).astype(np.int64).tolist(),
+            traffic.tolist())
+
+
 def realise(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray, provisional_ids: np.ndarray,
             t0: float, slot_s: float) -> Realisation:
     """One placement per call by quota counters (largest remainder), calls in start order."""
     n = len(calls)
-    dc = np.empty(n, dtype=np.int64)
-    route = np.empty(n, dtype=np.int64)
-    migrated = np.zeros(n, dtype=bool)
-    planned = np.ones(n, dtype=bool)
-    slots = np.floor((calls.start_s - t0) / slot_s).astype(np.int64).tolist()
-    lens = np.diff(calls.ptr)
-    traffic = np.bincount(np.repeat(np.arange(n), lens), weights=calls.count, minlength=n) * (
-        calls.up_kbps + calls.down_kbps)
-    weights = traffic.tolist()
+    dc, route, migrated, planned, slots, weights = _placement_arrays(calls, t0, slot_s)
     counters: dict[tuple, list] = {}
 
     cfg = config_ids.tolist()
@@ -325,15 +329,7 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
     is paid).  Migrations are counted as in ``realise``."""
     world = options.world
     n = len(calls)
-    dc = np.empty(n, dtype=np.int64)
-    route = np.empty(n, dtype=np.int64)
-    migrated = np.zeros(n, dtype=bool)
-    planned = np.ones(n, dtype=bool)
-    slots = np.floor((calls.start_s - t0) / slot_s).astype(np.int64).tolist()
-    lens = np.diff(calls.ptr)
-    traffic = np.bincount(np.repeat(np.arange(n), lens), weights=calls.count, minlength=n) * (
-        calls.up_kbps + calls.down_kbps)
-    weights = traffic.tolist()
+    dc, route, migrated, planned, slots, weights = _placement_arrays(calls, t0, slot_s)
     starts, ends = calls.start_s.tolist(), calls.end_s.tolist()
     ups, downs = calls.up_kbps.tolist(), calls.down_kbps.tolist()
     regions, counts, ptr = calls.region.tolist(), calls.count.tolist(), calls.ptr.tolist()
