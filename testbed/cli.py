@@ -310,12 +310,15 @@ def sim(
     sweep: list[str] = typer.Option([], help="KEY=V1,V2,... over delay_ms, rate_mbps, connections, replicas, "
                                               "microbatches, stages, schedule; repeat for a grid"),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="write metrics.json and timeline.json (or sweep.csv/png)"),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="KEY.PATH=VALUE over the file's own "
+                                                  "(repeatable), e.g. --set atlas.sharing=temporal"),
 ) -> None:
     """Simulate EXPERIMENT (paper scale welcome): iteration time, bubbles, WAN utilization."""
     from testbed.sim.cli import run_sim
 
     try:
-        rows = run_sim(experiment, profile=profile, iterations=iterations, sweep=sweep, out_dir=out_dir)
+        rows = run_sim(experiment, profile=profile, iterations=iterations, sweep=sweep, out_dir=out_dir,
+                       overrides=overrides or ())
     except _user_errors() as exc:
         _fail(str(exc))
     except ValueError as exc:

@@ -26,6 +26,9 @@ registry, and each extension owns everything of its own:
 * ``predict``: ``"module:func"``, ``func(exp, run_dir) -> dict`` of keyword arguments for
   the simulator (a sharing policy, start offsets) when ``compare:`` predicts a variant run
   with it;
+* ``simulate``: ``"module:func"``, ``func(exp) -> dict`` of keyword arguments for the
+  simulator when ``testbed sim`` simulates an experiment that uses it (no run to read: what
+  the experiment's own figures say, e.g. a sharing policy);
 * ``lab``: ``"module:Class"`` of its ``testbed.run.hooks.JobExtension``: what a ``testbed
   torchrun`` job makes when the user passes ``--with NAME=VALUE`` (a user's own job on a lab,
   not the project's trainer; ``job_extension(NAME)`` finds it).
@@ -131,6 +134,7 @@ class Extension:
     commands: dict[str, str] = field(default_factory=dict)
     faults: dict[str, ProcessFault] = field(default_factory=dict)
     predict: str | None = None
+    simulate: str | None = None
     lab: str | None = None
     devices: dict[str, str] = field(default_factory=dict)
     dilates: bool = False  # its processes read the dilated clock: it may run under ``time_dilation`` > 1

@@ -270,3 +270,23 @@ def test_a_compare_arm_sets_atlas_through_the_registry_and_predicts_with_its_pla
     assert got["start_offsets"] == {0: 0.0, 1: 0.05}
     assert predict_options(arms["b"], tmp_path) == {}
     assert "policy" not in predict_options(arms["p"], tmp_path)  # paced: the stagger only
+
+
+def test_testbed_sim_simulates_atlas_temporal_sharing_through_the_registry():
+    """``testbed sim --set atlas.sharing=temporal``: the ``simulate`` hook gives the simulator
+    the plan's order as the policy the experiment enforces (turns at the senders or the
+    gateway's strict priority), every pipeline simulated; fair sharing gets nothing."""
+    from agents.atlas.extension import simulate_options
+    from testbed.sim.cli import run_sim
+    from testbed.spec.experiment import load_experiment
+
+    path = REPO / "experiments" / "atlas-regime.yaml"
+    senders = load_experiment(path, ["atlas.sharing=temporal"])
+    gateway = load_experiment(path, ["atlas.sharing=temporal", "atlas.enforce=gateway"])
+    assert isinstance(simulate_options(senders)["policy"], TurnPolicy)
+    assert isinstance(simulate_options(gateway)["policy"], PriorityPolicy)
+    assert simulate_options(senders)["fold_replicas"] is False
+    assert simulate_options(load_experiment(path)) == {}
+    fair = run_sim(path, iterations=3)[0]["iteration_time_s"]
+    turns = run_sim(path, iterations=3, overrides=["atlas.sharing=temporal"])[0]["iteration_time_s"]
+    assert turns < fair / 1.3  # the regime's gain, as the sweep simulates it (1.47x)

@@ -273,6 +273,29 @@ def predict_options(exp, run_dir: Path) -> dict:
     return out
 
 
+def simulate_options(exp) -> dict:
+    """``testbed sim`` of an experiment with temporal sharing, where there is no run to read a
+    plan from: the plan the controller would make from the experiment's own figures (the
+    slowest stage's compute per microbatch, one activation, the slowest WAN link's capacity)
+    and its order as the policy (turns at the senders or the gateway's strict priority, as
+    ``enforce`` says), every pipeline simulated (neither can be folded)."""
+    if exp.atlas.sharing != "temporal" or exp.parallel.replicas < 2:
+        return {}
+    from agents.atlas.plan import make_plan
+    from testbed.sim.build import PAYLOAD_FRACTION, flops_stage_times
+    from testbed.sim.engine import PriorityPolicy, TurnPolicy
+
+    spec = exp.sim.stage_times
+    compute = (max(t.forward_s + t.backward_s for t in spec) if spec
+               else max(t.forward + t.backward for t in flops_stage_times(exp)))
+    act = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * exp.sim.dtype_bytes
+    link = (exp.sim.wan_link_gbps * 1e9 / 8 if exp.sim.wan_link_gbps
+            else min(p.rate_mbps for _s, _d, p in exp.topo.directions()) * 1e6 / 8 * PAYLOAD_FRACTION)
+    plan = make_plan(exp.parallel.replicas, compute, act, link, enforced=True)
+    policy = TurnPolicy if exp.atlas.enforce == "senders" else PriorityPolicy
+    return {"policy": policy(plan.order), "fold_replicas": False}
+
+
 def _emulated_plan(plan: dict, k: float) -> dict:
     """A plan as the controller made it (on the wall clock, from wall-clock telemetry and the
     wire's links) in the emulated world's terms under time dilation ``k``: its times / k, its

@@ -65,6 +65,7 @@ EXTENSION = Extension(
         "kill-atlas-controller": ProcessFault(_CONTINUES, lambda exp: ["controller"]),
     },
     predict="agents.atlas.extension:predict_options",
+    simulate="agents.atlas.extension:simulate_options",
     lab="agents.atlas.lab:AtlasJob",
     # its controller plans on the wall clock from wall-clock telemetry and the wire's links, and
     # its plans are recorded in emulated terms (extension._emulated_plan)

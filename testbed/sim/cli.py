@@ -3,7 +3,8 @@
 How it fits: loads the experiment like ``testbed run``; optionally takes compute times from
 an emulator run's ``timeline.json``; applies each sweep point to a copy of the experiment
 (link delay/rate on every WAN direction, connections, replicas, microbatches, stages,
-schedule) and calls ``build.simulate``.
+schedule) and calls ``build.simulate``, with what the experiment's extensions add (their
+``simulate`` hook: ``--set atlas.sharing=temporal`` simulates Atlas's turns).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from testbed.extension import device_kind
+from testbed.extension import device_kind, in_use
 from testbed.results.provenance import provenance
 from testbed.spec.experiment import load_experiment, parse_experiment
 from testbed.spec.topology import SpecError
@@ -62,11 +63,21 @@ def _parse_sweep(items: list[str]) -> list[dict]:
     return [dict(point) for point in itertools.product(*axes)] if axes else [{}]
 
 
+def _extension_options(exp) -> dict:
+    """What the extensions the experiment uses give the simulator (their ``simulate`` hook:
+    Atlas's temporal sharing, say)."""
+    options: dict = {}
+    for ext in in_use(exp):
+        if ext.simulate is not None:
+            options.update(ext.load(ext.simulate)(exp))
+    return options
+
+
 def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep: list[str] | None = None,
-            out_dir: Path | None = None) -> list[dict]:
+            out_dir: Path | None = None, overrides: list[str] | tuple = ()) -> list[dict]:
     from testbed.results import metrics
 
-    exp = load_experiment(path)
+    exp = load_experiment(path, overrides)
     points = _parse_sweep(sweep or [])
     rows = []
     # the profiled run is of ``exp`` itself: its message latency is measured against exp's links
@@ -80,7 +91,8 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
 
                 stage_times, overhead = emulated_stage_times(e)
             t0 = time.perf_counter()
-            result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead)
+            result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead,
+                              **_extension_options(e))
             wall = time.perf_counter() - t0
             summary = metrics.summarise(result)
             s = summary.summary
