@@ -240,3 +240,15 @@ def test_a_paced_channel_carries_the_kernels_pacing_rate_and_its_messages_arrive
     assert bytes(got["ch"].recv(timeout=10)) == b"x" * 100_000
     for x in (out, got["ch"], a, b):
         x.close()
+
+
+def test_a_sender_whose_turn_never_comes_sends_without_turns_after_its_timeout(server, capsys):
+    holder = _Sender(server.path, "r0")
+    server.set_order("a->b", ["r0", "r1"])
+    holder.want()
+    assert holder.granted()
+    client = TurnClient(server.path, "r1", ["a->b"], 0, 1e6, timeout_s=0.3, name="w")
+    t0 = time.monotonic()
+    client.acquire()
+    assert client.down and 0.25 < time.monotonic() - t0 < 5
+    assert "gave no turn on a->b within 0.3 s" in capsys.readouterr().err

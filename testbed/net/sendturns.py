@@ -21,7 +21,7 @@ Why at the senders: a waiting pipeline's message stays in its writer, not in a g
 queue.  Held at the gateway, the waiting pipelines' packets sit there for the owner's
 whole turn: with the link's buffer split among them their tails are dropped with no
 duplicate ACKs behind (retransmission timeouts), and whatever is queued reports round trips
-of seconds that inflate their timers (docs/atlas.md measures both).  Here nothing waits in
+of seconds that inflate their timers (docs/benchmarks.md counts both).  Here nothing waits in
 the network, so every variant keeps the link's own FIFO and the same buffer.  The price:
 a turn is a whole message (no preemption), and where holders' ceilings are not known the
 link idles while an owner that cannot fill it alone holds it; the gateway's scheduler
@@ -75,8 +75,6 @@ class TurnClient:
         self._buf = b""
         self._queued = False  # the last release asked for the first link again (``more``)
         self.down = False  # no server: send without turns (fair sharing)
-        self.waited_s = 0.0
-        self.turns = 0
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self.connect_s  # its agent may still be starting
@@ -105,12 +103,14 @@ class TurnClient:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._gone(f"gave no turn on {link} within {self.timeout_s:.0f} s")
+                self._gone(f"gave no turn on {link} within {self.timeout_s:g} s")
                 return False
             self._sock.settimeout(left)
             try:
                 data = self._sock.recv(4096)
-            except (OSError, socket.timeout):
+            except socket.timeout:
+                continue  # the deadline, judged above
+            except OSError:
                 data = b""
             if not data:
                 self._gone("closed the connection")
@@ -137,9 +137,6 @@ class TurnClient:
             self._queued = False
         except OSError as exc:
             self._gone(f"unreachable ({exc})")
-            return
-        self.waited_s += time.monotonic() - t0
-        self.turns += 1
 
     def release(self, socks: list[socket.socket], nbytes: int, more: bool = False) -> None:
         """Wait until no more than ``handover_bytes`` of the message are unacknowledged (the
