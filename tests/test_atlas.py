@@ -290,3 +290,22 @@ def test_testbed_sim_simulates_atlas_temporal_sharing_through_the_registry():
     fair = run_sim(path, iterations=3)[0]["iteration_time_s"]
     turns = run_sim(path, iterations=3, overrides=["atlas.sharing=temporal"])[0]["iteration_time_s"]
     assert turns < fair / 1.3  # the regime's gain, as the sweep simulates it (1.47x)
+
+
+def test_where_no_link_can_be_contended_turns_are_fair_sharing_and_testbed_sim_folds_them():
+    """One 32 KiB connection per transfer: four pipelines want 2.7 of the link's 12 MB/s, so
+    every flow runs at its ceiling under any policy; ``simulate_options`` then asks for
+    nothing (fair sharing, folded), and the turns simulated pipeline by pipeline agree."""
+    from agents.atlas.extension import simulate_options
+    from testbed.sim.build import wan_can_contend
+    from testbed.spec.experiment import load_experiment
+
+    path = REPO / "experiments" / "atlas-regime.yaml"
+    thin = load_experiment(path, ["atlas.sharing=temporal", "parallel.connections=1"])
+    assert not wan_can_contend(thin) and simulate_options(thin) == {}
+    assert wan_can_contend(load_experiment(path))
+    assert not wan_can_contend(load_experiment(REPO / "experiments" / "sim-10k.yaml"))  # 1 connection
+    fair = summarise(simulate(thin, iterations=3))["summary"]["mean_iteration_time_s"]
+    turns = summarise(simulate(thin, iterations=3, policy=TurnPolicy(["r3", "r2", "r1", "r0"]),
+                               fold_replicas=False))["summary"]["mean_iteration_time_s"]
+    assert turns == pytest.approx(fair, rel=1e-9)

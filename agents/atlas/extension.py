@@ -278,11 +278,14 @@ def simulate_options(exp) -> dict:
     plan from: the plan the controller would make from the experiment's own figures (the
     slowest stage's compute per microbatch, one activation, the slowest WAN link's capacity)
     and its order as the policy (turns at the senders or the gateway's strict priority, as
-    ``enforce`` says), every pipeline simulated (neither can be folded)."""
-    if exp.atlas.sharing != "temporal" or exp.parallel.replicas < 2:
+    ``enforce`` says), every pipeline simulated (neither can be folded).  Where the
+    pipelines' transfers can never contend for a link (``wan_can_contend``), there is
+    nothing to take turns over: fair sharing's result, folded, exactly."""
+    from testbed.sim.build import PAYLOAD_FRACTION, flops_stage_times, wan_can_contend
+
+    if exp.atlas.sharing != "temporal" or exp.parallel.replicas < 2 or not wan_can_contend(exp):
         return {}
     from agents.atlas.plan import make_plan
-    from testbed.sim.build import PAYLOAD_FRACTION, flops_stage_times
     from testbed.sim.engine import PriorityPolicy, TurnPolicy
 
     spec = exp.sim.stage_times

@@ -248,6 +248,38 @@ class SimResult(RunRecord):
     folded: int = 1
 
 
+def wan_can_contend(exp: Experiment) -> bool:
+    """Whether the job's WAN transfers can ever want more of a link than it has: on some
+    directed WAN link, every pipeline's channels that cross it at their ceilings (N x window
+    / RTT, or N x the measured single-connection bandwidth) add up to more than its capacity.
+    Where they cannot, every flow always runs at its ceiling whatever the sharing policy, so
+    a policy such as strict priority or turns gives fair sharing's result (and may be folded
+    as fair sharing is).  Data parallelism across DCs counts as contended."""
+    if exp.parallel.dp_across_dcs:
+        return True
+    topo, sim_spec = exp.topo, exp.sim
+    capacity = ((lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps
+                else (lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION))
+    window = exp.parallel.tcp_window_bytes or sim_spec.tcp_window_bytes
+    n = exp.parallel.connections
+    load: dict[tuple[str, str], float] = {}
+    dc = {(s.stage, s.replica): s.dc for s in exp.workers()}
+    for (stage, replica), here in dc.items():
+        there = dc.get((stage + 1, replica))
+        if there is None or there == here:
+            continue
+        for a, b in ((here, there), (there, here)):  # activations one way, gradients the other
+            hops = topo.path(a, b)
+            pairs = list(zip(hops, hops[1:]))
+            rtt = 2 * sum(topo.direction(x, y).delay_ms for x, y in pairs) / 1000
+            ceiling = n * window / rtt if rtt > 0 else float("inf")
+            if sim_spec.wan_link_gbps:
+                ceiling = min(ceiling, n * min(topo.direction(x, y).rate_mbps for x, y in pairs) * 1e6 / 8)
+            for pair in pairs:
+                load[pair] = load.get(pair, 0.0) + ceiling
+    return any(total > capacity(topo.direction(*pair)) * (1 + 1e-9) for pair, total in load.items())
+
+
 def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: int | None = None,
              stage_times: list[StageTimes] | None = None, message_overhead_s: float | None = None,
              record: bool = True, fold_replicas: bool | None = None,
