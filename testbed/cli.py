@@ -311,7 +311,7 @@ def sim(
                                               "microbatches, stages, schedule; repeat for a grid"),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="write metrics.json and timeline.json (or sweep.csv/png)"),
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="KEY.PATH=VALUE over the file's own "
-                                                  "(repeatable), e.g. --set atlas.sharing=temporal"),
+                                                  "(repeatable), e.g. --set parallel.connections=16"),
 ) -> None:
     """Simulate EXPERIMENT (paper scale welcome): iteration time, bubbles, WAN utilization."""
     from testbed.sim.cli import run_sim

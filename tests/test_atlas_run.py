@@ -88,6 +88,7 @@ def test_turns_at_the_senders_give_each_direction_to_one_pipeline_at_a_time(tmp_
         assert {t[0] for t in exclusive} == {"r0", "r1"}
 
 
+@pytest.mark.slow
 @pytest.mark.network(delay="tun")
 def test_a_killed_turn_server_leaves_the_senders_sending_under_fair_sharing(tmp_path):
     iterations = 10
