@@ -281,7 +281,7 @@ def simulate_options(exp) -> dict:
     ``enforce`` says), every pipeline simulated (neither can be folded).  Where the
     pipelines' transfers can never contend for a link (``wan_can_contend``), there is
     nothing to take turns over: fair sharing's result, folded, exactly."""
-    from testbed.sim.build import PAYLOAD_FRACTION, flops_stage_times, wan_can_contend
+    from testbed.sim.build import link_capacity, flops_stage_times, wan_can_contend
 
     if exp.atlas.sharing != "temporal" or exp.parallel.replicas < 2 or not wan_can_contend(exp):
         return {}
@@ -292,8 +292,8 @@ def simulate_options(exp) -> dict:
     compute = (max(t.forward_s + t.backward_s for t in spec) if spec
                else max(t.forward + t.backward for t in flops_stage_times(exp)))
     act = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * exp.sim.dtype_bytes
-    link = (exp.sim.wan_link_gbps * 1e9 / 8 if exp.sim.wan_link_gbps
-            else min(p.rate_mbps for _s, _d, p in exp.topo.directions()) * 1e6 / 8 * PAYLOAD_FRACTION)
+    capacity = link_capacity(exp)
+    link = min(capacity(p) for _s, _d, p in exp.topo.directions())
     plan = make_plan(exp.parallel.replicas, compute, act, link, enforced=True)
     policy = TurnPolicy if exp.atlas.enforce == "senders" else PriorityPolicy
     return {"policy": policy(plan.order), "fold_replicas": False}

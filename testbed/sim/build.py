@@ -14,6 +14,8 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
+
 from testbed.extension import device_kind
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
@@ -248,6 +250,25 @@ class SimResult(RunRecord):
     folded: int = 1
 
 
+def link_capacity(exp: Experiment) -> Callable[[Any], float]:
+    """A WAN direction's capacity in payload bytes/s: the topology's (wire) rate, of which TCP
+    payload is MSS/(MSS + TCP/IP/Ethernet headers); or (wan_link_gbps set) the DC pair's."""
+    if exp.sim.wan_link_gbps:
+        return lambda p: exp.sim.wan_link_gbps * 1e9 / 8
+    return lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION
+
+
+def _flow_ceiling(exp: Experiment, hops: list[str], rtt: float) -> float:
+    """One channel's most over the path ``hops``: N connections x window / RTT, and (with
+    wan_link_gbps) N x the measured single-connection bandwidth of its slowest hop."""
+    n = exp.parallel.connections
+    window = exp.parallel.tcp_window_bytes or exp.sim.tcp_window_bytes
+    ceiling = n * window / rtt if rtt > 0 else float("inf")
+    if exp.sim.wan_link_gbps:
+        ceiling = min(ceiling, n * min(exp.topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8)
+    return ceiling
+
+
 def wan_can_contend(exp: Experiment) -> bool:
     """Whether the job's WAN transfers can ever want more of a link than it has: on some
     directed WAN link, every pipeline's channels that cross it at their ceilings (N x window
@@ -257,11 +278,7 @@ def wan_can_contend(exp: Experiment) -> bool:
     as fair sharing is).  Data parallelism across DCs counts as contended."""
     if exp.parallel.dp_across_dcs:
         return True
-    topo, sim_spec = exp.topo, exp.sim
-    capacity = ((lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps
-                else (lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION))
-    window = exp.parallel.tcp_window_bytes or sim_spec.tcp_window_bytes
-    n = exp.parallel.connections
+    topo, capacity = exp.topo, link_capacity(exp)
     load: dict[tuple[str, str], float] = {}
     dc = {(s.stage, s.replica): s.dc for s in exp.workers()}
     for (stage, replica), here in dc.items():
@@ -271,10 +288,7 @@ def wan_can_contend(exp: Experiment) -> bool:
         for a, b in ((here, there), (there, here)):  # activations one way, gradients the other
             hops = topo.path(a, b)
             pairs = list(zip(hops, hops[1:]))
-            rtt = 2 * sum(topo.direction(x, y).delay_ms for x, y in pairs) / 1000
-            ceiling = n * window / rtt if rtt > 0 else float("inf")
-            if sim_spec.wan_link_gbps:
-                ceiling = min(ceiling, n * min(topo.direction(x, y).rate_mbps for x, y in pairs) * 1e6 / 8)
+            ceiling = _flow_ceiling(exp, hops, 2 * sum(topo.direction(x, y).delay_ms for x, y in pairs) / 1000)
             for pair in pairs:
                 load[pair] = load.get(pair, 0.0) + ceiling
     return any(total > capacity(topo.direction(*pair)) * (1 + 1e-9) for pair, total in load.items())
@@ -301,10 +315,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         fold_replicas = D > 8 and type(sim.policy) is SharingPolicy and not (
             _profiled(exp) and exp.emulation.slowdown)
     share = D if fold_replicas else 1
-    # the topology's rate is the link's (wire) capacity, of which TCP payload is MSS/(MSS +
-    # TCP/IP/Ethernet headers); or (wan_link_gbps set) one connection's measured goodput
-    capacity = ((lambda p: sim_spec.wan_link_gbps * 1e9 / 8) if sim_spec.wan_link_gbps
-                else (lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION))
+    capacity = link_capacity(exp)
     links = {(s, d): Link(f"{s}->{d}", capacity(p) / share, p.delay_ms / 1000.0) for s, d, p in topo.directions()}
     if stage_times is None:
         if sim_spec.stage_times:
@@ -342,10 +353,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             path = [links[(x, y)] for x, y in zip(hops, hops[1:])]
             rtt = 2 * sum(link.delay for link in path)
             window = exp.parallel.tcp_window_bytes or sim_spec.tcp_window_bytes
-            ceiling = n_conn * window / rtt if rtt > 0 else float("inf")
-            if sim_spec.wan_link_gbps:
-                single = min(topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8
-                ceiling = min(ceiling, n_conn * single)
+            ceiling = _flow_ceiling(exp, hops, rtt)
             bottleneck = min(link.bandwidth for link in path) * share  # the link's whole rate (unfolded)
             queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
             cap = min(window, (bottleneck * rtt + queue) / n_conn)
