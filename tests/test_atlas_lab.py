@@ -2,7 +2,7 @@
 pipelines in the order the user gave.
 
 Two backlogged pipelines (experiments/pipelines_job.py in stream mode: stage 0 in east sends
-2 MB messages back to back to stage 1 in west) on one 25 Mbit/s link under strict priority:
+1 MB messages back to back to stage 1 in west) on one 12.5 Mbit/s link under strict priority:
 while both are backlogged the first of the order gets nearly the whole link (the delay
 line's per-pipeline counters), and the job itself sees it (the bytes each stage 1 received
 in the window); swapping the order swaps the shares.  After the job the link is plain FIFO
@@ -11,8 +11,11 @@ again.  Bad options are one-line errors and build nothing.
 The link must be the bottleneck for priority to mean anything (a work-conserving scheduler
 leaves an under-driven link to whoever sends): at 50 Mbit/s a slow host's gloo ranks did not
 always keep it full (CI, 2026-12-05: 8 of 18.75 MB crossed in the window, both queues mostly
-empty), at 25 Mbit/s they do with room to spare; the test judges it by the pace of the owner's
-messages and says which it was when it fails.
+empty); at 25 Mbit/s under 12% CPU steal the owner's messages came at 0.53 and 0.75 of the
+link's rate (CI, 2026-12-06, both tries), so it is 12.5 Mbit/s with 1 MB messages: half the
+host's work per second, the same number of messages in the window (the owner's pace 0.89-0.90
+of the link in 6 runs here, as at 25).  The test judges the link full by the pace of the owner's
+messages and says which it was when it fails, with the line's per-pipeline counters.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from testbed.spec.topology import parse_topology
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "experiments" / "pipelines_job.py"
 PIPES = "pipelines: {p0: [0, 2], p1: [1, 3]}"
+RATE_MBPS, MB = 12.5, 1  # the link and the message: see the docstring
 
 
 def _topology():
     return parse_topology({"name": "two", "dcs": [{"name": "east", "hosts": 2}, {"name": "west", "hosts": 2}],
-                           "wan": [{"a": "east", "b": "west", "delay_ms": 10, "rate_mbps": 25}]})
+                           "wan": [{"a": "east", "b": "west", "delay_ms": 10, "rate_mbps": RATE_MBPS}]})
 
 
 @pytest.mark.fidelity  # under 16-19% CPU steal the delay line starved and the two shared the link
@@ -49,7 +53,7 @@ def test_the_owner_gets_the_link_in_the_order_given(tmp_path):
             ext = job_extensions([f"atlas={{{PIPES}, order: [{', '.join(order)}], queue: deep}}"])
             report = tmp_path / f"{order[0]}.json"
             res = run_job(lab, [("east", 2), ("west", 2)], JOB,
-                          ["--mode", "stream", "--mb", "2", "--seconds", "4", "--out", str(report)],
+                          ["--mode", "stream", "--mb", str(MB), "--seconds", "4", "--out", str(report)],
                           tmp_path / order[0], echo=False, extensions=ext, timeout_s=60)
             assert res.exit_code == 0, res.message
             atlas = res.metrics["extensions"]["atlas"]
@@ -63,19 +67,20 @@ def test_the_owner_gets_the_link_in_the_order_given(tmp_path):
         link, got, arrivals = seen[first]
         # the owner's messages arrive at the link's pace: its goodput between its first and last
         # arrival in the window (whole messages in the window would judge one message's slow
-        # start too: 5 of 2 MB cross in 4 s here, 4 on CI, 2026-12-05, one message from the bar)
+        # start too: 5 of 2 MB crossed in 4 s here at 25 Mbit/s, 4 on CI, 2026-12-05, one message from the bar)
         mine = [t for t in arrivals[first] if t <= arrivals[first][0] + 4 - 0.5]
-        pace = (len(mine) - 1) * 2e6 / (mine[-1] - mine[0]) / (25e6 / 8)
-        # 0.90 in 6 runs here (2026-12-06, quiet): the TCP payload fraction of 25 Mbit/s
+        pace = (len(mine) - 1) * MB * 1e6 / (mine[-1] - mine[0]) / (RATE_MBPS * 1e6 / 8)
+        # 0.89-0.90 in 6 runs here (2026-12-06, quiet): the TCP payload fraction of the link
         assert pace >= 0.8, (f"the link was not the bottleneck: the owner's messages came at {pace:.2f} of "
-                             f"the link's rate (host too slow?)", arrivals)
+                             f"the link's rate (host too slow?)", arrivals, link)
         share = link["owner_share"]
         assert share["n"] >= 50 and share["mean"] >= 0.95 and share["p10"] >= 0.9, link
         # over the whole job, the tail included (the other alone on the link once the owner stops):
         # 14.6 MB against 4.2-6.3 MB in 8 runs here; fair sharing would give about 1:1
         assert link["bytes"][first] > 2 * link["bytes"][second], link
         # the job's own view: the owner's stage 1 received most of what crossed in the window
-        assert got[first] >= 4 * max(got[second], 2_000_000), got
+        # (whole 1 MB messages: 4-5 against 0-1 in 3 runs here, 2026-12-06; fair sharing ~1:1)
+        assert got[first] >= 3 * max(got[second], MB * 1e6), got
 
 
 def test_bad_options_are_one_line_errors(tmp_path):
