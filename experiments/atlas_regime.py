@@ -95,7 +95,8 @@ def _write(tmp: Path, name: str, queue: int, time_dilation: float = 1.0, d: int 
         "parallel": {"stages": 2, "replicas": d, "schedule": "1f1b", "connections": _CONNECTIONS, "paced": _PACED,
                      "tcp_window_bytes": WINDOW},
         "sim": {"stage_times": [{"forward_s": round(c_over_t * t / 3, 4),
-                                 "backward_s": round(2 * c_over_t * t / 3, 4)}] * 2},
+                                 "backward_s": round(2 * c_over_t * t / 3, 4)}] * 2,
+                "tcp_window_model": True, "tail_loss": True},  # as experiments/atlas-regime.yaml
         "atlas": {"sharing": "fair", "class_queue": "share", "enforce": _ENFORCE},
     }
     for key, value in over.items():

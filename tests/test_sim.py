@@ -339,3 +339,50 @@ def test_a_comparison_row_counts_the_drops_of_every_wan_direction_and_the_tcp_ti
     s.tcp_timeouts = s.tcp_loss_probes = m.UNSET
     (tmp_path / "links.csv").unlink()
     assert _network_counters(s, tmp_path) == {}
+
+
+def test_tail_loss_delays_messages_in_flight_while_their_bottleneck_overflows(tmp_path):
+    """``sim.tail_loss``: a message in flight while the windows sending into its bottleneck hold
+    more than the link's BDP + queue ends one tail-loss probe late, 2 x (RTT + queue / rate);
+    where they fit it is not late at all.  Two pipelines whose windows each fit the link's BDP
+    + queue and together do not; one pipeline alone with the same window."""
+    from testbed.sim.build import PAYLOAD_FRACTION
+    from testbed.spec.topology import default_queue_bytes
+
+    import yaml
+
+    F0, B0, F1, B1 = 0.11, 0.23, 0.17, 0.29
+    topo = yaml.safe_load(Path(TOPO).read_text())
+    for dc in topo["dcs"]:
+        dc["hosts"] = 4
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo))
+    probe = parse_experiment({"name": "p", "topology": str(tmp_path / "t.yaml"),
+                              "model": {"layers": 6, "hidden": 32, "heads": 2, "seq_len": 16}}, "p")
+    link = probe.topo.direction("dc1", "dc2")
+    R, rtt = link.rate_mbps * 1e6 / 8, 2 * link.delay_ms / 1000
+    queue = default_queue_bytes(link, probe.topo.rtt_ms("dc1", "dc2"))
+    fits = R * PAYLOAD_FRACTION * rtt + queue  # the simulator's link carries payload
+    window = int(0.6 * fits)  # one channel's windows fit; two do not
+    size = 2 * 16 * 32 * 4
+
+    def iteration(pipelines: int, tail_loss: bool) -> float:
+        exp = parse_experiment({
+            "name": "tail", "topology": str(tmp_path / "t.yaml"),
+            "model": {"layers": 6, "hidden": 32, "heads": 2, "seq_len": 16},
+            "training": {"iterations": 3, "microbatches": 1, "microbatch_size": 2, "warmup_iterations": 1},
+            "parallel": {"stages": 2, "replicas": pipelines, "schedule": "gpipe", "connections": 1,
+                         "tcp_window_bytes": window},
+            "sim": {"stage_times": [{"forward_s": F0, "backward_s": B0}, {"forward_s": F1, "backward_s": B1}],
+                    "intra_dc_gbps": 1e12, "tail_loss": tail_loss},
+        }, "tail")
+        ends = simulate(exp, fold_replicas=False).iteration_ends()
+        steps = [b - a for a, b in zip(ends, ends[1:])]
+        assert steps[0] == pytest.approx(steps[1], rel=1e-9)
+        return steps[0]
+
+    pto = 2 * (rtt + queue / (R * PAYLOAD_FRACTION))
+    for pipelines in (1, 2):
+        xfer = link.delay_ms / 1000 + pipelines * size / (R * PAYLOAD_FRACTION)
+        assert iteration(pipelines, False) == pytest.approx(F0 + F1 + B1 + B0 + 2 * xfer, rel=1e-6)
+    assert iteration(1, True) == pytest.approx(iteration(1, False), rel=1e-9)  # it fits: never late
+    assert iteration(2, True) - iteration(2, False) == pytest.approx(2 * pto, rel=1e-6)  # both directions late

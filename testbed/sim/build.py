@@ -360,6 +360,38 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             routes[(a.name, b.name)] = (path, ceiling, rtt, cap)
 
     channels: dict[tuple[str, str], dict] = {}
+    in_flight: dict[int, float] = {}  # fid -> the bytes its channel's windows hold (sim.tail_loss)
+    lossy: set[int] = set()  # fids in flight while their bottleneck overflowed (sim.tail_loss)
+    routes_queue = {id(links[(s, d)]): default_queue_bytes(p, topo.rtt_ms(s, d)) for s, d, p in topo.directions()}
+    window = exp.parallel.tcp_window_bytes or sim_spec.tcp_window_bytes
+
+    def _late_if_overflowing(path: list[Link], rtt: float, window_bytes: float, arrived):
+        """``arrived`` one tail-loss probe later if this message is in flight while its
+        bottleneck overflows: the channels with a rate there hold more than its BDP + queue
+        (checked as each message starts, which marks every message then in flight)."""
+        link = min(path, key=lambda x: x.bandwidth)
+        queue = routes_queue[id(link)]
+        state: dict = {}
+
+        def late(t):
+            fid = state.get("fid")
+            in_flight.pop(fid, None)
+            if fid not in lossy:
+                arrived(t)
+                return
+            lossy.discard(fid)
+            srtt = rtt + queue / (link.bandwidth * share)  # the full queue's delay in every sample
+            sim.at(t + 2 * srtt, lambda: arrived(sim.now))
+
+        def started(flow):
+            state["fid"] = flow.fid
+            in_flight[flow.fid] = window_bytes
+            rated = [f.fid for f in link.flows if f.rate > 0]
+            if sum(in_flight.get(fid, 0.0) for fid in rated) * share > link.bandwidth * share * rtt + queue:
+                lossy.update(rated)
+
+        late.started = started
+        return late
 
     def send(w: Worker, kind: str, mb: int, it: int, on_arrival) -> None:
         peer = by_key[(w.stage + 1 if kind == sch.SEND_ACT else w.stage - 1, w.replica)]
@@ -387,11 +419,15 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             channel = channels[(w.name, kind)] = {"busy": False, "queue": [], "window": TcpWindow(
                 rtt, n_conn, cap, exp.parallel.slow_start_after_idle)}
 
-        def go(channel=channel, path=path, ceiling=ceiling, arrived=arrived, owner=f"r{w.replica}"):
+        def go(channel=channel, path=path, ceiling=ceiling, arrived=arrived, owner=f"r{w.replica}", rtt=rtt):
             channel["busy"] = True
             win = channel["window"]
+            if sim_spec.tail_loss:
+                arrived = _late_if_overflowing(path, rtt, n_conn * window, arrived)
             if not tcp:
-                sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel))
+                flow = sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel))
+                if sim_spec.tail_loss and flow is not None:
+                    arrived.started(flow)
                 return
             fresh = win.last_sent is None or sim.now - win.last_sent >= win.rtt  # nothing of ours in flight
             win.begin(sim.now)
@@ -408,6 +444,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             flow = sim.transfer(path, act_bytes, cap(act_bytes), arrived, owner=owner,
                                 on_sent=lambda t: left(channel))
             channel["flow"] = flow
+            if sim_spec.tail_loss and flow is not None:
+                arrived.started(flow)
 
             def grow(flow=flow):  # slow start: the window doubles every round trip while the message is under way
                 if channel.get("flow") is not flow or flow.remaining <= 0:

@@ -137,6 +137,12 @@ class SimSpec(_Strict):
         False, description="model each channel's TCP window: slow start from 10 segments, doubling per round "
                            "trip, restarted after an idle RTO (Linux's default): where round trips are long "
                            "(docs/benchmarks.md says how far it gets)")
+    tail_loss: bool = Field(
+        False, description="a message in flight while its bottleneck FIFO overflows (the windows of the "
+                           "channels sending there hold more than its BDP + queue) ends one tail-loss probe late "
+                           "(RFC 8985: 2 x the smoothed round trip, the full queue's delay included): lost last "
+                           "segments get no duplicate ACKs; validated on one regime only, window-clamped senders "
+                           "(docs/benchmarks.md)")
 
 
 class _CoreExperiment(_Strict):
