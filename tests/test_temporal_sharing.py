@@ -18,6 +18,7 @@ from testbed.net.network import Network, NetworkError
 pytestmark = [pytest.mark.network, pytest.mark.fidelity]
 
 
+@pytest.mark.slow_on_netem  # there (TCG) it checks turns and a busy link only, not the owner's share
 def test_turn_owner_gets_the_link_and_the_link_stays_busy(delay_backend, caps):
     rate = link_rate(100)  # scaled down in the netem VM under software emulation (conftest.py)
     # There (TCG) the guest's delay line cannot time 20 ms turns: their owners got 0.53-0.995
