@@ -454,3 +454,133 @@ def _cli():
     from testbed.cli import app
 
     return app
+
+
+# --- an independent check of the peaks LP's optimum (issue #33) ----------------------------
+
+TINY_USERS = ["uksouth", "westeurope", "northeurope", "eastus", "centralus"]
+TINY_DCS = ["westeurope", "northeurope", "eastus"]
+
+
+def _tiny_instance():
+    """Five user regions, three DCs, three slots, a dozen configurations (by media) with
+    hand-seeded demand; DC capacity tight enough to bind in the busiest slot."""
+    world = build_world(TINY_USERS, TINY_DCS, internet_cap=0.5)
+    configs = wl.Configs(by_media=True)
+    rng = np.random.default_rng(7)
+    keys = [((0, 1), 2), ((0, 1), 0), ((0, 3), 1), ((0, 3), 2), ((1, 2), 1), ((2, 4), 2), ((3, 4), 1),
+            ((0, 2, 3), 1), ((0, 2, 3), 2), ((1, 3, 4), 1), ((0,), 1), ((4,), 2)]
+    rows = []
+    for regions, media in keys:
+        k = configs.id(regions, media)
+        up = {0: 30.0, 1: 500.0, 2: 1500.0}[media]
+        for t in range(3):
+            for u in regions:
+                n = float(rng.integers(1, 9)) * (2.0 if t == 1 else 1.0)
+                rows.append((t, k, u, n, n * up, n * 2 * up))
+    rows.sort()
+    a = np.array(rows)
+    demand = wl.Demand(0.0, 3600.0, 3, a[:, 1].astype(np.int64), a[:, 0].astype(np.int64), a[:, 2].astype(np.int64),
+                       a[:, 3], a[:, 4], a[:, 5])
+    opts = Options(world, configs, LatencyRule(delta_ms=20))
+    cap = lp.capacities(world, opts, demand, 1.0)  # the nearest-DC peak: binds (1.2x: a lower optimum)
+    return world, configs, opts, demand, cap
+
+
+def _peaks_lp_by_definition(world, opts, demand, cap, head, paid=None):
+    """The module docstring's LP written out term by term with HiGHS's modelling interface:
+    one x per (configuration, slot, allowed placement) (a configuration outside ``head``
+    uses its class's x, the class being its media and allowed-placement set), each link's
+    load summed from the participants' own paths, one P per link.  Returns the optimum."""
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    U, D, L = len(world.users), len(world.dcs), world.n_links
+    x: dict = {}
+
+    def var(k, t, o):
+        owner = k if k in head else opts.class_key(k)
+        if (owner, t, o) not in x:
+            x[(owner, t, o)] = h.addVariable(lb=0.0, ub=1.0)
+        return x[(owner, t, o)]
+
+    link_load = [[[] for _ in range(demand.slots)] for _ in range(L)]
+    dc_load = [[[] for _ in range(demand.slots)] for _ in range(D)]
+    on_path = {}  # (u, d, t) -> ([all participants' terms], [Internet terms])
+    cells = {}
+    for i in range(len(demand.config)):
+        k, t, u = int(demand.config[i]), int(demand.slot[i]), int(demand.region[i])
+        n, up, down = demand.participants[i], demand.up_kbps[i], demand.down_kbps[i]
+        cells[(k if k in head else opts.class_key(k), t)] = [var(k, t, o) for o in opts[k].options]
+        for o in opts[k].options:
+            d, r = o
+            v = var(k, t, o)
+            dc_load[d][t].append(n * v)
+            if world.local[u, d]:
+                continue
+            a = on_path.setdefault((u, d, t), ([], []))
+            a[0].append(n * v)
+            if r == INTERNET:
+                a[1].append(n * v)
+            else:
+                for link in world.backbone.path_links(world.users[u], world.dcs[d]):
+                    link_load[link][t].append(up * v)
+                for link in world.backbone.path_links(world.dcs[d], world.users[u]):
+                    link_load[link][t].append(down * v)
+    for vs in cells.values():
+        h.addConstr(h.qsum(vs) == 1.0)
+    peaks = [h.addVariable(lb=0.0) for _ in range(L)]
+    for link in range(L):
+        for t in range(demand.slots):
+            if link_load[link][t]:
+                h.addConstr(h.qsum(link_load[link][t]) - peaks[link] <= 0.0)
+    for d in range(D):
+        for t in range(demand.slots):
+            if dc_load[d][t]:
+                h.addConstr(h.qsum(dc_load[d][t]) <= float(cap[d]))
+    for (u, d, t), (all_p, inet_p) in on_path.items():
+        if inet_p:
+            h.addConstr(h.qsum(inet_p) - float(world.inet_cap[u, d]) * h.qsum(all_p) <= 0.0)
+    if paid is None:
+        h.minimize(h.qsum(peaks))
+    else:
+        excess = [h.addVariable(lb=0.0) for _ in range(L)]
+        for link in range(L):
+            h.addConstr(peaks[link] - excess[link] <= float(paid[link]))
+        h.minimize(h.qsum(excess))
+    assert h.modelStatusToString(h.getModelStatus()) == "Optimal"
+    return float(h.getInfo().objective_function_value)
+
+
+@pytest.mark.parametrize("solver", ["simplex", "ipm"])
+@pytest.mark.parametrize("head_share", [1.0, 0.5])
+@pytest.mark.parametrize("billing", ["day", "period"])
+def test_peaks_lp_optimum_matches_the_lp_written_out_by_definition(solver, head_share, billing):
+    """``lp.solve_day`` (sparse, aggregated y/z, peaks chained per slot, tail classes) finds
+    the same optimum as the docstring's LP written out term by term, on a tiny instance
+    where the caps and DC capacity bind; and its plan is feasible at that value (so its
+    objective is not below the true optimum either)."""
+    world, configs, opts, demand, cap = _tiny_instance()
+    traffic = np.bincount(demand.config, weights=demand.up_kbps + demand.down_kbps)
+    head = lp.top_configs(demand, int(round(head_share * np.count_nonzero(traffic))))
+    paid = None
+    if billing == "period":
+        alone = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap), "x", (WAN, INTERNET), 1e-3,
+                             solver="simplex")
+        paid = np.zeros(world.n_links)
+        busy = np.flatnonzero(alone.stats["peak_limits"] > 0)
+        paid[busy[::2]] = 0.7 * alone.stats["peak_limits"][busy[::2]]  # part of some links' peaks paid already
+    plan = lp.solve_day(world, opts, lp.DayProblem(demand, head, cap, paid), "x", (WAN, INTERNET), 1e-3,
+                        solver=solver, tie_break="headroom")
+    want = _peaks_lp_by_definition(world, opts, demand, cap, head, paid)
+    got = plan.stats["rounds"][-1]["sum_of_peaks_kbps"]
+    assert want > 0
+    assert got == pytest.approx(want, rel=1e-6)
+    # the plan's own fractions: feasible, and at the optimum within the tie-break's eps
+    loads = plan_loads(world, opts, plan, demand).max(axis=1)
+    cost = loads.sum() if paid is None else np.maximum(loads - paid, 0).sum()
+    assert want * (1 - 1e-6) - 1e-6 <= cost <= want * (1 + 1e-3) + 1e-3 * (0 if paid is None else paid.sum()) + 1e-3
+    if head_share < 1:  # the tail's shared mixes are a restriction: never below the per-configuration optimum
+        free = _peaks_lp_by_definition(world, opts, demand, cap, set(np.flatnonzero(traffic).tolist()), paid)
+        assert free <= want * (1 + 1e-9)
