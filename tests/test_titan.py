@@ -57,6 +57,32 @@ def test_backbone_routes_like_the_testbed_topology():
         assert bb.path(a, b) == topo.path(a, b)
 
 
+def test_backbone_command_shows_the_links_the_study_routes_over():
+    """``titan backbone --regions`` lists the links of the study's backbone (every region in
+    the matrix) that the listed regions' traffic crosses, relays included: exactly the links
+    in the study world's paths; ``--emulated`` the backbone pruned among them alone."""
+    regions = ["eastus", "centralus", "westus2", "brazilsouth", "westeurope", "uksouth", "centralindia", "japaneast"]
+    run = CliRunner().invoke(_cli(), ["titan", "backbone", "--regions", ",".join(regions), "--json"])
+    assert run.exit_code == 0, run.output
+    got = json.loads(run.stdout)
+    world = build_world(regions, regions)  # the study's world over these regions
+    crossed = {frozenset(world.backbone.links[link]) for u in range(len(regions)) for d in range(len(regions))
+               for link in world.up_links[u][d] + world.down_links[u][d]}
+    shown = {frozenset((e["a"], e["b"])) for e in got["edges"]}
+    assert shown == crossed
+    assert got["backbone_links"] == len(world.backbone.edges) > 200 and got["backbone_regions"] == 54
+    assert set(got["relays"]) == set().union(*shown) - set(regions) != set()
+    emu = json.loads(CliRunner().invoke(_cli(), ["titan", "backbone", "--regions", ",".join(regions), "--emulated",
+                                                 "--json"]).stdout)
+    small = build_world(regions, regions, full_backbone=False)
+    assert {frozenset((e["a"], e["b"])) for e in emu["edges"]} == {frozenset(e[:2]) for e in small.backbone.edges}
+    assert emu["backbone_links"] == len(small.backbone.edges) < len(shown)
+    whole = json.loads(CliRunner().invoke(_cli(), ["titan", "backbone", "--json"]).stdout)
+    assert len(whole["edges"]) == whole["backbone_links"] == got["backbone_links"]
+    bad = CliRunner().invoke(_cli(), ["titan", "backbone", "--emulated"])
+    assert bad.exit_code == 2 and "--emulated: name the emulated regions" in bad.output
+
+
 def test_internet_is_comparable_in_europe_and_worse_across_to_apac():
     wan = load_wan()
     eu = wan.internet_rtt("westeurope", "francecentral") - wan.rtt("westeurope", "francecentral")

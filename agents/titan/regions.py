@@ -248,6 +248,17 @@ class Backbone:
         p = self.path(src, dst)
         return [self.link_index[(a, b)] for a, b in zip(p, p[1:])]
 
+    def edges_between(self, keys: list[str]) -> list[tuple[str, str, float]]:
+        """The backbone edges that traffic between any two of ``keys`` crosses (either way),
+        in ``edges`` order: the part of this backbone a set of regions routes over."""
+        used: set[frozenset[str]] = set()
+        for a in keys:
+            for b in keys:
+                if a != b:
+                    p = self.path(a, b)
+                    used.update(frozenset(hop) for hop in zip(p, p[1:]))
+        return [e for e in self.edges if frozenset(e[:2]) in used]
+
 
 @dataclass
 class World:
