@@ -1,7 +1,8 @@
 """``testbed titan ...``: the offline study, the emulated run, the backbone.
 
 How it fits: ``testbed/cli.py`` mounts ``app`` as its ``titan`` sub-command.  Each command is
-a thin layer over ``study.run_study``, ``emulate.run`` and ``regions.Backbone``; errors a
+a thin layer over ``study.run_study``, ``emulate.run`` and ``regions.Backbone`` (``backbone``
+shows the study's backbone, or with ``--emulated`` the one the emulator builds); errors a
 user can fix (unknown region, infeasible latency bound, a bad spec, a busy machine) print one
 line and exit 2; Ctrl-C and SIGTERM unwind through the network's clean-up.
 """

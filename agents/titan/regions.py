@@ -6,7 +6,8 @@ over Azure's backbone, each region's tab group and time zone, Teams' bitrates an
 gives RTT(a,c) + RTT(c,b) <= ``relay_factor`` x RTT(a,b) (then the traffic would ride the
 relay anyway); traffic between two regions follows the backbone hop by hop, over the direct
 edge where one exists, else along the shortest-RTT path (the same rule the testbed's
-``Topology.next_hops`` routes by, so the emulator's packets take the paths planned here).
+``Topology.next_hops`` routes by, so the emulator's packets take the paths planned here);
+``Backbone.edges_between`` is the part of it a set of regions' traffic crosses.
 ``World`` is one problem instance: user regions, media-server DCs, and for every (user, DC)
 the WAN RTT (sum of the backbone edges' RTTs), the Internet RTT, whether the Internet path
 meets the quality targets, and the WAN links the traffic crosses in each direction.
