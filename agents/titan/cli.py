@@ -1,7 +1,8 @@
 """``testbed titan ...``: the offline study, the emulated run, the backbone.
 
 How it fits: ``testbed/cli.py`` mounts ``app`` as its ``titan`` sub-command.  Each command is
-a thin layer over ``study.run_study``, ``emulate.run`` and ``regions.Backbone``; errors a
+a thin layer over ``study.run_study``, ``emulate.run`` and ``regions.Backbone`` (``backbone``
+shows the study's backbone, or with ``--emulated`` the one the emulator builds); errors a
 user can fix (unknown region, infeasible latency bound, a bad spec, a busy machine) print one
 line and exit 2; Ctrl-C and SIGTERM unwind through the network's clean-up.
 """
@@ -154,26 +155,45 @@ def emulate(
 
 @app.command("backbone")
 def backbone(
-    regions: Optional[str] = typer.Option(None, help="comma-separated regions (default: all in the matrix)"),
+    regions: Optional[str] = typer.Option(None, help="comma-separated regions: the backbone links their traffic crosses "
+                                                     "(default: the whole backbone)"),
     relay_factor: float = typer.Option(1.1, help="drop a-b if a relay c has RTT(a,c)+RTT(c,b) <= factor x RTT(a,b)"),
+    emulated: bool = typer.Option(False, "--emulated", help="the emulator's network: the backbone pruned among "
+                                                            "--regions only (as `titan emulate` builds it)"),
     as_json: bool = typer.Option(False, "--json", help="print the edges as JSON"),
 ) -> None:
-    """The WAN backbone pruned from Azure's P95 RTT matrix."""
+    """The WAN backbone pruned from Azure's P95 RTT matrix.
+
+    The study routes over the backbone of every region in the matrix; with ``--regions`` this
+    shows the links of that backbone the listed regions' traffic crosses (through relay
+    regions where the pruning dropped a direct edge).  ``--emulated`` shows instead the
+    backbone pruned among the listed regions alone, which the emulator builds."""
     from agents.titan.regions import Backbone, load_wan
 
     try:
         wan = load_wan()
         keys = [wan.key(r, "regions") for r in _split(regions)] if regions else None
-        bb = Backbone(wan, keys, relay_factor)
+        if emulated and not keys:
+            raise _user_errors()[0]("--emulated: name the emulated regions with --regions")
+        bb = Backbone(wan, keys if emulated else None, relay_factor)
+        edges = bb.edges if keys is None or emulated else bb.edges_between(keys)
     except _user_errors() as exc:
         _fail(str(exc))
+    via = sorted({r for a, b, _ in edges for r in (a, b)} - set(keys or []))
     if as_json:
-        out.print_json(json.dumps([{"a": a, "b": b, "rtt_ms": r} for a, b, r in bb.edges]))
+        out.print_json(json.dumps({"backbone": "emulated" if emulated else "study", "relay_factor": relay_factor,
+                                   "backbone_regions": len(bb.nodes), "backbone_links": len(bb.edges),
+                                   "regions": keys, "relays": via,
+                                   "edges": [{"a": a, "b": b, "rtt_ms": r} for a, b, r in edges]}))
         return
-    console.print(f"{len(bb.nodes)} regions, {len(bb.edges)} backbone links (of {len(bb.nodes) * (len(bb.nodes) - 1) // 2} "
-                  f"pairs) at relay factor {relay_factor:g}")
-    for a, b, r in bb.edges[:40]:
+    n = len(bb.nodes)
+    what = "the emulated backbone" if emulated else "the study's backbone"
+    console.print(f"{what}: {len(bb.edges)} links over {n} regions (of {n * (n - 1) // 2} pairs), "
+                  f"relay factor {relay_factor:g}")
+    if keys is not None and not emulated:
+        console.print(f"traffic among the {len(keys)} listed regions crosses {len(edges)} of them"
+                      + (f", through {', '.join(via)}" if via else ""))
+    for a, b, r in edges[:40]:
         out.print(f"{a:>22} - {b:<22} {r:6.1f} ms")
-    if len(bb.edges) > 40:
-        out.print(f"... and {len(bb.edges) - 40} more (--json for all)")
-
+    if len(edges) > 40:
+        out.print(f"... and {len(edges) - 40} more (--json for all)")

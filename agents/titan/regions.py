@@ -6,7 +6,8 @@ over Azure's backbone, each region's tab group and time zone, Teams' bitrates an
 gives RTT(a,c) + RTT(c,b) <= ``relay_factor`` x RTT(a,b) (then the traffic would ride the
 relay anyway); traffic between two regions follows the backbone hop by hop, over the direct
 edge where one exists, else along the shortest-RTT path (the same rule the testbed's
-``Topology.next_hops`` routes by, so the emulator's packets take the paths planned here).
+``Topology.next_hops`` routes by, so the emulator's packets take the paths planned here);
+``Backbone.edges_between`` is the part of it a set of regions' traffic crosses.
 ``World`` is one problem instance: user regions, media-server DCs, and for every (user, DC)
 the WAN RTT (sum of the backbone edges' RTTs), the Internet RTT, whether the Internet path
 meets the quality targets, and the WAN links the traffic crosses in each direction.
@@ -247,6 +248,17 @@ class Backbone:
     def path_links(self, src: str, dst: str) -> list[int]:
         p = self.path(src, dst)
         return [self.link_index[(a, b)] for a, b in zip(p, p[1:])]
+
+    def edges_between(self, keys: list[str]) -> list[tuple[str, str, float]]:
+        """The backbone edges that traffic between any two of ``keys`` crosses (either way),
+        in ``edges`` order: the part of this backbone a set of regions routes over."""
+        used: set[frozenset[str]] = set()
+        for a in keys:
+            for b in keys:
+                if a != b:
+                    p = self.path(a, b)
+                    used.update(frozenset(hop) for hop in zip(p, p[1:]))
+        return [e for e in self.edges if frozenset(e[:2]) in used]
 
 
 @dataclass
