@@ -33,8 +33,9 @@ def run(tmp_path_factory):
     spec = load_spec(EmulationSpec, None, {
         "policies": list(BASELINES) + ["titan-next"],
         "day_seconds": 12.0,
-        "controller_seconds": 12.0,
-        "fault": {"user": "uksouth", "dc": "westeurope", "at_fraction": 0.5, "loss": 0.05},
+        "controller_seconds": 16.0,
+        "fault": {"user": "uksouth", "dc": "westeurope", "at_fraction": 0.4, "clear_at_fraction": 0.65,
+                  "loss": 0.05},
     })
     out = tmp_path_factory.mktemp("titan-emu")
     t0 = time.monotonic()
@@ -157,3 +158,19 @@ def test_scapy_sees_only_internet_marked_packets_at_the_hub(tmp_path, caps):
     seen = ast.literal_eval(out.strip().splitlines()[-1]) if out.strip() else []
     assert seen == [("0b", INTERNET_TOS)], (out, err)
     assert HUB_NS.startswith("gtb")
+
+
+@pytest.mark.slow  # the module's emulated day, ~90 s
+def test_a_path_whose_fault_clears_is_used_again_within_the_recovery_bound(run):
+    """After the fault clears, the controller raises the path again once it has measured
+    ``recover_windows`` good windows (3): within that many windows plus one for the window the
+    clearing falls in and one for the measurement's report."""
+    ctl = run["controller"]
+    cleared, path, window = ctl["fault_cleared_at_s"], ctl["fault_path"], ctl["window_s"]
+    assert cleared is not None and cleared > ctl["fault_at_s"]
+    rows = [r for r in ctl["timeline"] if r["path"] == path]
+    assert any(r["fraction"] == 0.0 for r in rows if ctl["fault_at_s"] <= r["t"] < cleared), "not backed off"
+    again = next((r["t"] for r in rows if r["t"] >= cleared and r["fraction"] > 0), None)
+    assert again is not None, [(round(r["t"], 2), r["verdict"], r["fraction"]) for r in rows]
+    assert again - cleared <= (3 + 2) * window, (again - cleared, window)
+

@@ -471,7 +471,10 @@ class Emulation:
         order = np.argsort(calls.start_s, kind="stable")
         counters: dict[tuple[str, str], list[int]] = {}
         fault_at = t0 + seconds * fault.at_fraction if fault is not None else None
-        fault_done = False
+        clear_at = t0 + seconds * fault.clear_at_fraction if fault is not None and fault.clear_at_fraction else None
+        fault_done = cleared = False
+        lane = self.paths.lanes[(fault.user, fault.dc)] if fault is not None else None
+        before = (lane.delay_ms, lane.jitter_ms, lane.loss) if lane is not None else None
         next_window = t0 + window_s
         timeline = []
         routes = np.zeros(len(calls), dtype=np.int64)
@@ -517,11 +520,15 @@ class Emulation:
                         self._sid += 2
                 self._send_streams(streams)
             if fault_at is not None and not fault_done and now >= fault_at:
-                lane = self.paths.lanes[(fault.user, fault.dc)]
-                self.paths.set_internet(fault.user, fault.dc, loss=fault.loss,
-                                      delay_ms=lane.delay_ms + fault.extra_delay_ms)
+                self.paths.set_internet(fault.user, fault.dc, loss=fault.loss, delay_ms=before[0] + fault.extra_delay_ms,
+                                        jitter_ms=before[1] + fault.extra_jitter_ms)
                 fault_done = True
-                self.log(f"fault injected on {fault.user}<->{fault.dc}: loss {fault.loss}")
+                self.log(f"fault injected on {fault.user}<->{fault.dc}: loss {fault.loss}, "
+                         f"+{fault.extra_delay_ms:g} ms delay, +{fault.extra_jitter_ms:g} ms jitter")
+            if clear_at is not None and fault_done and not cleared and now >= clear_at:
+                self.paths.set_internet(fault.user, fault.dc, delay_ms=before[0], jitter_ms=before[1], loss=before[2])
+                cleared = True
+                self.log(f"fault cleared on {fault.user}<->{fault.dc}")
             if now >= next_window:
                 stats = {}
                 for c in self.agents.values():
@@ -537,11 +544,10 @@ class Emulation:
                 next_window += window_s
             time.sleep(0.005)
         time.sleep(0.5)
-        if fault_done:  # leave the path as it was
-            lane = self.paths.lanes[(fault.user, fault.dc)]
-            self.paths.set_internet(fault.user, fault.dc, loss=prep.spec.internet_loss,
-                                  delay_ms=lane.delay_ms - fault.extra_delay_ms)
+        if fault_done and not cleared:  # leave the path as it was
+            self.paths.set_internet(fault.user, fault.dc, delay_ms=before[0], jitter_ms=before[1], loss=before[2])
         return {"timeline": timeline, "fault_at_s": (fault_at - t0) if fault_at else None,
+                "fault_cleared_at_s": (clear_at - t0) if cleared else None,
                 "fault_path": f"{fault.user}->{fault.dc}" if fault else None,
                 "internet_share_calls": float((routes == INTERNET).mean()) if len(routes) else 0.0,
                 "max_backoff_steps": controller.max_backoff_steps, "window_s": window_s}

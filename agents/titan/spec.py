@@ -129,8 +129,18 @@ class FaultSpec(_Strict):
     user: str
     dc: str
     at_fraction: float = Field(0.4, gt=0, lt=1, description="when, as a fraction of the run")
+    clear_at_fraction: float | None = Field(None, gt=0, lt=1, description="when the path is as it was again "
+                                            "(none: the fault lasts the run)")
     loss: float = Field(0.05, ge=0, lt=1)
     extra_delay_ms: float = Field(0.0, ge=0)
+    extra_jitter_ms: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _clears_after_it_starts(self):
+        if self.clear_at_fraction is not None and self.clear_at_fraction <= self.at_fraction:
+            raise ValueError(f"clear_at_fraction {self.clear_at_fraction:g} must be after at_fraction "
+                             f"{self.at_fraction:g}")
+        return self
 
 
 class EmulationSpec(_CapMixin, _Strict):
