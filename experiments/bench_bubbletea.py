@@ -13,7 +13,7 @@ Sweeps, each around the default (1x delay, rate x20, 2 pipelines):
 
 * ``delay``: every WAN delay of aws-us3 scaled by 0.5, 1, 2 (bubbles grow with delay), Atlas
   off (fair sharing) and on (temporal sharing);
-* ``rate``: the trace's arrivals x5, x10, x20, x40, x80 (Atlas off);
+* ``rate``: the trace's arrivals x1, x5, x20, x80, x400 (Atlas off): its own rate to saturation;
 * ``pipelines``: 1, 2, 4 data-parallel pipelines (each DC gets a host per pipeline and one
   for its decode worker), Atlas off and on.
 
@@ -41,7 +41,8 @@ from testbed.spec.topology import read_yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT = {"delay": 1.0, "rate": 20.0, "pipelines": 2}
-SWEEPS = {"delay": [0.5, 1.0, 2.0], "rate": [5.0, 10.0, 20.0, 40.0, 80.0], "pipelines": [1, 2, 4]}
+# rate: from the trace's own arrivals (x1) to saturation (x400: most of the load is rejected)
+SWEEPS = {"delay": [0.5, 1.0, 2.0], "rate": [1.0, 5.0, 20.0, 80.0, 400.0], "pipelines": [1, 2, 4]}
 ATLAS = {"delay": ("fair", "temporal"), "rate": ("fair",), "pipelines": ("fair", "temporal")}
 COLUMNS = ("sweep", "value", "atlas", "iteration_off_s", "iteration_on_s", "slowdown", "utilization_off",
            "utilization_on", "goodput_within_slo", "goodput_rps", "offered_rps", "ttft_p50_s", "ttft_p99_s",
@@ -117,7 +118,7 @@ def rows(measured: list[dict], sweeps: list[str]) -> list[dict]:
                 "utilization_on": r["utilization_on"],
                 **{k: (round(mean(k), 4) if mean(k) is not None else None)
                    for k in ("goodput_within_slo", "goodput_rps", "offered_rps", "ttft_p50_s", "ttft_p99_s",
-                             "tbt_p50_s", "tbt_p99_s")},
+                             "tbt_p50_s", "tbt_p99_s", "bubble_time_filled")},
                 "arrived": sum(x["requests_arrived"] for x in on), "admitted": sum(x["requests_admitted"] for x in on),
                 "completed": sum(x["requests_completed"] for x in on),
                 "rejected": sum(x["requests_rejected"] for x in on),

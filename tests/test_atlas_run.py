@@ -30,9 +30,21 @@ def _exp(sharing: str, iterations: int = 7, plan: str = "telemetry", enforce: st
     }, "atlas")
 
 
+_FAIR: dict = {}
+
+
+def _fair_losses(tmp_path_factory) -> list:
+    """The fair-sharing run's losses, which both enforcements must reproduce: run once per
+    module (it is the same run for both)."""
+    if "losses" not in _FAIR:
+        fair = TrainingRun(_exp("fair"), tmp_path_factory.mktemp("fair") / "fair").run()
+        _FAIR["losses"] = [it["loss"] for it in fair["iterations"]]
+    return _FAIR["losses"]
+
+
 @pytest.mark.network(delay="tun")
-def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
-    fair = TrainingRun(_exp("fair"), tmp_path / "fair").run()
+def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path, tmp_path_factory):
+    fair_losses = _fair_losses(tmp_path_factory)
     # the fixed plan (rank order): two identical pipelines tie, and a telemetry plan's order
     # then follows the noise (its own tests below check that it follows the workload)
     run = TrainingRun(_exp("temporal", plan="fixed"), tmp_path / "temporal")
@@ -44,7 +56,7 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
 
     run.subscribe(watch)
     result = run.run()
-    assert [it["loss"] for it in result["iterations"]] == [it["loss"] for it in fair["iterations"]]
+    assert [it["loss"] for it in result["iterations"]] == fair_losses
     plans = run.extension("atlas").plans
     assert plans and plans[0]["order"] == ["r0", "r1"]
     assert plans[0]["transfer_s"] > 0  # enforced: the rank order staggers, no offsets
@@ -60,11 +72,11 @@ def test_atlas_plan_is_enforced_and_losses_do_not_change(tmp_path):
 
 
 @pytest.mark.network(delay="tun")
-def test_turns_at_the_senders_give_each_direction_to_one_pipeline_at_a_time(tmp_path):
+def test_turns_at_the_senders_give_each_direction_to_one_pipeline_at_a_time(tmp_path, tmp_path_factory):
     """``enforce: senders``: no scheduler in the delay line; every cross-DC message after the
     plan waits for its pipeline's turn from its DC's agent, the turns on a direction never
     overlap, and the losses are fair sharing's."""
-    fair = TrainingRun(_exp("fair"), tmp_path / "fair").run()
+    fair_losses = _fair_losses(tmp_path_factory)
     run = TrainingRun(_exp("temporal", plan="fixed", enforce="senders"), tmp_path / "senders")
     seen = {}
 
@@ -74,7 +86,7 @@ def test_turns_at_the_senders_give_each_direction_to_one_pipeline_at_a_time(tmp_
 
     run.subscribe(watch)
     result = run.run()
-    assert [it["loss"] for it in result["iterations"]] == [it["loss"] for it in fair["iterations"]]
+    assert [it["loss"] for it in result["iterations"]] == fair_losses
     assert "sched" in seen and seen["sched"] is None  # nothing of Atlas's in the network
     atlas = result["summary"]["atlas"]
     assert atlas["enforce"] == "senders" and set(atlas["turns"]) == {"dc1->dc2", "dc2->dc1"}
