@@ -2,7 +2,7 @@
 pipelines, Atlas off and on (prints figures; not a pass/fail test).
 
     .venv/bin/python experiments/bench_bubbletea.py [--device emulated|cpu] [--sweeps delay,rate,pipelines]
-                                                    [--pairs 1] [--out results/bench-bubbletea]
+                                                    [--pairs 1] [--out results/bench-bubbletea] [--replot]
 
 Every cell is measured back to back (``agents/bubbletea/backtoback.py``): the job with
 BubbleTea off, then on (every steady iteration served), ``--pairs`` times; the slowdown is
@@ -46,7 +46,8 @@ SWEEPS = {"delay": [0.5, 1.0, 2.0], "rate": [1.0, 5.0, 20.0, 80.0, 400.0], "pipe
 ATLAS = {"delay": ("fair", "temporal"), "rate": ("fair",), "pipelines": ("fair", "temporal")}
 COLUMNS = ("sweep", "value", "atlas", "iteration_off_s", "iteration_on_s", "slowdown", "utilization_off",
            "utilization_on", "goodput_within_slo", "goodput_rps", "offered_rps", "ttft_p50_s", "ttft_p99_s",
-           "tbt_p50_s", "tbt_p99_s", "arrived", "admitted", "completed", "rejected", "accounting_exact")
+           "tbt_p50_s", "tbt_p99_s", "bubble_time_filled", "arrived", "admitted", "completed", "rejected",
+           "accounting_exact")
 
 
 def _topology(tmp: Path, name: str, delay: float, hosts: int) -> Path:
@@ -133,7 +134,7 @@ def _plot(table: list[dict], sweeps: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, len(sweeps), figsize=(4.2 * len(sweeps), 9), squeeze=False)
+    fig, axes = plt.subplots(4, len(sweeps), figsize=(4.2 * len(sweeps), 12), squeeze=False)
     for col, sweep in enumerate(sweeps):
         for atlas, style in ((False, "-o"), (True, "--s")):
             sel = sorted((r for r in table if r["sweep"] == sweep and r["atlas"] == atlas), key=lambda r: r["value"])
@@ -145,18 +146,25 @@ def _plot(table: list[dict], sweeps: list[str], path: Path) -> None:
             axes[0][col].plot(x, [r["utilization_on"] for r in sel], style, color="#C44E52", label=f"on, {tag}")
             axes[1][col].plot(x, [100 * r["slowdown"] for r in sel], style, label=tag)
             axes[2][col].plot(x, [r["goodput_within_slo"] for r in sel], style, label=tag)
+            axes[3][col].plot(x, [r["ttft_p50_s"] for r in sel], style, color="#4C72B0", label=f"P50, {tag}")
+            axes[3][col].plot(x, [r["ttft_p99_s"] for r in sel], style, color="#DD8452", label=f"P99, {tag}")
+        if sweep == "rate":
+            for row in axes:
+                row[col].set_xscale("log")
+        axes[3][col].set_yscale("log")
         axes[0][col].set_ylim(0, 1)
         axes[0][col].axhline(0.9, color="#999999", linestyle=":")
         axes[1][col].axhline(1, color="#999999", linestyle=":")
         axes[1][col].axhline(-1, color="#999999", linestyle=":")
         axes[2][col].set_ylim(0, 1)
-        axes[2][col].set_xlabel({"delay": "WAN delay x", "rate": "arrival rate x (trace)",
+        axes[3][col].set_xlabel({"delay": "WAN delay x", "rate": "arrival rate x (trace)",
                                  "pipelines": "DP pipelines"}[sweep])
         for row in axes:
             row[col].legend(fontsize=7)
     axes[0][0].set_ylabel("device utilization")
     axes[1][0].set_ylabel("training slowdown, back to back (%)")
     axes[2][0].set_ylabel("goodput (fraction of arrivals in SLO)")
+    axes[3][0].set_ylabel("TTFT of completed requests (s)")
     fig.suptitle("BubbleTea on the default job")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -169,11 +177,15 @@ def main() -> int:
     ap.add_argument("--sweeps", default="delay,rate,pipelines")
     ap.add_argument("--pairs", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "results" / "bench-bubbletea"))
+    ap.add_argument("--replot", action="store_true", help="measure nothing: the table and plot again from OUT/results.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sweeps = args.sweeps.split(",")
-    measured = run(args.device, sweeps, out, args.pairs)
+    if args.replot:
+        measured = json.loads((out / "results.json").read_text())["cells"]
+    else:
+        measured = run(args.device, sweeps, out, args.pairs)
     table = rows(measured, sweeps)
     (out / "results.json").write_text(json.dumps({"cells": measured, "rows": table}, indent=1))
     with open(out / "results.csv", "w", newline="") as fh:
