@@ -99,6 +99,16 @@ def test_the_plan_follows_a_link_whose_rate_changes_under_the_run():
     assert after.transfer_s == pytest.approx(2 * before.transfer_s) and after.moved(before, 0.1)
 
 
+def _assert_a_capped_owner_leaves_the_rest(policy, link: Link) -> None:
+    """r0 (first in rank) capped at 0.4 of the link sends 100 kB; r1 sends 60 kB in what it leaves."""
+    sim = Simulator(policy)
+    done = {}
+    sim.transfer([link], 100_000, 4e5, lambda t: done.setdefault("r0", t), owner="r0")
+    sim.transfer([link], 60_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1")
+    sim.run()
+    assert done["r0"] == pytest.approx(0.25) and done["r1"] == pytest.approx(0.1)
+
+
 def test_priority_policy_gives_the_owner_the_whole_link_and_the_rest_what_it_leaves():
     sim = Simulator(PriorityPolicy(["r0", "r1"]))
     link = Link("a->b", bandwidth=1e6, delay=0.0)
@@ -108,12 +118,7 @@ def test_priority_policy_gives_the_owner_the_whole_link_and_the_rest_what_it_lea
     sim.run()
     assert done == {"r0": pytest.approx(0.1), "r1": pytest.approx(0.2)}  # fair: both at 0.2
     # work-conserving: an owner capped by its own ceiling leaves the rest to the others
-    sim = Simulator(PriorityPolicy(["r0", "r1"]))
-    done = {}
-    sim.transfer([link], 100_000, 4e5, lambda t: done.setdefault("r0", t), owner="r0")
-    sim.transfer([link], 60_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1")
-    sim.run()
-    assert done["r0"] == pytest.approx(0.25) and done["r1"] == pytest.approx(0.1)
+    _assert_a_capped_owner_leaves_the_rest(PriorityPolicy(["r0", "r1"]), link)
 
 
 def test_turn_policy_hands_a_link_on_per_message_in_rank_and_never_preempts():
@@ -128,12 +133,7 @@ def test_turn_policy_hands_a_link_on_per_message_in_rank_and_never_preempts():
     sim.at(0.06, lambda: sim.transfer([link], 100_000, float("inf"), lambda t: done.setdefault("r0", t), owner="r0"))
     sim.run()
     assert done == {"r2": pytest.approx(0.1), "r0": pytest.approx(0.2), "r1": pytest.approx(0.3)}
-    sim = Simulator(TurnPolicy(["r0", "r1"]))
-    done = {}
-    sim.transfer([link], 100_000, 4e5, lambda t: done.setdefault("r0", t), owner="r0")
-    sim.transfer([link], 60_000, float("inf"), lambda t: done.setdefault("r1", t), owner="r1")
-    sim.run()
-    assert done["r0"] == pytest.approx(0.25) and done["r1"] == pytest.approx(0.1)
+    _assert_a_capped_owner_leaves_the_rest(TurnPolicy(["r0", "r1"]), link)
 
 
 def test_turn_policy_gives_the_link_to_as_many_pipelines_as_it_takes_to_fill_it():
