@@ -218,8 +218,11 @@ def main() -> int:
                     "devices of their own (the host's share of the slowdown; device: emulated)")
     ap.add_argument("--time-dilation", type=float, help="k instead of the experiment's time_dilation "
                     "(device: emulated; figures in emulated seconds)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field of the experiment, as testbed run's --set "
+                         "(e.g. parallel.slow_start_after_idle=false)")
     args = ap.parse_args()
-    overrides = [] if args.time_dilation is None else [f"time_dilation={args.time_dilation:g}"]
+    overrides = list(args.set) + ([] if args.time_dilation is None else [f"time_dilation={args.time_dilation:g}"])
     exp = load_experiment(args.experiment, overrides)
     if args.rate_scale is not None:
         exp.bubbletea.rate_scale = args.rate_scale
