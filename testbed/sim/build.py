@@ -12,6 +12,10 @@ Two opt-in models of TCP sit between a message and its flow: ``sim.tcp_window_mo
 flow's ceiling as it grows) and ``sim.tail_loss`` (``_late_if_overflowing``: a message in
 flight while its bottleneck's FIFO overflows arrives one tail-loss probe late).  Neither
 changes the engine's sharing; both only change a flow's ceiling or a message's arrival.
+A third is on wherever a WAN path has random loss (``sim.loss_model``, default true:
+``loss_cap``): each connection is held to what CUBIC sustains under that loss and round trip
+(``testbed/net/tcpmodel.py``: RFC 9438's average window, Padhye's Reno rate with timeouts as
+its floor), so a channel of N connections to N times that, with the window's cap (the lower).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.extension import device_kind
+from testbed.net.tcpmodel import MSS, RTO_MIN_S, loss_limited_rate, path_loss
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
 from testbed.spec.experiment import Experiment
@@ -31,10 +36,8 @@ from testbed.spec.topology import default_queue_bytes
 from testbed.sim.engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
-PAYLOAD_FRACTION = 1448 / (1448 + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)
-MSS = 1448
+PAYLOAD_FRACTION = MSS / (MSS + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)
 INITIAL_WINDOW = 10 * MSS  # Linux's initial congestion window
-RTO_MIN_S = 0.2  # Linux: rto = srtt + max(4 rttvar, 200 ms)
 
 
 class TcpWindow:
@@ -223,6 +226,9 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
         rtt = topo.rtt_ms(a, b) / 1000.0
         queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
         window = exp.parallel.tcp_window_bytes or exp.sim.tcp_window_bytes
+        per_connection = loss_cap(exp, hops, rtt)  # what each connection sustains under the path's loss
+        rate = min(rate, n * per_connection)
+        window = min(window, _window_for(per_connection, rtt))
         windows: dict[tuple, TcpWindow] = {}  # per channel: what TCP's window costs (slow start, restarts)
         free = 0.0
         ordered = sorted(items)
@@ -264,12 +270,37 @@ def link_capacity(exp: Experiment) -> Callable[[Any], float]:
     return lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION
 
 
+def loss_cap(exp: Experiment, hops: list[str], rtt: float) -> float:
+    """One connection's most (payload bytes/s) over the path ``hops`` under its random loss:
+    ``tcpmodel.loss_limited_rate`` of the path's loss (its hops' drops, independent) and round
+    trip ``rtt``; the RTO's rttvar is half the jitter summed over the round trip (the delay
+    line's jitter is uniform, +-jitter_ms).  ``inf`` on a lossless path or with
+    ``sim.loss_model`` off.  The loss on the way back (ACKs) is left out: cumulative ACKs
+    make a lost ACK nearly free."""
+    if not exp.sim.loss_model:
+        return float("inf")
+    topo = exp.topo
+    pairs = list(zip(hops, hops[1:]))
+    p = path_loss(topo.direction(x, y).loss for x, y in pairs)
+    if p <= 0:
+        return float("inf")
+    jitter = sum(topo.direction(x, y).jitter_ms + topo.direction(y, x).jitter_ms for x, y in pairs) / 1000.0
+    return loss_limited_rate(p, rtt, MSS, rttvar_s=jitter / 2)
+
+
+def _window_for(rate: float, rtt: float) -> float:
+    """rate x rtt, the window that sustains ``rate``: unbounded for an unbounded rate (even at rtt 0)."""
+    return rate * rtt if rate < float("inf") else float("inf")
+
+
 def _flow_ceiling(exp: Experiment, hops: list[str], rtt: float) -> float:
-    """One channel's most over the path ``hops``: N connections x window / RTT, and (with
-    wan_link_gbps) N x the measured single-connection bandwidth of its slowest hop."""
+    """One channel's most over the path ``hops``: N connections x window / RTT, N x what one
+    connection sustains under the path's random loss (``loss_cap``), and (with wan_link_gbps)
+    N x the measured single-connection bandwidth of its slowest hop."""
     n = exp.parallel.connections
     window = exp.parallel.tcp_window_bytes or exp.sim.tcp_window_bytes
     ceiling = n * window / rtt if rtt > 0 else float("inf")
+    ceiling = min(ceiling, n * loss_cap(exp, hops, rtt))
     if exp.sim.wan_link_gbps:
         ceiling = min(ceiling, n * min(exp.topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8)
     return ceiling
@@ -362,7 +393,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             ceiling = _flow_ceiling(exp, hops, rtt)
             bottleneck = min(link.bandwidth for link in path) * share  # the link's whole rate (unfolded)
             queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
-            cap = min(window, (bottleneck * rtt + queue) / n_conn)
+            # the window model's cap per connection: the path's BDP + queue, and under random
+            # loss the window that sustains the loss-limited rate (slow start ends there)
+            cap = min(window, (bottleneck * rtt + queue) / n_conn, _window_for(loss_cap(exp, hops, rtt), rtt))
             routes[(a.name, b.name)] = (path, ceiling, rtt, cap)
 
     channels: dict[tuple[str, str], dict] = {}
