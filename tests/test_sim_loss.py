@@ -126,3 +126,54 @@ def test_loss_counts_in_whether_the_wan_can_contend(tmp_path):
 
     assert wan_can_contend(_two_dc_job(tmp_path, 0.01, 16))
     assert not wan_can_contend(_two_dc_job(tmp_path, 0.2, 16))
+
+
+def _report(loss: float, measured: float, expected: float | None, ratio: float = 0.5):
+    from testbed.net.fidelity import LinkReport
+
+    return LinkReport("a", "b", 262.0, 262.1, 0.1, None, 131.0, 131.1, 32.6, measured, ratio, 10.0, 0, loss,
+                      goodput_mbps_expected=expected)
+
+
+def test_fidelity_expects_the_response_function_on_a_lossy_direction():
+    """Sydney->London of aws-longhaul3 (32.6 Mbit/s, 262 ms) with 0.05% loss: one measuring
+    flow can expect CUBIC's 5.103 Mbit/s, well under the 31.17 Mbit/s payload rate; without loss
+    the expectation is the payload rate (the window clamp, 1.25 BDP, is above it)."""
+    from testbed.net.fidelity import expected_goodput_mbps, measuring_window
+    from testbed.spec.topology import Direction
+
+    lossy = Direction(delay_ms=131.0, rate_mbps=32.6, loss=0.0005)
+    clean = Direction(delay_ms=131.0, rate_mbps=32.6)
+    window = measuring_window(clean, 262.0)
+    assert expected_goodput_mbps(lossy, 262.0, window_bytes=window) == pytest.approx(5.103, abs=0.001)
+    assert expected_goodput_mbps(lossy, 262.0, streams=8) == pytest.approx(32.6 * PAYLOAD_FRACTION)
+    assert expected_goodput_mbps(clean, 262.0, window_bytes=window) == pytest.approx(32.6 * PAYLOAD_FRACTION)
+
+
+def test_a_lossy_directions_goodput_is_judged_against_the_expectation_only_when_asked():
+    from testbed.net.fidelity import goodput_under_loss_ok
+
+    assert goodput_under_loss_ok(5.5, 5.103) and goodput_under_loss_ok(4.7, 5.103)
+    assert not goodput_under_loss_ok(5.7, 5.103) and not goodput_under_loss_ok(4.5, 5.103)
+    assert not goodput_under_loss_ok(5.0, None)
+    # the rate's 90-101% bar never applies to a lossy direction; the expectation only with judge_loss
+    far = _report(0.0005, 2.0, 5.103)
+    assert far.within_tolerance() and not far.within_tolerance(judge_loss=True)
+    assert far.to_dict(judge_loss=True)["ok"] is False
+    near = _report(0.0005, 5.0, 5.103)
+    assert near.within_tolerance(judge_loss=True)
+    # a lossless direction is judged as before, judge_loss or not
+    assert not _report(0.0, 16.0, 31.17, ratio=0.49).within_tolerance(judge_loss=True)
+    assert _report(0.0, 31.17, 31.17, ratio=0.956).within_tolerance(judge_loss=True)
+
+
+def test_a_lossy_flow_is_measured_for_twenty_loss_epochs_when_judged():
+    """At 0.05% and 5.103 Mbit/s a loss comes every 1448 x 8 / 5.103e6 / 0.0005 = 4.54 s:
+    20 epochs, 90.8 s; at 1% and a fast flow the round trips bound it; 120 s at most."""
+    from testbed.net.fidelity import steady_state_seconds
+
+    assert steady_state_seconds(262.0, 3.0) == steady_state_seconds(262.0, 3.0, 0.0005)  # not judged: as before
+    omit, measure = steady_state_seconds(262.0, 3.0, 0.0005, 5.103)
+    assert omit == pytest.approx(12 * 0.262) and measure == pytest.approx(20 * 1448 * 8 / 5.103e6 / 0.0005)
+    assert steady_state_seconds(262.0, 3.0, 0.01, 100.0)[1] == pytest.approx(20 * 0.262)
+    assert steady_state_seconds(262.0, 3.0, 0.00001, 5.0)[1] == 120.0

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 
 MSS = 1448  # payload bytes per segment (1500-byte MTU, TCP timestamps)
+PAYLOAD_FRACTION = MSS / (MSS + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)
 RTO_MIN_S = 0.2  # Linux: rto = srtt + max(4 rttvar, 200 ms)
 CUBIC_C = 0.4  # Linux's, RFC 9438's
 CUBIC_BETA = 0.7

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.extension import device_kind
-from testbed.net.tcpmodel import MSS, RTO_MIN_S, loss_limited_rate, path_loss
+from testbed.net.tcpmodel import MSS, PAYLOAD_FRACTION, RTO_MIN_S, loss_limited_rate, path_loss
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
 from testbed.spec.experiment import Experiment
@@ -36,7 +36,6 @@ from testbed.spec.topology import default_queue_bytes
 from testbed.sim.engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
-PAYLOAD_FRACTION = MSS / (MSS + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)
 INITIAL_WINDOW = 10 * MSS  # Linux's initial congestion window
 
 
