@@ -337,13 +337,24 @@ def sim(
     if as_json:
         out.print_json(json.dumps(rows[0] if not sweep else rows))
         return
-    keys = [k for k in rows[0] if k not in ("busy_fraction_per_worker",)]
+    keys = [k for k in rows[0] if k not in ("busy_fraction_per_worker", "model")]
     table = Table(title=f"simulated: {experiment}")
     for k in keys:
         table.add_column(k, justify="right")
     for r in rows:
         table.add_row(*[f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys])
     out.print(table)
+    # which parts of the model ran, and a warning per part whose validated range the run leaves
+    parts = list(dict.fromkeys(p["part"] for r in rows for p in r["model"]["parts"]))
+    out.print("model: " + (", ".join(parts) if parts else "no WAN transfer"), highlight=False)
+    warned: dict[str, list[str]] = {}
+    for r in rows:
+        point = ", ".join(f"{k}={r[k]}" for k in (sweep and [s.partition("=")[0] for s in sweep] or []))
+        for w in r["model"]["warnings"]:
+            warned.setdefault(w, []).append(point)
+    for w, points in warned.items():
+        where = f" (at {'; '.join(points)})" if sweep and len(points) < len(rows) else ""
+        out.print(f"[yellow]{w}[/]{where}", highlight=False)
 
 
 @app.command()

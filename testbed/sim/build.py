@@ -33,6 +33,7 @@ from testbed.spec import schedules as sch
 from testbed.spec.experiment import Experiment
 from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
+from testbed.sim import validity
 from testbed.sim.engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
@@ -259,6 +260,7 @@ class SimResult(RunRecord):
     links: dict = field(default_factory=dict)
     events_processed: int = 0
     folded: int = 1
+    model: dict = field(default_factory=dict)  # the parts of the model used, and their validated ranges
 
 
 def link_capacity(exp: Experiment) -> Callable[[Any], float]:
@@ -543,7 +545,33 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
     # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
     ran = exp if n_it == exp.training.iterations else exp.with_iterations(n_it)
-    return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share)
+    model = model_parts(exp, act_bytes, sim.policy, tcp, overhead)
+    return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share,
+                     model=model)
+
+
+def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tcp: bool, overhead: float) -> dict:
+    """Which parts of the model a run of ``exp`` uses, each with the run's figures and its
+    validated range (``validity.report``): the fluid sharing (fair, or the policy given) where a
+    pipeline boundary crosses a WAN, the TCP models switched on, the loss model where a crossed
+    path drops packets, the per-message latency where there is one, the WAN all-reduce where a
+    stage spans DCs."""
+    boundary = validity.run_figures(exp, message_bytes, link_capacity(exp))
+    parts: dict[str, validity.RunFigures] = {}
+    if boundary.rtt_ms is not None:
+        parts["fluid max-min sharing" if type(policy) is SharingPolicy else f"sharing policy {policy.name}"] = boundary
+        if tcp:
+            parts["tcp_window_model"] = boundary
+        if exp.sim.tail_loss:
+            parts["tail_loss"] = boundary
+        if exp.sim.loss_model and boundary.loss and boundary.loss[1] > 0:
+            parts["loss_model"] = boundary
+        if overhead > 0:
+            parts["message_overhead"] = boundary
+    ring = validity.ring_figures(exp)
+    if ring.rtt_ms is not None:
+        parts["wan_allreduce"] = ring
+    return validity.report(parts)
 
 
 def wan_utilization(result: SimResult) -> float:
