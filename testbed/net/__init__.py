@@ -2,6 +2,7 @@
 traffic control on a link (``shaping``), the userspace delay line where the kernel has no
 netem (``delayline``), what the kernel offers (``kernel``), and the instruments that measure a
 built network against its spec (``fidelity`` with ``owd`` and ``goodput``; ``tcpwindow`` clamps
-a connection's window; ``sendturns`` hands a WAN direction to one sender at a time).  ``surface`` writes down what a built network offers runs and
+a connection's window; ``tcpmodel`` says what a TCP connection sustains under random loss, for
+fidelity and the simulator; ``sendturns`` hands a WAN direction to one sender at a time).  ``surface`` writes down what a built network offers runs and
 instruments, on one machine or several (``NetworkSurface``).  It knows topologies
 (``testbed.spec``), never runs or workloads."""

@@ -19,6 +19,14 @@ window is clamped by its receiver a little above the link's bandwidth-delay prod
 (``measuring_window`` says why, ``goodput.py`` how), so it fills the link without
 overflowing its queue.  Tolerances
 (``within_tolerance``): RTT within max(0.5 ms, 2%), goodput 90-101% of the rate.
+
+A lossy direction (random ``loss``) also reports the goodput its one measuring flow can expect
+(``expected_goodput_mbps``: the payload rate, the flow's window over the round trip, and what
+one CUBIC connection sustains under that loss and round trip, ``tcpmodel.loss_limited_rate``,
+whichever is least).  Its goodput is not judged against the rate; with ``judge_loss`` it is
+judged against that expectation, within 10% (``goodput_under_loss_ok``), and measured for at
+least 20 loss epochs (``steady_state_seconds``), since a CUBIC flow's rate is an average over
+the cycles between its losses.
 """
 
 from __future__ import annotations
@@ -32,12 +40,16 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from testbed.net import tcpmodel
 from testbed.net.surface import HostInfo, NetworkError, NetworkSurface
 from testbed.spec.topology import Direction, default_queue_bytes
 
 RTT_TOLERANCE_MS = 0.5
 RTT_TOLERANCE_FRAC = 0.02
 GOODPUT_RANGE = (0.90, 1.01)
+LOSS_GOODPUT_TOLERANCE = 0.10  # judge_loss: a lossy direction's goodput within 10% of what TCP can expect
+LOSS_EPOCHS = 20  # judge_loss: measure a lossy direction for at least this many loss epochs ...
+LOSS_MEASURE_MAX_S = 120.0  # ... or this long (seconds on the wire), whichever is shorter
 _PING_RTT = re.compile(r"time=([0-9.]+) ms")
 _IPERF_PORT = 5201
 _INTERVAL_S = 0.5
@@ -67,18 +79,51 @@ class LinkReport:
     loss_configured: float
     window_bytes: int | None = None  # the goodput flow's window clamp (``measuring_window``)
     time_dilation: float = 1.0  # k: every figure above is in emulated terms (wall-clock times / k, rates x k)
+    # what the measuring flow can expect under the direction's loss (``expected_goodput_mbps``;
+    # without loss, the payload rate) and what one connection sustains under it (None: no loss)
+    goodput_mbps_expected: float | None = None
+    loss_cap_mbps_per_connection: float | None = None
 
-    def to_dict(self, min_goodput: float = GOODPUT_RANGE[0]) -> dict:
+    def to_dict(self, min_goodput: float = GOODPUT_RANGE[0], judge_loss: bool = False) -> dict:
         """Its fields, and ``ok``: within tolerance (``testbed fidelity`` exits 1 unless every one is)."""
-        return asdict(self) | {"ok": self.within_tolerance(min_goodput)}
+        return asdict(self) | {"ok": self.within_tolerance(min_goodput, judge_loss)}
 
-    def within_tolerance(self, min_goodput: float = GOODPUT_RANGE[0]) -> bool:
+    def within_tolerance(self, min_goodput: float = GOODPUT_RANGE[0], judge_loss: bool = False) -> bool:
         """RTT within max(0.5 ms, 2%) of the configured round trip, goodput from ``min_goodput``
-        (90% unless asked for more) to 101% of the rate (a lossy link's goodput is what TCP
-        makes of the loss: not judged)."""
+        (90% unless asked for more) to 101% of the rate.  A lossy link's goodput is what TCP
+        makes of the loss: not judged, or (``judge_loss``) judged against what TCP can expect
+        there (``goodput_under_loss_ok``)."""
         rtt_ok = abs(self.rtt_error_ms) <= rtt_tolerance_ms(self.rtt_ms_configured)
-        rate_ok = self.loss_configured > 0 or min_goodput <= self.goodput_ratio <= GOODPUT_RANGE[1]
+        if self.loss_configured > 0:
+            rate_ok = not judge_loss or goodput_under_loss_ok(self.goodput_mbps_measured, self.goodput_mbps_expected)
+        else:
+            rate_ok = min_goodput <= self.goodput_ratio <= GOODPUT_RANGE[1]
         return rtt_ok and rate_ok
+
+
+def goodput_under_loss_ok(measured_mbps: float, expected_mbps: float | None,
+                          tolerance: float = LOSS_GOODPUT_TOLERANCE) -> bool:
+    """A lossy direction's goodput within ``tolerance`` (10%) of what its flow can expect
+    (``expected_goodput_mbps``), either way; no expectation, no verdict (not ok)."""
+    if expected_mbps is None or expected_mbps <= 0:
+        return False
+    return abs(measured_mbps / expected_mbps - 1.0) <= tolerance
+
+
+def expected_goodput_mbps(params: Direction, rtt_ms: float, back: Direction | None = None, streams: int = 1,
+                          window_bytes: int | None = None) -> float:
+    """The goodput (Mbit/s of payload) that ``streams`` bulk CUBIC flows can expect across the
+    direction ``params`` on a path of round trip ``rtt_ms``: the link's payload rate, the flows'
+    windows over the round trip and ``streams`` x what one connection sustains under the
+    direction's random loss (``tcpmodel.loss_limited_rate``: RFC 9438's CUBIC window, Padhye's
+    Reno rate with timeouts as its floor), whichever is least.  The RTO's rttvar is half the
+    jitter of the round trip (``back``: the reverse direction, for its jitter).  All in one
+    time base (emulated, under time dilation: the hosts' rto_min is dilated too)."""
+    rate = params.rate_mbps * 1e6 / 8 * tcpmodel.PAYLOAD_FRACTION
+    jitter_ms = params.jitter_ms + (back.jitter_ms if back is not None else params.jitter_ms)
+    got = tcpmodel.expected_goodput(rate, params.loss, rtt_ms / 1000.0, connections=streams,
+                                    window_bytes=window_bytes, rttvar_s=jitter_ms / 2000.0)
+    return got * 8 / 1e6
 
 
 def ping(src: HostInfo, dst_ip: str, count: int = 20, interval_s: float = 0.05) -> list[float]:
@@ -286,19 +331,31 @@ def configured_rtt_ms(net: NetworkSurface, src: str, dst: str) -> float:
     return net.topo.rtt_ms(src, dst)
 
 
-def steady_state_seconds(rtt_ms: float, seconds: float) -> tuple[float, float]:
+def steady_state_seconds(rtt_ms: float, seconds: float, loss: float = 0.0,
+                         expected_mbps: float | None = None) -> tuple[float, float]:
     """(omit, measure) for a goodput flow on a path of this round trip.  A flow clamped at
     1.25 BDP (``measuring_window``) never overshoots the queue, so it is in steady state once
     slow start has reached the clamp: about 8 round trips from 10 segments (measured: every
     half-second interval 0.956 from 2.0 s on at 262 ms, 7.6 round trips).  So 12 round trips
     (at least 1 s) are left out, then at least 20 measured.  (An unclamped cubic flow
-    overshoots a one-BDP queue in slow start and recovers for up to ~30 round trips.)"""
+    overshoots a one-BDP queue in slow start and recovers for up to ~30 round trips.)
+
+    Under random ``loss`` with the flow's ``expected_mbps`` given (``judge_loss``), at least
+    ``LOSS_EPOCHS`` loss epochs (the time between two losses, 1 / (loss x segments a second):
+    4.6 s at 0.05% and 5.1 Mbit/s) and at most ``LOSS_MEASURE_MAX_S``: a CUBIC flow's rate is
+    its average over those cycles, and one cycle's is not that average."""
     rtt = rtt_ms / 1000.0
-    return max(1.0, 12 * rtt), max(seconds, 20 * rtt)
+    omit, measure = max(1.0, 12 * rtt), max(seconds, 20 * rtt)
+    if loss > 0 and expected_mbps:
+        epoch = tcpmodel.MSS * 8 / (expected_mbps * 1e6) / loss
+        measure = max(measure, min(LOSS_EPOCHS * epoch, LOSS_MEASURE_MAX_S))
+    return omit, measure
 
 
 def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, pings: int = 20,
-                 rtt_ms: float | None = None) -> LinkReport:
+                 rtt_ms: float | None = None, judge_loss: bool = False) -> LinkReport:
+    """One direction's report; ``judge_loss``: a lossy direction is measured for long enough to
+    be judged against what TCP can expect under its loss (``steady_state_seconds``)."""
     a, b = net.host(src), net.host(dst)
     params = net.link(src, dst).params
     if rtt_ms is None:
@@ -309,8 +366,15 @@ def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, 
     conf = configured_rtt_ms(net, src, dst)
     owds = one_way_delays(net, a, b, count=20, interval_s=0.01)
     k = _dilation(net)  # the wire's figures are dilated; ``seconds`` are emulated
-    omit, measure = steady_state_seconds(conf, seconds * k)
     window = measuring_window(params, conf)
+    # what the flow can expect, in emulated terms (the wire's rate x k, its round trip and jitter / k)
+    emulated = params.model_copy(update={"rate_mbps": params.rate_mbps * k, "jitter_ms": params.jitter_ms / k})
+    back = net.topo.direction(dst, src)
+    back = back.model_copy(update={"jitter_ms": back.jitter_ms / k})
+    expected = expected_goodput_mbps(emulated, conf / k, back, streams=1, window_bytes=window)
+    per_connection = tcpmodel.loss_limited_rate(params.loss, conf / k / 1000.0,
+                                                rttvar_s=(emulated.jitter_ms + back.jitter_ms) / 2000.0)
+    omit, measure = steady_state_seconds(conf, seconds * k, params.loss if judge_loss else 0.0, expected / k)
     perf = steady_goodput(net, a, b, seconds=measure, omit_s=omit, clamp_bytes=window)
     source = net.topo.source_rtt_ms(src, dst)
     return LinkReport(
@@ -330,6 +394,8 @@ def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, 
         loss_configured=params.loss,
         window_bytes=window,
         time_dilation=k,
+        goodput_mbps_expected=round(expected, 3),
+        loss_cap_mbps_per_connection=None if params.loss <= 0 else round(per_connection * 8 / 1e6, 3),
     )
 
 
@@ -339,9 +405,9 @@ def _dilation(net: NetworkSurface) -> float:
 
 
 def measure_all(net: NetworkSurface, seconds: float = 3.0, pings: int = 20,
-                progress: Callable[[str], None] | None = None) -> list[LinkReport]:
+                progress: Callable[[str], None] | None = None, judge_loss: bool = False) -> list[LinkReport]:
     """Every WAN direction: min RTT of its link (one ping series per link), one-way delay and
-    steady-state goodput."""
+    steady-state goodput (``judge_loss``: see ``measure_link``)."""
     reports = []
     rtt_of_pair: dict[frozenset, float] = {}
     for wd in net.links():
@@ -353,7 +419,8 @@ def measure_all(net: NetworkSurface, seconds: float = 3.0, pings: int = 20,
             if not rtts:
                 raise NetworkError(f"{wd.src} -> {wd.dst}: no ping reply")
             rtt_of_pair[pair] = min(rtts)
-        reports.append(measure_link(net, wd.src, wd.dst, seconds=seconds, rtt_ms=rtt_of_pair[pair]))
+        reports.append(measure_link(net, wd.src, wd.dst, seconds=seconds, rtt_ms=rtt_of_pair[pair],
+                                    judge_loss=judge_loss))
     return reports
 
 

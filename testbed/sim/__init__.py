@@ -2,4 +2,6 @@
 simulated run into the same records a real run leaves (``testbed.results``); ``engine``
 plays them out (a discrete-event, fluid-network model); ``device`` says how long each op
 takes on a device that is not there (a real run's profile, fixed stage times or the FLOPs
-model: what emulated devices replay too); ``cli`` is ``testbed sim`` (one run or a sweep)."""
+model: what emulated devices replay too); ``validity`` holds, as data, where each part of
+the model was checked against the emulator and whether a run lies there; ``cli`` is
+``testbed sim`` (one run or a sweep)."""

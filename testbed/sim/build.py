@@ -12,6 +12,10 @@ Two opt-in models of TCP sit between a message and its flow: ``sim.tcp_window_mo
 flow's ceiling as it grows) and ``sim.tail_loss`` (``_late_if_overflowing``: a message in
 flight while its bottleneck's FIFO overflows arrives one tail-loss probe late).  Neither
 changes the engine's sharing; both only change a flow's ceiling or a message's arrival.
+A third is on wherever a WAN path has random loss (``sim.loss_model``, default true:
+``loss_cap``): each connection is held to what CUBIC sustains under that loss and round trip
+(``testbed/net/tcpmodel.py``: RFC 9438's average window, Padhye's Reno rate with timeouts as
+its floor), so a channel of N connections to N times that, with the window's cap (the lower).
 """
 
 from __future__ import annotations
@@ -23,18 +27,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.extension import device_kind
+from testbed.net.tcpmodel import MSS, PAYLOAD_FRACTION, RTO_MIN_S, loss_limited_rate, path_loss
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
 from testbed.spec.experiment import Experiment
 from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
+from testbed.sim import validity
 from testbed.sim.engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
-PAYLOAD_FRACTION = 1448 / (1448 + 52 + 14)  # MSS / (MSS + TCP/IP headers with timestamps + Ethernet)
-MSS = 1448
 INITIAL_WINDOW = 10 * MSS  # Linux's initial congestion window
-RTO_MIN_S = 0.2  # Linux: rto = srtt + max(4 rttvar, 200 ms)
 
 
 class TcpWindow:
@@ -223,6 +226,9 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
         rtt = topo.rtt_ms(a, b) / 1000.0
         queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
         window = exp.parallel.tcp_window_bytes or exp.sim.tcp_window_bytes
+        per_connection = loss_cap(exp, hops, rtt)  # what each connection sustains under the path's loss
+        rate = min(rate, n * per_connection)
+        window = min(window, _window_for(per_connection, rtt))
         windows: dict[tuple, TcpWindow] = {}  # per channel: what TCP's window costs (slow start, restarts)
         free = 0.0
         ordered = sorted(items)
@@ -254,6 +260,7 @@ class SimResult(RunRecord):
     links: dict = field(default_factory=dict)
     events_processed: int = 0
     folded: int = 1
+    model: dict = field(default_factory=dict)  # the parts of the model used, and their validated ranges
 
 
 def link_capacity(exp: Experiment) -> Callable[[Any], float]:
@@ -264,12 +271,37 @@ def link_capacity(exp: Experiment) -> Callable[[Any], float]:
     return lambda p: p.rate_mbps * 1e6 / 8 * PAYLOAD_FRACTION
 
 
+def loss_cap(exp: Experiment, hops: list[str], rtt: float) -> float:
+    """One connection's most (payload bytes/s) over the path ``hops`` under its random loss:
+    ``tcpmodel.loss_limited_rate`` of the path's loss (its hops' drops, independent) and round
+    trip ``rtt``; the RTO's rttvar is half the jitter summed over the round trip (the delay
+    line's jitter is uniform, +-jitter_ms).  ``inf`` on a lossless path or with
+    ``sim.loss_model`` off.  The loss on the way back (ACKs) is left out: cumulative ACKs
+    make a lost ACK nearly free."""
+    if not exp.sim.loss_model:
+        return float("inf")
+    topo = exp.topo
+    pairs = list(zip(hops, hops[1:]))
+    p = path_loss(topo.direction(x, y).loss for x, y in pairs)
+    if p <= 0:
+        return float("inf")
+    jitter = sum(topo.direction(x, y).jitter_ms + topo.direction(y, x).jitter_ms for x, y in pairs) / 1000.0
+    return loss_limited_rate(p, rtt, MSS, rttvar_s=jitter / 2)
+
+
+def _window_for(rate: float, rtt: float) -> float:
+    """rate x rtt, the window that sustains ``rate``: unbounded for an unbounded rate (even at rtt 0)."""
+    return rate * rtt if rate < float("inf") else float("inf")
+
+
 def _flow_ceiling(exp: Experiment, hops: list[str], rtt: float) -> float:
-    """One channel's most over the path ``hops``: N connections x window / RTT, and (with
-    wan_link_gbps) N x the measured single-connection bandwidth of its slowest hop."""
+    """One channel's most over the path ``hops``: N connections x window / RTT, N x what one
+    connection sustains under the path's random loss (``loss_cap``), and (with wan_link_gbps)
+    N x the measured single-connection bandwidth of its slowest hop."""
     n = exp.parallel.connections
     window = exp.parallel.tcp_window_bytes or exp.sim.tcp_window_bytes
     ceiling = n * window / rtt if rtt > 0 else float("inf")
+    ceiling = min(ceiling, n * loss_cap(exp, hops, rtt))
     if exp.sim.wan_link_gbps:
         ceiling = min(ceiling, n * min(exp.topo.direction(x, y).rate_mbps for x, y in zip(hops, hops[1:])) * 1e6 / 8)
     return ceiling
@@ -362,7 +394,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             ceiling = _flow_ceiling(exp, hops, rtt)
             bottleneck = min(link.bandwidth for link in path) * share  # the link's whole rate (unfolded)
             queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
-            cap = min(window, (bottleneck * rtt + queue) / n_conn)
+            # the window model's cap per connection: the path's BDP + queue, and under random
+            # loss the window that sustains the loss-limited rate (slow start ends there)
+            cap = min(window, (bottleneck * rtt + queue) / n_conn, _window_for(loss_cap(exp, hops, rtt), rtt))
             routes[(a.name, b.name)] = (path, ceiling, rtt, cap)
 
     channels: dict[tuple[str, str], dict] = {}
@@ -511,7 +545,33 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
     # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
     ran = exp if n_it == exp.training.iterations else exp.with_iterations(n_it)
-    return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share)
+    model = model_parts(exp, act_bytes, sim.policy, tcp, overhead)
+    return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share,
+                     model=model)
+
+
+def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tcp: bool, overhead: float) -> dict:
+    """Which parts of the model a run of ``exp`` uses, each with the run's figures and its
+    validated range (``validity.report``): the fluid sharing (fair, or the policy given) where a
+    pipeline boundary crosses a WAN, the TCP models switched on, the loss model where a crossed
+    path drops packets, the per-message latency where there is one, the WAN all-reduce where a
+    stage spans DCs."""
+    boundary = validity.run_figures(exp, message_bytes, link_capacity(exp))
+    parts: dict[str, validity.RunFigures] = {}
+    if boundary.rtt_ms is not None:
+        parts["fluid max-min sharing" if type(policy) is SharingPolicy else f"sharing policy {policy.name}"] = boundary
+        if tcp:
+            parts["tcp_window_model"] = boundary
+        if exp.sim.tail_loss:
+            parts["tail_loss"] = boundary
+        if exp.sim.loss_model and boundary.loss and boundary.loss[1] > 0:
+            parts["loss_model"] = boundary
+        if overhead > 0:
+            parts["message_overhead"] = boundary
+    ring = validity.ring_figures(exp)
+    if ring.rtt_ms is not None:
+        parts["wan_allreduce"] = ring
+    return validity.report(parts)
 
 
 def wan_utilization(result: SimResult) -> float:

@@ -4,7 +4,9 @@ How it fits: loads the experiment like ``testbed run``; optionally takes compute
 an emulator run's ``timeline.json``; applies each sweep point to a copy of the experiment
 (link delay/rate on every WAN direction, connections, replicas, microbatches, stages,
 schedule) and calls ``build.simulate``, with what the experiment's extensions add (their
-``simulate`` hook: ``--set atlas.sharing=temporal`` simulates Atlas's turns).
+``simulate`` hook: ``--set atlas.sharing=temporal`` simulates Atlas's turns).  Each row
+carries ``model``: the parts of the model the run used, their validated ranges and one
+warning per part the run lies outside (``validity.py``).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
                 "workers": len(result.workers),
                 "events": result.events_processed,
                 "sim_wall_s": round(wall, 3),
+                "model": result.model,  # the parts used, their validated ranges, a warning per part outside
             })
             rows.append(row)
             if out_dir is not None and not sweep:
@@ -121,9 +124,10 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
 def _write_sweep(rows: list[dict], out: Path, axes: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sweep.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        fields = [k for k in rows[0] if k != "model"]
+        writer = csv.DictWriter(fh, fieldnames=fields + ["model_warnings"], extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows([r | {"model_warnings": " | ".join(r["model"]["warnings"])} for r in rows])
     import matplotlib
 
     matplotlib.use("Agg")

@@ -143,6 +143,12 @@ class SimSpec(_Strict):
                            "(RFC 8985: 2 x the smoothed round trip, the full queue's delay included): lost last "
                            "segments get no duplicate ACKs; validated on one regime only, window-clamped senders "
                            "(docs/benchmarks.md)")
+    loss_model: bool = Field(
+        True, description="where a WAN path drops packets at random (a link's loss), hold each connection to what "
+                          "CUBIC sustains under that loss and round trip (RFC 9438's average window, Padhye et "
+                          "al.'s Reno rate with timeouts as its floor: testbed/net/tcpmodel.py), a channel to N "
+                          "times that; on by default (it is what TCP does), false for the loss-blind fluid model; "
+                          "a lossless path is unchanged either way; not yet validated on the emulator")
 
 
 class _CoreExperiment(_Strict):
