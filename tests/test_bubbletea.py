@@ -4,6 +4,7 @@ prefill-time profile, and the controller's accounting (every request completed o
 from __future__ import annotations
 
 from dataclasses import replace
+import json
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,46 @@ def test_controller_accounts_for_every_request():
     assert f["goodput_within_slo"] == pytest.approx(1 / f["requests_arrived"], abs=1e-4)  # over all arrivals
 
 
+def test_an_idle_server_outside_a_bubble_gets_the_next_waits_jobs_ahead():
+    """Between bubbles the controller sends an idle server the jobs for its worker's next wait,
+    with that wait's usable lengths (counted from its start, which the server reads off the
+    board) instead of deadlines; an unserved iteration's wait gets none, nor does a wait no
+    chunk fits in; jobs handed back untouched return to the queue and are counted."""
+    import time as _t
+
+    from agents.bubbletea.predictor import WorkerBubbles
+    from testbed.train.waitboard import wait_id
+
+    def setup(interleave=False, ahead=True, lengths=(0.05, 0.2)):
+        ctl = _controller({"s0r0": "decode-a"})
+        ctl.cfg.interleave, ctl.cfg.dispatch_ahead = interleave, ahead
+        w = ctl.bubbles["s0r0"] = WorkerBubbles()
+        w.history.extend([list(lengths), list(lengths)])
+        w.period = 0.7
+        w.on_wait(m.Wait(it=1, n=0, t=_t.monotonic() - 1.0))  # wait 0 of iteration 1: long over
+        ctl.tick(_t.monotonic() + 0.2)
+        return ctl, [x for _n, x in ctl.sent if isinstance(x, bt.Prefill)]
+
+    ctl, sent = setup()
+    assert len(sent) == 1
+    msg = sent[0]
+    assert msg.wait == wait_id(1, 1) and msg.deadlines == []
+    assert msg.lengths == [pytest.approx(0.2 - 0.02)] * 2  # each recent length, less max(1 ms, 10%)
+    assert msg.give_up == pytest.approx(_t.monotonic() + 0.2 + 0.7, abs=0.05)  # within an iteration
+    assert ctl.ahead["sent"] == 1 and ctl.servers["s0r0"]["busy"]
+    for i, job in enumerate(msg.jobs):  # the wait had passed: handed back untouched
+        ctl.on_report(bt.Progress(worker="s0r0", rid=job.rid, done=0, total=job.tokens, intervals=[],
+                                  last=i == len(msg.jobs) - 1))
+    assert ctl.ahead["handed_back"] == 1 and ctl.servers["s0r0"]["busy"] is None
+    assert all(job.rid in ctl.queue for job in msg.jobs)
+    ctl.bubbles["s0r0"].on_wait(m.Wait(it=1, n=1, t=_t.monotonic() - 1.0))  # the iteration's last wait, over
+    ctl.tick(_t.monotonic() + 0.25)
+    assert ctl.sent[-1][1].wait == wait_id(2, 0)  # the next iteration's first
+    assert setup(interleave=True)[1] == []  # iteration 1 is not served when interleaved (warm-up 1)
+    assert setup(ahead=False)[1] == []
+    assert setup(lengths=(0.05, 0.0015))[1] == []  # no chunk (1 ms) fits in 1.5 ms less its margin
+
+
 def test_training_waits_for_the_decode_workers_to_listen():
     """Ready (training may start) once every prefill server has profiled its model and every
     decode worker listens, or died: a cache shipped to a decode worker still loading its
@@ -277,10 +318,10 @@ def test_the_wait_board_shows_a_wait_to_another_process(tmp_path):
     import subprocess
     import sys
 
-    from testbed.train.waitboard import WaitBoard, wait_id
+    from testbed.train.waitboard import WaitBoard, create_board, wait_id
 
     path = tmp_path / "s0r0.board"
-    path.write_bytes(bytes(8))
+    create_board(path)
     board = WaitBoard(str(path))
     assert board.read() == 0
     board.show(wait_id(12, 3))
@@ -288,6 +329,58 @@ def test_the_wait_board_shows_a_wait_to_another_process(tmp_path):
                            f"print(WaitBoard({str(path)!r}).read())"], capture_output=True, text=True,
                           cwd=str(Path(__file__).resolve().parent.parent), check=True).stdout
     assert int(seen) == wait_id(12, 3) != wait_id(12, 2) != 0
+
+
+_AWAIT = """
+import json, sys, time
+from testbed.train.waitboard import WaitBoard
+board = WaitBoard(sys.argv[1])
+print("ready", flush=True)
+began = board.await_wait(int(sys.argv[2]), time.monotonic() + float(sys.argv[3]))
+print(json.dumps({"began": began, "woke": time.monotonic()}), flush=True)
+"""
+
+
+def _await_in_child(path, wait: int, patience_s: float):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _AWAIT, str(path), str(wait), str(patience_s)],
+                             stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parent.parent))
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_a_job_sent_ahead_starts_when_its_wait_begins_not_before_and_not_after_one_that_passed(tmp_path):
+    """The doorbell: a server blocked on the board for wait (4, 2) wakes as the worker shows
+    it, with the wait's own start, within milliseconds; an earlier wait does not wake it; a
+    later wait means its wait has passed; nothing shown means a timeout."""
+    import time
+
+    from testbed.train.waitboard import WaitBoard, create_board, wait_id
+
+    path = tmp_path / "s1r0.board"
+    create_board(path)
+    board = WaitBoard(str(path))
+    child = _await_in_child(path, wait_id(4, 2), 5.0)
+    board.show(wait_id(4, 1))  # the wait before: not the one the jobs are for
+    board.show(0)
+    time.sleep(0.3)
+    start = time.monotonic()
+    board.show(wait_id(4, 2), start)
+    got = json.loads(child.stdout.readline())
+    child.wait(5)
+    assert got["began"] == pytest.approx(start, abs=1e-6)
+    assert 0 <= got["woke"] - start < 0.05  # a wake-up, not a poll (measured here: about 0.2 ms)
+
+    board.show(0)  # begun and over already: passed
+    assert json.loads(_await_in_child(path, wait_id(4, 2), 5.0).stdout.readline())["began"] == "passed"
+    board.show(wait_id(4, 3))  # a later wait under way: passed
+    assert json.loads(_await_in_child(path, wait_id(4, 2), 5.0).stdout.readline())["began"] == "passed"
+    t0 = time.monotonic()
+    late = _await_in_child(path, wait_id(5, 0), 0.4)
+    assert json.loads(late.stdout.readline())["began"] == "timeout"
+    assert time.monotonic() - t0 >= 0.4
 
 
 def _free_port() -> int:

@@ -43,7 +43,8 @@ from typing import Callable
 SERVING = ("requests_arrived", "requests_admitted", "requests_completed", "requests_rejected",
            "requests_in_flight_after_run", "accounting_exact", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
            "tbt_p50_s", "tbt_p90_s", "tbt_p99_s", "tpot_mean_s", "goodput_within_slo", "goodput_rps",
-           "offered_rps", "bubble_time_filled", "bubble_time_filled_by_kind", "prefill_overruns", "prefill_share_of_device_time", "kv_bytes_mean",
+           "offered_rps", "bubble_time_filled", "bubble_time_filled_by_kind", "prefill_overruns", "prefill_start_after_wait",
+           "prefill_dispatched_ahead", "prefill_share_of_device_time", "kv_bytes_mean",
            "kv_transfer_mean_s")
 
 

@@ -113,6 +113,7 @@ class ControllerConfig:
     max_prompt_tokens: int
     workload: Workload
     max_jobs: int = 8  # requests one dispatch may carry
+    dispatch_ahead: bool = True  # jobs for a worker's next wait, sent before it begins
     drain_s: float = 3.0  # after training, prefills and decodes under way may finish this long
 
     def to_dict(self) -> dict:

@@ -11,7 +11,10 @@ request already part-prefilled there, then the freshest ones, as many as the bub
 are sent in one message with deadlines at the bubble's predicted ends less a margin (the
 shortest the wait lasted recently, then the longer ones); the server runs them in order,
 chunk by chunk, and stops between chunks at the first deadline, or at a later one while
-the worker's wait board shows the wait still on.  The same code
+the worker's wait board shows the wait still on.  An idle server whose worker is not in a
+bubble a chunk fits in gets the jobs for the worker's *next* wait ahead (``dispatch_ahead``),
+with the wait's usable lengths: it starts them when the board shows that wait begin, so a
+bubble does not wait for the round trip worker -> hub -> controller -> server.  The same code
 serves real devices and emulated ones (the servers differ, not the decisions).
 
 Accounting, each counted where it happens (``counts``): an *arrival* when the workload
@@ -77,6 +80,7 @@ class Controller:
         self.bubbles = {name: WorkerBubbles() for name in cfg.servers}
         self.prefill_intervals: dict[str, list] = {name: [] for name in cfg.servers}
         self.counts = dict.fromkeys(COUNTS, 0)
+        self.ahead = {"sent": 0, "handed_back": 0}  # dispatches sent ahead of their wait
         self.reasons: dict[str, int] = {}  # rejected, by reason (the text before its first colon)
         self.failures: list[dict] = []  # what failed, when, and how many requests it took
         self.t0: float | None = None
@@ -134,7 +138,10 @@ class Controller:
         if isinstance(msg, bt.Progress):
             name = msg.worker
             srv = self.servers[name]
+            srv["ran"] = srv.get("ran") or bool(msg.intervals)
             if msg.last:
+                if srv.pop("ahead", False) and not srv["ran"]:
+                    self.ahead["handed_back"] += 1  # its wait had passed, or did not come in time
                 srv["busy"] = None
             if msg.done == 0:
                 srv["sticky"].discard(rid)  # not started there: any server may take it
@@ -262,13 +269,16 @@ class Controller:
             it = self.iterations_done.get(name, 0)  # the iteration this worker is in
             if self.cfg.interleave and (it - self.cfg.warmup_iterations) % 2 == 0:
                 continue  # an unserved iteration: the same run measures training without prefills
-            ends = self.bubbles[name].ends(now, self.cfg.margin_s, self.cfg.margin_frac)
-            if not ends:
-                continue
-            room = ends[-1] - now  # jobs for the longest the wait has lasted; the server stops at ends[0]
-            if srv["profile"].seconds(self.cfg.chunk_tokens) > ends[0] - now:
-                continue  # not even one chunk fits before the predicted end
             chunk = self.cfg.chunk_tokens
+            ends = self.bubbles[name].ends(now, self.cfg.margin_s, self.cfg.margin_frac)
+            if ends and srv["profile"].seconds(chunk) <= ends[0] - now:
+                room = ends[-1] - now  # jobs for the longest the wait has lasted; the server stops at ends[0]
+                ahead = None
+            else:  # not in a bubble a chunk fits in: the jobs for the next one, sent ahead of it
+                ahead = self._ahead(name, srv) if self.cfg.dispatch_ahead else None
+                if ahead is None:
+                    continue
+                room = ahead[1][-1]
             mine = [rid for rid in srv["sticky"] if rid in self.queue]
             # under overload serve the freshest request (the stale ones reach the SLO and are
             # rejected): the requests served keep a short TTFT.  Lazily, and as many as the
@@ -297,12 +307,34 @@ class Controller:
                 r["status"] = "prefilling"
                 r["server"] = name
                 srv["sticky"].add(rid)
-            srv["busy"], srv["sent"] = jobs, now
-            wait = wait_id(*self.bubbles[name].current[:2])  # the server stops when this wait ends
-            self._send(name, bt.Prefill(deadlines=[round(e, 6) for e in ends], chunk=chunk, wait=wait,
-                                        decode=list(self.decoders[self.cfg.decode[name]]["addr"]),
-                                        jobs=[bt.Job(rid, self.state[rid]["prompt_tokens"],
-                                                     self.state[rid]["output_tokens"]) for rid in jobs]))
+            srv["busy"], srv["sent"], srv["ran"] = jobs, now, False
+            decode = list(self.decoders[self.cfg.decode[name]]["addr"])
+            job_list = [bt.Job(rid, self.state[rid]["prompt_tokens"], self.state[rid]["output_tokens"]) for rid in jobs]
+            if ahead is None:
+                wait = wait_id(*self.bubbles[name].current[:2])  # the server stops when this wait ends
+                self._send(name, bt.Prefill(deadlines=[round(e, 6) for e in ends], chunk=chunk, wait=wait,
+                                            decode=decode, jobs=job_list))
+            else:  # the server starts them when the board shows the wait begin, at most an iteration from now
+                self.ahead["sent"] += 1
+                srv["ahead"] = True
+                period = self.bubbles[name].period or 1.0
+                self._send(name, bt.Prefill(deadlines=[], chunk=chunk, wait=ahead[0], decode=decode, jobs=job_list,
+                                            lengths=[round(x, 6) for x in ahead[1]], give_up=round(now + period, 6)))
+
+    def _ahead(self, name: str, srv: dict) -> tuple[int, list[float]] | None:
+        """(wait id, usable lengths from its start) of the worker's next wait, if a chunk fits in
+        it and it is in an iteration that is served."""
+        bubbles = self.bubbles[name]
+        nxt = bubbles.next_wait()
+        if nxt is None:
+            return None
+        it, n = nxt
+        if self.cfg.interleave and (it - self.cfg.warmup_iterations) % 2 == 0:
+            return None
+        usable = bubbles.usable(n, self.cfg.margin_s, self.cfg.margin_frac)
+        if not usable or srv["profile"].seconds(self.cfg.chunk_tokens) > usable[0]:
+            return None
+        return wait_id(it, n), usable
 
     def stop_serving(self) -> None:
         """Training has ended: nothing more is dispatched; the servers ship what they have."""
@@ -334,7 +366,7 @@ class Controller:
         serving = (self.t_end or time.monotonic()) - self.t0 if self.t0 is not None else 0.0
         return {"requests": arrived, "prefill_intervals": self.prefill_intervals, "t0": self.t0,
                 "serving_s": round(serving, 6), "counts": dict(self.counts), "rejection_reasons": dict(self.reasons),
-                "failures": self.failures,
+                "failures": self.failures, "dispatched_ahead": dict(self.ahead),
                 "profiles": {n: [s["profile"].a, s["profile"].b] if s["profile"] else None
                              for n, s in self.servers.items()}}
 

@@ -188,6 +188,7 @@ class BubbleTeaExtension(RunExtension):
             warmup_iterations=exp.training.warmup_iterations, interleave=spec.interleave,
             slo_ttft_s=spec.slo_ttft_s * k, slo_tbt_s=None if spec.slo_tbt_s is None else spec.slo_tbt_s * k,
             margin_s=spec.margin_s * k, margin_frac=spec.margin_frac, chunk_tokens=spec.chunk_tokens,
+            dispatch_ahead=spec.dispatch_ahead,
             max_prompt_tokens=min(spec.max_prompt_tokens, spec.model.max_context),
             # the same requests, k times further apart (a trace's rate scale and a Poisson rate / k)
             workload=Workload(spec.source, spec.duration_s * k, spec.rate_scale / k, spec.token_scale,
@@ -418,6 +419,8 @@ def summarise(run: RunRecord, result: RunSummary, out_dir: Path) -> dict:
         "bubble_time_filled": round(filled, 4),
         "bubble_time_filled_by_kind": filled_by_kind,
         "prefill_overruns": _overruns(run, data),
+        "prefill_start_after_wait": _start_latency(run, data, served),
+        "prefill_dispatched_ahead": data.get("dispatched_ahead"),
     }
 
 
@@ -449,6 +452,21 @@ def _filled(run: RunRecord, data: dict, served: list[int]) -> tuple[float, dict[
     total = sum(bubble.values())
     by_kind = {k: round(filled[k] / v, 4) for k, v in sorted(bubble.items()) if v > 0}
     return (sum(filled.values()) / total if total else 0.0), by_kind
+
+
+def _start_latency(run: RunRecord, data: dict, served: list[int]) -> dict:
+    """How long after a wait for a peer began its first prefill chunk started (the waits of the
+    served iterations that got one): a round trip through the controller, or none when the
+    jobs were sent ahead and the server started them off the wait board."""
+    lag = []
+    for name, w in run.workers.items():
+        starts = sorted(s for s, *_ in data["prefill_intervals"].get(name, []))
+        for kind, mb, s, e, it in w.events:
+            if it in served and (kind == "allreduce" or (kind == "recv" and mb >= 0)):
+                i = bisect.bisect_left(starts, s)
+                if i < len(starts) and starts[i] < e:
+                    lag.append(1000 * (starts[i] - s))
+    return {"waits_with_prefill": len(lag), "p50_ms": _pct(lag, 0.5), "p90_ms": _pct(lag, 0.9)}
 
 
 def _overruns(run: RunRecord, data: dict) -> dict:

@@ -39,7 +39,10 @@ class Job(Record):
 @dataclass
 class Prefill(Message):
     """Run ``jobs`` in order, chunk by chunk, until ``deadlines[0]`` (or a later one while the
-    worker's wait board still shows ``wait``); ship each finished cache to ``decode`` (ip, port)."""
+    worker's wait board still shows ``wait``); ship each finished cache to ``decode`` (ip, port).
+    Sent *ahead* (``lengths`` instead of ``deadlines``): wait on the board for ``wait`` to begin
+    (until ``give_up``, monotonic), then run them with deadlines at its start + ``lengths``; a
+    wait that has passed, or a ``give_up`` reached, hands the jobs back untouched."""
 
     kind: ClassVar[str] = "bubbletea.prefill"
     deadlines: list[float]
@@ -47,6 +50,8 @@ class Prefill(Message):
     wait: int | None
     decode: list
     jobs: list[Job]
+    lengths: list[float] | None = None
+    give_up: float | None = None
 
 
 @dataclass

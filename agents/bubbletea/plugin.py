@@ -42,6 +42,9 @@ class BubbleTeaSpec(Section):
                                                         "5 ms CFS period: the quota a prefill used is gone)")
     margin_frac: float = Field(0.03, ge=0, lt=1, description="... or this fraction of the bubble, the larger")
     chunk_tokens: int = Field(32, ge=1, description="prefill chunk: the points where a prefill can stop")
+    dispatch_ahead: bool = Field(True, description="an idle server outside a bubble gets the jobs for its worker's "
+                                                   "next wait ahead, and starts them when the wait board shows it "
+                                                   "begin (no round trip through the controller per bubble)")
     interleave: bool = Field(True, description="serve every other steady iteration only: the same run "
                                                "measures training with and without prefills")
     decode_dc: str | None = Field(None, description="one decode worker, in this DC, for all prefills "

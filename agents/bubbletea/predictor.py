@@ -37,6 +37,7 @@ class WorkerBubbles:
     history: deque = field(default_factory=lambda: deque(maxlen=4))  # per iteration: [wait lengths]
     pending: list = field(default_factory=list)  # this iteration's intervals so far
     last_end: float | None = None  # when the latest complete iteration ended
+    period: float | None = None  # the latest complete iteration's length
     current: tuple | None = None  # (iteration, n, start) of the wait under way
 
     def add(self, msg: Events) -> None:
@@ -46,6 +47,8 @@ class WorkerBubbles:
                      if (ev.kind == "recv" and ev.mb >= 0) or ev.kind == "allreduce"]
             self.history.append(waits)
             self.pending = []
+            if self.last_end is not None:
+                self.period = msg.end - self.last_end
             self.last_end = msg.end
 
     def on_wait(self, msg: Wait) -> None:
@@ -63,6 +66,19 @@ class WorkerBubbles:
         lengths = [h[n] for h in self.history if len(h) > n]
         return sorted(lengths) if len(lengths) == len(self.history) else []
 
+    def next_wait(self) -> tuple[int, int] | None:
+        """(iteration, n) of the wait after the one announced last: the next in its iteration,
+        or the next iteration's first (the schedule fixes how many waits an iteration has)."""
+        if self.current is None or not self.history:
+            return None
+        it, n, _start = self.current
+        return (it, n + 1) if n + 1 < len(self.history[-1]) else (it + 1, 0)
+
+    def usable(self, n: int, margin_s: float, margin_frac: float) -> list[float]:
+        """The n-th wait's usable lengths from its start (each length it lasted recently, less
+        the margin), shortest first: what a job sent ahead of the wait may fill."""
+        return [x for x in (length - max(margin_s, margin_frac * length) for length in self.lengths(n)) if x > 0]
+
     def window(self, now: float, margin_s: float, margin_frac: float) -> tuple[float, float] | None:
         """(start, usable end) of the wait under way, if its predicted end is still ahead."""
         ends = self.ends(now, margin_s, margin_frac)
@@ -75,8 +91,7 @@ class WorkerBubbles:
         if self.current is None:
             return []
         _it, n, start = self.current
-        ends = [start + length - max(margin_s, margin_frac * length) for length in self.lengths(n)]
-        return [e for e in ends if e > now]
+        return [start + x for x in self.usable(n, margin_s, margin_frac) if start + x > now]
 
 
 class PrefillProfile:

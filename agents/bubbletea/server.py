@@ -7,7 +7,11 @@ the prompt chunk by chunk (a bubble's last chunk cut to what fits, down to a qua
 and stops at the first chunk boundary where the worker's wait board
 (``testbed/train/waitboard.py``) shows that the wait it was sent for is over, or where the
 next chunk would pass the deadline and the wait is not seen to outlast it (then the next
-deadline holds); the request's cache stays here and the next job for it continues.  When the prompt
+deadline holds); the request's cache stays here and the next job for it continues.  Jobs
+sent *ahead* of a wait (the server was idle outside a bubble) wait on the board's doorbell
+and start when the wait begins, their deadlines counted from its start: no round trip
+through the controller between the bubble's start and the first chunk; a wait already past,
+or not begun within an iteration, hands them back untouched.  When the prompt
 is done it ships the KV cache over TCP through the emulated network to its DC's decode
 worker (in the background, but only inside a bubble), and reports it prefilled once the
 decode worker has acknowledged the whole cache.
@@ -252,7 +256,18 @@ def run(cfg: ServerConfig) -> None:
                 bubble["drain"] = True
                 gate.notify_all()
             continue
-        deadlines = list(msg.deadlines)
+        if msg.lengths is not None:  # sent ahead: start when the wait does (the board's doorbell)
+            began = board.await_wait(msg.wait, msg.give_up, also=sock.fileno()) if board is not None else "timeout"
+            if isinstance(began, str):  # passed, not in time, or a message came: hand the jobs back
+                for i, job in enumerate(msg.jobs):
+                    state = states.get(job.rid)
+                    done, total = backend.progress(state) if state is not None else (0, job.tokens)
+                    tell(bt.Progress(worker=cfg.worker, rid=job.rid, done=done, total=total, intervals=[],
+                                     last=i == len(msg.jobs) - 1))
+                continue
+            deadlines = [began + x for x in msg.lengths]
+        else:
+            deadlines = list(msg.deadlines)
         deadline = deadlines.pop(0)
         with gate:
             bubble["deadline"] = deadline

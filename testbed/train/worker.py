@@ -85,6 +85,15 @@ class Compute(Protocol):
     def close(self) -> None: ...
 
 
+def _announce(tel: Telemetry, board: WaitBoard | None, it: int, n: int) -> int:
+    """A wait for a peer begins: say so (telemetry) and show it on the board, with one start."""
+    now = time.monotonic()
+    tel.send(m.Wait(it=it, n=n, t=now))
+    if board is not None:
+        board.show(wait_id(it, n), now)
+    return n + 1
+
+
 def run(cfg: WorkerConfig, compute_factory) -> None:
     me = cfg.worker
     stage, stages = me.stage, cfg.stages
@@ -174,10 +183,7 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
         for op in program:
             k, i = op.kind, op.mb
             if announce and k in (sch.RECV_ACT, sch.RECV_GRAD):
-                tel.send(m.Wait(it=it, n=waits, t=time.monotonic()))
-                if board is not None:
-                    board.show(wait_id(it, waits))
-                waits += 1
+                waits = _announce(tel, board, it, waits)
             if k == sch.RECV_ACT:
                 buf = _recv(act_in, prv.name, "activation", cfg.recv_timeout_s)
                 if board is not None:
@@ -206,10 +212,7 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
                 flush(it)
         if cfg.replicas > 1:
             if announce:  # the all-reduce waits for the stage's other replicas: a bubble too
-                tel.send(m.Wait(it=it, n=waits, t=time.monotonic()))
-                if board is not None:
-                    board.show(wait_id(it, waits))
-                waits += 1
+                waits = _announce(tel, board, it, waits)
             compute.allreduce()
             if board is not None:
                 board.show(0)
