@@ -346,7 +346,9 @@ def sim(
     out.print(table)
     # which parts of the model ran, and a warning per part whose validated range the run leaves
     parts = list(dict.fromkeys(p["part"] for r in rows for p in r["model"]["parts"]))
-    out.print("model: " + (", ".join(parts) if parts else "no WAN transfer"), highlight=False)
+    sharing = list(dict.fromkeys(r["model"].get("sharing", "fair") for r in rows))
+    out.print("model: " + (", ".join(parts) if parts else "no WAN transfer") + f" (sharing: {', '.join(sharing)})",
+              highlight=False)
     warned: dict[str, list[str]] = {}
     for r in rows:
         point = ", ".join(f"{k}={r[k]}" for k in (sweep and [s.partition("=")[0] for s in sweep] or []))

@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from testbed.sim.engine import Link, PriorityPolicy, SharingPolicy, Simulator
+from testbed.sim.engine import FifoBurstPolicy, Link, PriorityPolicy, SharingPolicy, Simulator
 
 
 class _PlainSimulator(Simulator):
@@ -63,7 +63,7 @@ class _PlainSimulator(Simulator):
 
 def _plain(policy: SharingPolicy) -> SharingPolicy:
     """The same policy for the plain engine: it rates whole groups (``allocate``)."""
-    plain = PriorityPolicy.__new__(PriorityPolicy) if isinstance(policy, PriorityPolicy) else SharingPolicy()
+    plain = PriorityPolicy.__new__(PriorityPolicy) if isinstance(policy, PriorityPolicy) else type(policy)()
     plain.__dict__.update(policy.__dict__)
     plain.ordered = False
     return plain
@@ -74,6 +74,7 @@ def _workload(engine: type[Simulator], policy: SharingPolicy, seed: int, reused:
     ``reused``: the links carried one earlier run first (of another simulator, whose clock
     went further than this one's will at first)."""
     rng = random.Random(seed)
+    bursts = random.Random(seed + 1000)  # which messages are sent whole (FifoBurstPolicy), drawn apart
     links = [Link(f"l{i}", bandwidth=rng.choice([1e6, 2e6, 5e6]), delay=rng.choice([0.0, 0.01])) for i in range(5)]
     if reused:
         earlier = engine(policy)
@@ -91,9 +92,10 @@ def _workload(engine: type[Simulator], policy: SharingPolicy, seed: int, reused:
         ceiling = rng.choice([float("inf"), float("inf"), 4e5, 1.5e6])
         owner = rng.choice(["r0", "r1", "r2", "r3", ""])
         grow = rng.random() < 0.3
+        burst = size <= 100_000 and bursts.random() < 0.8
 
-        def go(n=n, path=path, size=size, ceiling=ceiling, owner=owner, grow=grow):
-            flow = sim.transfer(path, size, ceiling, lambda t, n=n: done.append((n, t)), owner=owner)
+        def go(n=n, path=path, size=size, ceiling=ceiling, owner=owner, grow=grow, burst=burst):
+            flow = sim.transfer(path, size, ceiling, lambda t, n=n: done.append((n, t)), owner=owner, burst=burst)
             if grow:  # a window that grows while the message is under way
                 sim.at(sim.now + 0.05, lambda: sim.set_ceiling(flow, flow.ceiling * 2 + 1e5))
 
@@ -106,8 +108,8 @@ def _workload(engine: type[Simulator], policy: SharingPolicy, seed: int, reused:
 
 
 @pytest.mark.parametrize(("seed", "reused"), [(seed, False) for seed in range(12)] + [(12, True), (13, True)])
-@pytest.mark.parametrize("policy", [lambda: SharingPolicy(), lambda: PriorityPolicy(["r2", "r0", "r3", "r1"])],
-                         ids=["fair", "priority"])
+@pytest.mark.parametrize("policy", [lambda: SharingPolicy(), lambda: PriorityPolicy(["r2", "r0", "r3", "r1"]),
+                                    lambda: FifoBurstPolicy()], ids=["fair", "priority", "fifo-bursts"])
 def test_the_indexed_engine_gives_the_plain_engines_results_bit_for_bit(policy, seed, reused):
     done, counters, sim = _workload(Simulator, policy(), seed, reused)
     want, want_counters, plain = _workload(_PlainSimulator, _plain(policy()), seed, reused)

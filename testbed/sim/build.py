@@ -34,7 +34,7 @@ from testbed.spec.experiment import Experiment
 from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
 from testbed.sim import validity
-from testbed.sim.engine import Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
+from testbed.sim.engine import FifoBurstPolicy, Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
 INITIAL_WINDOW = 10 * MSS  # Linux's initial congestion window
@@ -332,26 +332,69 @@ def wan_can_contend(exp: Experiment) -> bool:
     return any(total > capacity(topo.direction(*pair)) * (1 + 1e-9) for pair, total in load.items())
 
 
+SHARING = {"fair": SharingPolicy, "fifo-bursts": FifoBurstPolicy}  # sim.sharing -> its policy
+
+
+def sharing_policy(exp: Experiment) -> SharingPolicy:
+    """The sharing policy ``sim.sharing`` names (a fresh one)."""
+    return SHARING[exp.sim.sharing]()
+
+
+def connection_window(exp: Experiment, hops: list[str], rtt: float) -> float:
+    """The most one connection over ``hops`` holds in flight: its window, held to its share of
+    the path's BDP + queue (past which a real flow loses packets and backs off) and under
+    random loss to the window that sustains the loss-limited rate (the window model's cap,
+    where slow start ends).  N connections x this is what a channel can send at once: a
+    message of at most that many bytes is a burst (``FifoBurstPolicy``)."""
+    topo = exp.topo
+    n = exp.parallel.connections
+    pairs = list(zip(hops, hops[1:]))
+    window = exp.parallel.tcp_window_bytes or exp.sim.tcp_window_bytes
+    bottleneck = min(link_capacity(exp)(topo.direction(x, y)) for x, y in pairs)
+    queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in pairs)
+    return min(window, (bottleneck * rtt + queue) / n, _window_for(loss_cap(exp, hops, rtt), rtt))
+
+
+def bursts_possible(exp: Experiment, message_bytes: float) -> bool:
+    """Whether some pipeline boundary's message fits its channel's windows (``connection_window``):
+    where none does, ``FifoBurstPolicy`` is fair sharing exactly."""
+    topo = exp.topo
+    dc = {(s.stage, s.replica): s.dc for s in exp.workers()}
+    for (stage, replica), here in dc.items():
+        there = dc.get((stage + 1, replica))
+        if there is None or there == here:
+            continue
+        for a, b in ((here, there), (there, here)):
+            hops = topo.path(a, b)
+            rtt = 2 * sum(topo.direction(x, y).delay_ms / 1000.0 for x, y in zip(hops, hops[1:]))
+            if message_bytes <= exp.parallel.connections * connection_window(exp, hops, rtt):
+                return True
+    return False
+
+
 def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: int | None = None,
              stage_times: list[StageTimes] | None = None, message_overhead_s: float | None = None,
              record: bool = True, fold_replicas: bool | None = None,
              start_offsets: dict[int, float] | None = None, seed: int | None = None,
              tcp: bool | None = None) -> SimResult:
-    """Simulate ``exp``.  ``fold_replicas`` (default: when D > 8 and sharing is fair)
-    simulates one pipeline with every WAN link's bandwidth divided by D: under fair sharing
-    identical replicas move in lockstep, so each sees exactly that share; the DP all-reduce
-    keeps the real D.  It makes paper-scale jobs (D in the hundreds) cost what one pipeline
+    """Simulate ``exp``.  ``policy``: how flows share a link (default: the one ``sim.sharing``
+    names).  ``fold_replicas`` (default: when D > 8 and sharing is fair, or fifo-bursts where
+    no message is a burst) simulates one pipeline with every WAN link's bandwidth divided by D:
+    under fair sharing identical replicas move in lockstep, so each sees exactly that share
+    (under FIFO they take turns, which folding cannot show); the DP all-reduce keeps the real D.  It makes paper-scale jobs (D in the hundreds) cost what one pipeline
     costs.  With drawn op times (profiled ``samples``) replicas are no longer identical and
     folding is an approximation: pass ``fold_replicas=False`` where D is small enough."""
     sim_spec = exp.sim
     topo = exp.topo
     n_it = iterations or exp.training.iterations
     tcp = sim_spec.tcp_window_model if tcp is None else tcp
-    sim = Simulator(policy)
+    sim = Simulator(policy if policy is not None else sharing_policy(exp))
     D = exp.parallel.replicas
+    act_bytes = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * sim_spec.dtype_bytes
     if fold_replicas is None:
-        fold_replicas = D > 8 and type(sim.policy) is SharingPolicy and not (
-            _profiled(exp) and exp.emulation.slowdown)
+        fair = type(sim.policy) is SharingPolicy or (type(sim.policy) is FifoBurstPolicy
+                                                     and not bursts_possible(exp, act_bytes))
+        fold_replicas = D > 8 and fair and not (_profiled(exp) and exp.emulation.slowdown)
     share = D if fold_replicas else 1
     capacity = link_capacity(exp)
     links = {(s, d): Link(f"{s}->{d}", capacity(p) / share, p.delay_ms / 1000.0) for s, d, p in topo.directions()}
@@ -377,7 +420,6 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                                {k: tuple(v * slow for v in vs) for k, vs in times.samples.items()})
         workers.append(Worker(slot.name, slot.stage, slot.replica, slot.dc, program, times))
     by_key = {(w.stage, w.replica): w for w in workers}
-    act_bytes = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * sim_spec.dtype_bytes
     intra = sim_spec.intra_dc_gbps * 1e9 / 8
     params = stage_params(exp)
     n_conn = exp.parallel.connections
@@ -392,14 +434,13 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             rtt = 2 * sum(link.delay for link in path)
             window = exp.parallel.tcp_window_bytes or sim_spec.tcp_window_bytes
             ceiling = _flow_ceiling(exp, hops, rtt)
-            bottleneck = min(link.bandwidth for link in path) * share  # the link's whole rate (unfolded)
-            queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in zip(hops, hops[1:]))
             # the window model's cap per connection: the path's BDP + queue, and under random
             # loss the window that sustains the loss-limited rate (slow start ends there)
-            cap = min(window, (bottleneck * rtt + queue) / n_conn, _window_for(loss_cap(exp, hops, rtt), rtt))
+            cap = connection_window(exp, hops, rtt)
             routes[(a.name, b.name)] = (path, ceiling, rtt, cap)
 
     channels: dict[tuple[str, str], dict] = {}
+    counts = {"burst": 0, "bulk": 0}  # WAN messages sent whole in a window, and larger ones
     in_flight: dict[int, float] = {}  # fid -> the bytes its channel's windows hold (sim.tail_loss)
     lossy: set[int] = set()  # fids in flight while their bottleneck overflowed (sim.tail_loss)
     routes_queue = {id(links[(s, d)]): default_queue_bytes(p, topo.rtt_ms(s, d)) for s, d, p in topo.directions()}
@@ -459,13 +500,19 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             channel = channels[(w.name, kind)] = {"busy": False, "queue": [], "window": TcpWindow(
                 rtt, n_conn, cap, exp.parallel.slow_start_after_idle)}
 
-        def go(channel=channel, path=path, ceiling=ceiling, arrived=arrived, owner=f"r{w.replica}", rtt=rtt):
+        whole = act_bytes <= n_conn * cap  # the channel's windows hold the message: a burst
+
+        def go(channel=channel, path=path, ceiling=ceiling, arrived=arrived, owner=f"r{w.replica}", rtt=rtt,
+               whole=whole):
             channel["busy"] = True
             win = channel["window"]
             if sim_spec.tail_loss:
                 arrived = _late_if_overflowing(path, rtt, n_conn * window, arrived)
             if not tcp:
-                flow = sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel))
+                # sent whole (FifoBurstPolicy serves it first-in first-out) if the channel's windows hold it
+                flow = sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel),
+                                    burst=whole)
+                counts["burst" if whole else "bulk"] += 1
                 if sim_spec.tail_loss and flow is not None:
                     arrived.started(flow)
                 return
@@ -481,8 +528,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                     return ceiling
                 return min(ceiling, win.rate())
 
+            burst = act_bytes <= win.n * win.cwnd  # the window as it is now holds all of it
+            counts["burst" if burst else "bulk"] += 1
             flow = sim.transfer(path, act_bytes, cap(act_bytes), arrived, owner=owner,
-                                on_sent=lambda t: left(channel))
+                                on_sent=lambda t: left(channel), burst=burst)
             channel["flow"] = flow
             if sim_spec.tail_loss and flow is not None:
                 arrived.started(flow)
@@ -545,21 +594,36 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
     # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
     ran = exp if n_it == exp.training.iterations else exp.with_iterations(n_it)
-    model = model_parts(exp, act_bytes, sim.policy, tcp, overhead)
+    if type(sim.policy) is FifoBurstPolicy:
+        note += (f"; sharing fifo-bursts: {counts['burst']} WAN message(s) served first-in first-out, "
+                 f"{counts['bulk']} shared max-min fairly")
+    model = model_parts(exp, act_bytes, sim.policy, tcp, overhead, counts)
     return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share,
                      model=model)
 
 
-def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tcp: bool, overhead: float) -> dict:
+def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tcp: bool, overhead: float,
+                messages: dict[str, int] | None = None) -> dict:
     """Which parts of the model a run of ``exp`` uses, each with the run's figures and its
-    validated range (``validity.report``): the fluid sharing (fair, or the policy given) where a
-    pipeline boundary crosses a WAN, the TCP models switched on, the loss model where a crossed
-    path drops packets, the per-message latency where there is one, the WAN all-reduce where a
-    stage spans DCs."""
+    validated range (``validity.report``, which also names the sharing model that ran): the
+    fluid sharing (fair, or the policy given; under fifo-bursts, FIFO for the messages sent
+    whole and fair sharing for the others, each where the run had such a message:
+    ``messages`` counts them, else ``bursts_possible`` says) where a pipeline boundary crosses
+    a WAN, the TCP models switched on, the loss model where a crossed path drops packets, the
+    per-message latency where there is one, the WAN all-reduce where a stage spans DCs."""
     boundary = validity.run_figures(exp, message_bytes, link_capacity(exp))
     parts: dict[str, validity.RunFigures] = {}
     if boundary.rtt_ms is not None:
-        parts["fluid max-min sharing" if type(policy) is SharingPolicy else f"sharing policy {policy.name}"] = boundary
+        if type(policy) is FifoBurstPolicy:
+            if messages is None:
+                bursts = bursts_possible(exp, message_bytes)
+                messages = {"burst": int(bursts), "bulk": int(not bursts)}
+            if messages["burst"]:
+                parts["fifo-bursts sharing"] = boundary
+            if messages["bulk"] or not messages["burst"]:
+                parts["fluid max-min sharing"] = boundary
+        else:
+            parts["fluid max-min sharing" if type(policy) is SharingPolicy else f"sharing policy {policy.name}"] = boundary
         if tcp:
             parts["tcp_window_model"] = boundary
         if exp.sim.tail_loss:
@@ -571,7 +635,7 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
     ring = validity.ring_figures(exp)
     if ring.rtt_ms is not None:
         parts["wan_allreduce"] = ring
-    return validity.report(parts)
+    return validity.report(parts, sharing=policy.name)
 
 
 def wan_utilization(result: SimResult) -> float:

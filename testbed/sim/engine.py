@@ -9,9 +9,11 @@ executes) and ``Link`` objects (bandwidth, one-way delay, per-connection TCP cei
 The network is a fluid model.  A transfer is a flow of ``size`` bytes on every link of its
 path; while flows share a link, a ``SharingPolicy`` (below) sets their rates, at
 most each flow's own ceiling (N connections x window / RTT).  The default policy is
-max-min fair sharing (TCP's long-run behaviour); Atlas's temporal sharing plugs in as
-another policy without touching the engine (``PriorityPolicy``: the gateway's strict
-priority; ``TurnPolicy``: turns taken at the senders, a whole message at a time).  A flow's last byte reaches the receiver one
+max-min fair sharing (TCP's long-run behaviour); ``FifoBurstPolicy`` serves a message sent
+whole in one window first-in first-out, ahead of the others, as a drop-tail FIFO serves a
+burst.  Atlas's temporal sharing plugs in as another policy without touching the engine
+(``PriorityPolicy``: the gateway's strict priority; ``TurnPolicy``: turns taken at the
+senders, a whole message at a time).  A flow's last byte reaches the receiver one
 propagation delay after it leaves.  Rates are recomputed only when a flow starts or ends
 (or its ceiling changes), for the flows on the changed links and one hop on.  Each link
 indexes its flows (the links they cross, those with a rate, and for an ordered policy such
@@ -68,6 +70,7 @@ class Flow:
     rate: float = 0.0
     version: int = 0
     updated: float = 0.0  # when `remaining` was last brought up to date (while it has a rate)
+    burst: bool = False  # its sender puts it in flight whole (size <= the channel's window): FifoBurstPolicy
 
 
 class SharingPolicy:
@@ -82,8 +85,16 @@ class SharingPolicy:
     ordered = False
 
     def allocate(self, flows: list[Flow], now: float) -> None:
-        # progressive filling over all links the flows touch, each flow capped by its ceiling
         remaining = {id(link): link.bandwidth for f in flows for link in f.links}
+        rate = self._max_min(flows, remaining)
+        for f in flows:
+            f.rate = rate[f.fid]
+
+    @staticmethod
+    def _max_min(flows: list[Flow], remaining: dict[int, float]) -> dict[int, float]:
+        """Progressive filling of ``flows`` over what ``remaining`` (id(link) -> bytes/s) says
+        their links have left, each flow capped by its ceiling; the rates by fid (``remaining``
+        is used up)."""
         unfixed = set(f.fid for f in flows)
         rate = {f.fid: 0.0 for f in flows}
         by_id = {f.fid: f for f in flows}
@@ -112,8 +123,53 @@ class SharingPolicy:
                 for link in by_id[fid].links:
                     remaining[id(link)] -= inc
                 unfixed.discard(fid)
-        for f in flows:
-            f.rate = rate[f.fid]
+        return rate
+
+
+class FifoBurstPolicy(SharingPolicy):
+    """Max-min fair sharing, except for bursts: a message its sender puts in flight whole (its
+    size at most its channel's connections x window, ``Flow.burst``, set by ``build.py``) is
+    served first-in first-out at its links, as a drop-tail FIFO queue serves bursts that
+    arrive whole.
+
+    The rule: on every link, the bursts in arrival (fid) order each take what they can (their
+    ceiling, at most what the earlier bursts left on each of their links); the flows that are
+    not bursts (messages larger than the channel's window, ACK-clocked) share what the bursts
+    leave, max-min fairly, as ``SharingPolicy`` does.  So N window-sized messages started
+    together on one link finish one after another (size/bw, 2 size/bw, ..) instead of all
+    together at N size/bw; where no message fits its window, this is fair sharing exactly.
+
+    Why bursts go ahead of bulk flows: a FIFO queue serves bytes in the order they arrived.
+    A burst arrives whole, at the senders' access rate (far above the WAN's), so it lands in
+    the queue in one piece and everything arriving while it drains waits behind it: a long
+    flow's packets come ACK-clocked at about its share, a few at a time, and those that arrive
+    during the burst's drain queue behind it, so while the burst drains the bulk flows' data
+    leaves the link at (nearly) nothing, and their share resumes after it.  What this leaves
+    out: the bulk flows' packets already queued ahead of the burst when it arrives (at most
+    the queue, a fraction of a round trip's delay), and overflow of the queue by the burst
+    (``sim.tail_loss`` models a late message where windows overflow it)."""
+
+    name = "fifo-bursts"
+
+    def allocate(self, flows: list[Flow], now: float) -> None:
+        remaining = {id(link): link.bandwidth for f in flows for link in f.links}
+        bulk = [f for f in flows if not f.burst]  # (in the group's order: with no burst, fair sharing to the bit)
+        for f in sorted((f for f in flows if f.burst), key=lambda f: f.fid):
+            rate = f.ceiling
+            for link in f.links:
+                left = remaining[id(link)]
+                if left < rate:
+                    rate = left
+            f.rate = rate if rate > 0.0 else 0.0
+            for link in f.links:
+                remaining[id(link)] -= f.rate
+        if bulk:
+            for key in remaining:  # (what the bursts left; never below nothing)
+                if remaining[key] < 0.0:
+                    remaining[key] = 0.0
+            rate = self._max_min(bulk, remaining)
+            for f in bulk:
+                f.rate = rate[f.fid]
 
 
 class PriorityPolicy(SharingPolicy):
@@ -280,17 +336,20 @@ class Simulator:
 
     # -- network --------------------------------------------------------------------
     def transfer(self, links: list[Link], size: float, ceiling: float, on_arrival: Callable[[float], None],
-                 owner: str = "", on_sent: Callable[[float], None] | None = None) -> Flow | None:
+                 owner: str = "", on_sent: Callable[[float], None] | None = None,
+                 burst: bool = False) -> Flow | None:
         """Send ``size`` bytes over ``links``; call ``on_arrival(time)`` when the last byte is in,
-        and ``on_sent(time)`` when it has left (one propagation delay earlier).  Returns the
-        flow (None when nothing crosses a link), whose ceiling ``set_ceiling`` may change."""
+        and ``on_sent(time)`` when it has left (one propagation delay earlier).  ``burst``: the
+        sender puts all of it in flight at once (a policy such as ``FifoBurstPolicy`` serves
+        it so).  Returns the flow (None when nothing crosses a link), whose ceiling
+        ``set_ceiling`` may change."""
         delay = sum(link.delay for link in links)
         if not links or size <= 0:
             if on_sent is not None:
                 on_sent(self.now)
             self.at(self.now + delay, lambda: on_arrival(self.now))
             return None
-        flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, updated=self.now)
+        flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, updated=self.now, burst=burst)
 
         def done(t: float) -> None:
             if on_sent is not None:

@@ -143,6 +143,13 @@ class SimSpec(_Strict):
                            "(RFC 8985: 2 x the smoothed round trip, the full queue's delay included): lost last "
                            "segments get no duplicate ACKs; validated on one regime only, window-clamped senders "
                            "(docs/benchmarks.md)")
+    sharing: Literal["fair", "fifo-bursts"] = Field(
+        "fair", description="how flows share a WAN link: fair = max-min fair among all flows (TCP's long-run "
+                            "sharing); fifo-bursts = a message its channel puts in flight whole (size <= "
+                            "connections x window, the window held to the path's BDP + queue) is served first-in "
+                            "first-out ahead of the other flows, as a drop-tail FIFO serves a burst, and larger "
+                            "messages share what is left max-min fairly (testbed/sim/engine.py FifoBurstPolicy; "
+                            "docs/benchmarks.md compares the two). Ignored where an extension gives the simulator a policy")
     loss_model: bool = Field(
         True, description="where a WAN path drops packets at random (a link's loss), hold each connection to what "
                           "CUBIC sustains under that loss and round trip (RFC 9438's average window, Padhye et "

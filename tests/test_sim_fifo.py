@@ -1,0 +1,129 @@
+"""Window-sized messages first-in first-out (``sim.sharing: fifo-bursts``, ``FifoBurstPolicy``):
+a message its sender puts in flight whole is served in arrival order at its bottleneck, as a
+drop-tail FIFO serves a burst; larger messages share what is left max-min fairly, and where no
+message fits its window the policy is fair sharing to the bit."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from testbed.results.metrics import summarise
+from testbed.sim.build import bursts_possible, simulate
+from testbed.sim.engine import FifoBurstPolicy, Link, SharingPolicy, Simulator
+from testbed.spec.experiment import parse_experiment
+
+BW = 1e6  # bytes/s
+DELAY = 0.01
+
+
+def _together(policy, sizes, bursts, starts=None):
+    """Transfers on one link, started at ``starts`` (default all at 0); each one's arrival."""
+    sim = Simulator(policy)
+    link = Link("a->b", BW, DELAY)
+    done: dict[int, float] = {}
+    for i, (size, burst) in enumerate(zip(sizes, bursts)):
+        at = 0.0 if starts is None else starts[i]
+        sim.at(at, lambda i=i, size=size, burst=burst: sim.transfer(
+            [link], size, float("inf"), lambda t, i=i: done.setdefault(i, t), burst=burst))
+    sim.run()
+    return [done[i] for i in range(len(sizes))]
+
+
+def test_window_sized_messages_started_together_leave_one_after_another():
+    size = 100_000  # 0.1 s alone
+    fifo = _together(FifoBurstPolicy(), [size] * 4, [True] * 4)
+    assert fifo == pytest.approx([DELAY + k * size / BW for k in (1, 2, 3, 4)])
+    # fair sharing: all four at once, when the last does
+    assert _together(SharingPolicy(), [size] * 4, [True] * 4) == pytest.approx([DELAY + 4 * size / BW] * 4)
+
+
+def test_bursts_are_served_in_arrival_order_not_size_order():
+    # a big burst first, a small one a moment later: the small one waits for the big one
+    fifo = _together(FifoBurstPolicy(), [300_000, 50_000], [True, True], starts=[0.0, 0.01])
+    assert fifo == pytest.approx([DELAY + 0.3, DELAY + 0.35])
+
+
+def test_a_large_message_beside_bursts_gets_what_they_leave():
+    """1 MB of bulk from 0; two 100 kB bursts arrive at 0.1 s: they drain at the link's rate
+    (0.2 s, 0.3 s), the bulk flow pauses behind them and ends 0.2 s late; fair sharing would
+    have given the bursts half the link each third (all three at 1/3)."""
+    done = _together(FifoBurstPolicy(), [1_000_000, 100_000, 100_000], [False, True, True], starts=[0.0, 0.1, 0.1])
+    assert done == pytest.approx([DELAY + 1.2, DELAY + 0.2, DELAY + 0.3])
+    fair = _together(SharingPolicy(), [1_000_000, 100_000, 100_000], [False, True, True], starts=[0.0, 0.1, 0.1])
+    assert fair == pytest.approx([DELAY + 1.2, DELAY + 0.4, DELAY + 0.4])
+
+
+def test_messages_larger_than_a_window_share_fairly_as_before():
+    sizes = [400_000, 250_000, 100_000]
+    assert _together(FifoBurstPolicy(), sizes, [False] * 3) == _together(SharingPolicy(), sizes, [False] * 3)
+
+
+def test_a_burst_takes_no_more_than_its_ceiling_and_the_next_takes_the_rest():
+    sim = Simulator(FifoBurstPolicy())
+    link = Link("a->b", BW, 0.0)
+    first = sim.transfer([link], 100_000, 0.25 * BW, lambda t: None, burst=True)
+    second = sim.transfer([link], 100_000, float("inf"), lambda t: None, burst=True)
+    assert (first.rate, second.rate) == (0.25 * BW, 0.75 * BW)
+
+
+def _job(tmp_path, replicas: int, message_kib: int, sharing: str | None = None, rate_mbps: float = 33.3):
+    """Two DCs, one 20 ms link; ``replicas`` pipelines cross it with ``message_kib`` messages."""
+    topo = {"name": "f", "dcs": [{"name": "dc1", "hosts": replicas}, {"name": "dc2", "hosts": replicas}],
+            "wan": [{"a": "dc1", "b": "dc2", "delay_ms": 10, "rate_mbps": rate_mbps}]}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo))
+    return parse_experiment({
+        "name": "f", "topology": str(tmp_path / "t.yaml"),
+        "model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64},
+        "training": {"iterations": 3, "microbatches": 4, "microbatch_size": message_kib // 32, "seed": 1},
+        "parallel": {"stages": 2, "replicas": replicas, "schedule": "1f1b", "connections": 1},
+        "sim": {"stage_times": [{"forward_s": 0.004, "backward_s": 0.008}] * 2}
+        | ({"sharing": sharing} if sharing else {}),
+    }, "f")
+
+
+def _time(exp, **kw) -> float:
+    return summarise(simulate(exp, **kw)).summary.mean_iteration_time_s
+
+
+def test_the_spec_switch_picks_the_policy_and_the_report_names_it(tmp_path):
+    fair = simulate(_job(tmp_path, 8, 32))
+    assert type(fair.model) is dict and fair.model["sharing"] == "fair"
+    assert [p["part"] for p in fair.model["parts"]] == ["fluid max-min sharing"]
+    fifo = simulate(_job(tmp_path, 8, 32, "fifo-bursts"))
+    assert fifo.model["sharing"] == "fifo-bursts" and "first-in first-out" in fifo.model["sharing_rule"]
+    assert [p["part"] for p in fifo.model["parts"]] == ["fifo-bursts sharing"]
+    assert fifo.model["parts"][0]["inside"], fifo.model["warnings"]  # 8 pipelines, 20 ms, 0.4 BDP
+    assert "served first-in first-out" in fifo.log_lines[0]
+    # window-sized messages of 8 pipelines: in turn, sooner than all together
+    assert summarise(fifo).summary.mean_iteration_time_s < summarise(fair).summary.mean_iteration_time_s * 0.95
+
+
+def test_messages_larger_than_a_window_give_fair_sharings_result_to_the_bit(tmp_path):
+    """validate_emulated's regime: messages of many windows (here 4 MiB, the window held to
+    the path's BDP + queue, ~210 kB) are never bursts, and the run is fair sharing's."""
+    exp = _job(tmp_path, 4, 4096)
+    fifo_exp = _job(tmp_path, 4, 4096, "fifo-bursts")
+    assert not bursts_possible(fifo_exp, 4096 * 1024)
+    fair = simulate(exp)
+    fifo = simulate(fifo_exp)
+    assert {w: r.iteration_end for w, r in fifo.workers.items()} == {w: r.iteration_end for w, r in fair.workers.items()}
+    assert [p["part"] for p in fifo.model["parts"]] == ["fluid max-min sharing"]
+    assert fifo.model["sharing"] == "fifo-bursts"
+
+
+def test_fifo_bursts_folds_replicas_only_where_no_message_is_a_burst(tmp_path):
+    assert simulate(_job(tmp_path, 12, 4096, "fifo-bursts"), iterations=1).folded == 12
+    assert simulate(_job(tmp_path, 12, 32, "fifo-bursts"), iterations=1).folded == 1
+    assert simulate(_job(tmp_path, 12, 32), iterations=1).folded == 12
+
+
+def test_the_window_model_makes_a_burst_of_what_its_current_window_holds(tmp_path):
+    """With ``sim.tcp_window_model`` a fresh channel's window is 10 segments (14.5 kB): a 32 KiB
+    message is not sent whole until slow start has grown it."""
+    exp = _job(tmp_path, 2, 32, "fifo-bursts")
+    exp = exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_window_model": True})})
+    note = simulate(exp).log_lines[0]
+    bulk = int(note.split("first-in first-out, ")[1].split(" ")[0])
+    assert 0 < bulk < 2 * 2 * 4 * 3  # some (the first of each channel) were not, the rest were
+    assert "0 WAN message(s) served" not in note
