@@ -386,3 +386,34 @@ def test_tail_loss_delays_messages_in_flight_while_their_bottleneck_overflows(tm
         assert iteration(pipelines, False) == pytest.approx(F0 + F1 + B1 + B0 + 2 * xfer, rel=1e-6)
     assert iteration(1, True) == pytest.approx(iteration(1, False), rel=1e-9)  # it fits: never late
     assert iteration(2, True) - iteration(2, False) == pytest.approx(2 * pto, rel=1e-6)  # both directions late
+
+
+def test_a_channel_idle_for_about_its_rto_is_named_with_the_fix():
+    """Linux restarts a connection's window after an idle longer than its RTO (~RTT + 200 ms):
+    gaps between messages at that length make runs bistable (BubbleTea's emulated job: 0.74 /
+    0.79 / 0.83 s), so the summary warns, naming the direction and the fix; gaps well away from
+    it, or WAN-tuned hosts, give no warning."""
+    from testbed.results.metrics import idle_at_rto
+    from testbed.results.records import RunRecord, Transfer, WorkerRecord
+    from testbed.spec.experiment import load_experiment
+
+    repo = Path(__file__).resolve().parent.parent
+
+    def record(gap_s: float, tuned: bool = False, k: float = 1.0) -> RunRecord:
+        exp = load_experiment(repo / "experiments" / "bubbletea-emulated.yaml",
+                              [f"parallel.slow_start_after_idle={str(not tuned).lower()}"])
+        s0 = WorkerRecord("s0r0", 0, 0, "virginia")
+        s1 = WorkerRecord("s1r0", 1, 0, "ohio")  # one way 5.5 ms, RTT 11 ms: RTO ~211 ms
+        t = 0.0
+        for i in range(10):  # a message of 10 ms in flight, then the gap
+            s1.transfers.append(Transfer("xfer_act", i, t, t + 0.010, 1000, i))
+            t += 0.010 - 0.0055 + gap_s
+        return RunRecord(exp, {"s0r0": s0, "s1r0": s1}, time_dilation=k)
+
+    warned = idle_at_rto(record(0.211))
+    assert len(warned) == 1 and "virginia->ohio" in warned[0] and "9 of 9" in warned[0]
+    assert "slow_start_after_idle: false" in warned[0] and "~211 ms" in warned[0]
+    assert idle_at_rto(record(0.211 * 1.3)) == [] and idle_at_rto(record(0.211 * 0.75)) == []
+    assert idle_at_rto(record(0.211, tuned=True)) == []
+    # under time dilation k the kernel's 200 ms floor is 200 / k ms of emulated time
+    assert idle_at_rto(record(0.211, k=4)) == [] and len(idle_at_rto(record(0.061, k=4))) == 1

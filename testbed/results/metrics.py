@@ -171,6 +171,51 @@ class RunSummary(_Figures):
         return [it.loss for it in self.iterations]
 
 
+RTO_MIN_S = 0.2  # Linux's tcp_rto_min: a steady connection's RTO is about its round trip + 200 ms
+IDLE_AT_RTO = (0.8, 1.25)  # an idle gap this many RTOs long restarts the window, or not, by chance
+
+
+def idle_at_rto(run: RunRecord) -> list[str]:
+    """A warning per WAN channel whose idle gaps sit at its connections' RTO, with Linux's
+    default ``net.ipv4.tcp_slow_start_after_idle = 1``: a connection idle for longer than its
+    RTO (about RTT + 200 ms) restarts its window in slow start, so where the gaps between a
+    channel's messages lie within ``IDLE_AT_RTO`` of it, each restart is decided by a few
+    milliseconds of jitter, and a slower iteration makes longer gaps and more restarts: a run
+    settles into one of several iteration times (measured: BubbleTea's emulated job at
+    0.74 / 0.79 / 0.83 s, docs/benchmarks.md).  A gap is from the sender's last byte (the
+    message's arrival less one way) to its next message; at least 10% of a channel's gaps
+    near the RTO make a warning.  Under time dilation the kernel's 200 ms is a wall-clock
+    floor: in emulated seconds it is 200 ms / k."""
+    exp = run.exp
+    if not exp.parallel.slow_start_after_idle:
+        return []
+    topo = exp.topo
+    place = {(w.stage, w.replica): w for w in run.workers.values()}
+    found: dict[tuple[str, str], list[float]] = {}  # (src DC, dst DC) -> gaps / RTO
+    for w in run.workers.values():
+        for kind, step in (("xfer_act", -1), ("xfer_grad", 1)):
+            sender = place.get((w.stage + step, w.replica))
+            if sender is None or sender.dc == w.dc:
+                continue
+            rtt = topo.rtt_ms(sender.dc, w.dc) / 1000
+            one_way = topo.one_way_delay_ms(sender.dc, w.dc) / 1000
+            rto = rtt + RTO_MIN_S / run.time_dilation
+            msgs = sorted((t for t in w.transfers if t.kind == kind), key=lambda t: t.start)
+            found.setdefault((sender.dc, w.dc), []).extend(
+                (b.start - (a.end - one_way)) / rto for a, b in zip(msgs, msgs[1:]))
+    out = []
+    for (src, dst), ratios in sorted(found.items()):
+        near = [r for r in ratios if IDLE_AT_RTO[0] <= r <= IDLE_AT_RTO[1]]
+        if ratios and len(near) >= 0.1 * len(ratios):
+            rto_ms = 1000 * (topo.rtt_ms(src, dst) / 1000 + RTO_MIN_S / run.time_dilation)
+            out.append(f"{len(near)} of {len(ratios)} idle gaps between messages {src}->{dst} last "
+                       f"{IDLE_AT_RTO[0]:g}-{IDLE_AT_RTO[1]:g}x the connections' RTO (~{rto_ms:.0f} ms): with "
+                       f"slow start after idle (Linux's default) each restart is a coin flip, and runs may "
+                       f"settle into different iteration times; parallel.slow_start_after_idle: false "
+                       f"(WAN-tuned hosts) removes it")
+    return out
+
+
 def summarise(run: RunRecord) -> RunSummary:
     exp = run.exp
     workers = run.workers
@@ -237,7 +282,7 @@ def summarise(run: RunRecord) -> RunSummary:
             **({"loss_note": "no loss: the devices are emulated (device time from a profile, no model is "
                              "computed)"} if run.device.get("computes_model") is False else {}),
             **_tcp_summary(run.tcp),
-            warnings=list(run.warnings),
+            warnings=list(run.warnings) + idle_at_rto(run),
         ),
         wan_check=list(run.wan_check),
         tcp_per_host=dict(run.tcp) or None,
