@@ -151,6 +151,10 @@ def test_on_emulated_devices_a_killed_decode_worker_takes_exactly_its_requests(t
             assert not any(cs < be - 2e-4 and ce > bs + 2e-4 for bs, be in busy), (name, cs, ce)
     # Ohio's servers get no more prefills once its decode worker is gone: a third of the devices
     assert s["utilization_with_prefill"] > s["utilization_without_prefill"] + 0.15
+    # jobs go to idle servers ahead of their worker's next wait, and few are handed back
+    # (measured 2026-12-06: 7.7% of 7,450 over 20 runs at this load)
+    ahead = s["prefill_dispatched_ahead"]
+    assert ahead["sent"] > 0 and ahead["handed_back"] < 0.3 * ahead["sent"], ahead
 
 
 @pytest.mark.slow
