@@ -41,57 +41,159 @@ INITIAL_WINDOW = 10 * MSS  # Linux's initial congestion window
 
 
 class TcpWindow:
-    """One channel's congestion window per connection, as Linux runs it: a new connection
-    starts at 10 segments; while a message is under way the window doubles every round trip
-    (slow start) up to ``cap`` (the path's BDP plus its queue, past which a real flow loses
-    packets and backs off); with ``restart_after_idle`` (Linux's default,
-    ``tcp_slow_start_after_idle = 1``) a channel idle for longer than its RTO (RTT + 200 ms)
-    halves its window for every RTO it was idle, down to 10 segments, before sending again.
-    What it does not model: loss recovery, CUBIC's growth past the cap, ACK compression."""
+    """One channel's congestion window per connection (bytes), as Linux runs it for messages
+    that come and go (CUBIC, no loss; every connection of the channel carries an equal slice
+    of each message, ``testbed/train/transport.py``, so one window stands for all of them).
+
+    What it models, with the kernel function that does it:
+
+    * A new connection starts at 10 segments (``tcp_init_cwnd``) with an infinite ssthresh.
+    * Growth only while the window is used (``tcp_is_cwnd_limited``, checked by
+      ``cubictcp_cong_avoid`` on every ACK): the flight filled the window (``is_cwnd_limited``,
+      set in ``tcp_write_xmit``), or, in slow start, the window is under twice the most in flight
+      in the current window (``max_packets_out``).  In slow start every byte acknowledged then
+      grows the window by a byte (``tcp_slow_start``), so a message that fits its window leaves
+      it at about twice the message, not at the path's BDP: a channel that sends 33 KB a
+      connection holds a ~66 KB window, however many messages it has sent.  A message larger
+      than the window is sent in rounds, the window doubling each (``grow``), up to ``cap`` (the
+      path's BDP plus its queue, past which a real flow loses packets and backs off).
+    * Application-limited decay (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``,
+      RFC 2861; only with ``tcp_slow_start_after_idle``): a window not used for an RTO, checked
+      as the next message is sent, becomes (cwnd + the most used, at least 10 segments) / 2,
+      ssthresh raised to 3/4 of the old window (``tcp_current_ssthresh``).
+    * Restart after idle (``tcp_slow_start_after_idle_check`` -> ``tcp_cwnd_restart``; with
+      ``restart_after_idle``, Linux's default ``tcp_slow_start_after_idle = 1``): a message that
+      finds nothing in flight and the channel idle (since its last byte left) longer than the
+      RTO (RTT + 200 ms) halves the window once per RTO idle, down to 10 segments (or the
+      window, if smaller); ssthresh = max(ssthresh, 3/4 cwnd).  A message larger than the
+      restarted window pays one more round trip per doubling it needs.
+    * Above ssthresh (only after a restart or decay lowered a window that had grown past it)
+      the window grows by a segment a round trip (Reno's congestion avoidance; CUBIC's cubic
+      growth is left out: it is reached only by bulk transfers, which sit at ``cap``).
+
+    What it leaves out: loss and its recovery (the ``cap`` stands in for it; random loss is
+    ``loss_cap``'s), HyStart, delayed and compressed ACKs (an ACK per segment, whole rounds),
+    pacing, the queueing delay in the RTO's srtt, and a connection's own slice boundaries (a
+    message is ``size / connections`` bytes a connection, no headers)."""
 
     def __init__(self, rtt: float, connections: int, cap: float, restart_after_idle: bool):
         self.rtt, self.n = rtt, connections
         self.cap = max(INITIAL_WINDOW, cap)
         self.restart = restart_after_idle
         self.cwnd = float(INITIAL_WINDOW)
-        self.last_sent: float | None = None
+        self.ssthresh = float("inf")
+        self.last_sent: float | None = None  # when the channel's last byte left (``lsndtime``)
+        self.max_out = 0.0  # the most in flight in the current window (``max_packets_out``)
+        self.used = 0.0  # the most in flight while the window was not used (``snd_cwnd_used``)
+        self.stamp: float | None = None  # when the window was last used or changed (``snd_cwnd_stamp``)
+        self.restarts = 0  # restarts after idle that cut the window (for reports and tests)
+        self._flights: list[tuple[float, float]] = []  # (acknowledged at, bytes): sent, not yet acknowledged
+        self._acked = 0.0  # bytes of the current message acknowledged in its full rounds
+        self._size = 0.0  # the current message's bytes a connection
 
     @property
     def rto(self) -> float:
         return self.rtt + RTO_MIN_S
 
-    def begin(self, now: float) -> None:
-        """A message starts: restart the window if the channel was idle long enough."""
-        if self.restart and self.last_sent is not None:
-            idle = now - self.last_sent
-            floor = min(INITIAL_WINDOW, self.cwnd)
-            while idle > self.rto and self.cwnd > floor:
-                self.cwnd = max(floor, self.cwnd / 2)
+    def in_flight(self, now: float) -> float:
+        """Bytes a connection has sent and not yet had acknowledged at ``now``."""
+        self._flights = [(t, b) for t, b in self._flights if t > now]
+        return sum(b for _, b in self._flights)
+
+    def _limited(self) -> bool:
+        """``tcp_is_cwnd_limited`` in slow start: the window is under twice the most in flight."""
+        return self.cwnd < self.ssthresh and self.cwnd < 2 * self.max_out
+
+    def begin(self, now: float, size: float = 0.0) -> None:
+        """A message of ``size`` bytes (the channel's, all connections) starts at ``now``:
+        restart the window if the channel was idle long enough, then account the message's
+        first flight as ``tcp_write_xmit`` / ``tcp_cwnd_validate`` do."""
+        if self.stamp is None:
+            self.stamp = now
+        flying = self.in_flight(now)
+        if self.restart and self.last_sent is not None and flying <= 0 and now - self.last_sent > self.rto:
+            # tcp_cwnd_restart: halve per RTO idle, down to the initial window
+            self.ssthresh = max(self.ssthresh, 0.75 * self.cwnd)
+            floor = min(float(INITIAL_WINDOW), self.cwnd)
+            cwnd, idle = self.cwnd, now - self.last_sent
+            while idle - self.rto > 0 and cwnd > floor:
                 idle -= self.rto
+                cwnd /= 2
+            if max(cwnd, floor) < self.cwnd:
+                self.restarts += 1
+            self.cwnd = max(cwnd, floor)
+            self.stamp, self.used = now, 0.0
+        self._size = size / self.n if size else 0.0
+        self._acked = 0.0
         self._at_begin = self.cwnd
+        if not size:
+            return
+        flight = min(self.cwnd, flying + self._size)
+        if flying <= 0:  # the previous window is all acknowledged: a new one is tracked
+            self.max_out = flight
+        else:
+            self.max_out = max(self.max_out, flight)
+        full = flying + self._size >= self.cwnd  # the message fills the window (is_cwnd_limited)
+        self._validate(now, flight, full)
+
+    def _validate(self, now: float, flight: float, full: bool) -> None:
+        """``tcp_cwnd_validate``: a used window is stamped; an unused one for an RTO decays
+        (``tcp_cwnd_application_limited``, only where slow start after idle is on)."""
+        if full or self._limited():
+            self.used, self.stamp = 0.0, now
+            return
+        self.used = max(self.used, flight)
+        if self.restart and now - self.stamp >= self.rto:
+            used = max(self.used, float(INITIAL_WINDOW))
+            if used < self.cwnd:
+                self.ssthresh = max(self.ssthresh, 0.75 * self.cwnd)
+                self.cwnd = (self.cwnd + used) / 2
+            self.used, self.stamp = 0.0, now
 
     def rate(self) -> float:
         return self.n * self.cwnd / self.rtt if self.rtt > 0 else float("inf")
 
-    def grow(self) -> bool:
-        """One round trip of slow start; False once the window is at its cap."""
+    def grow(self, acked: float | None = None) -> bool:
+        """One full round of the current message acknowledged (``acked`` bytes a connection,
+        default the window: it filled the window, so the window is used): slow start doubles
+        it, congestion avoidance adds a segment, up to ``cap``; False once the window is at
+        its cap."""
+        acked = self.cwnd if acked is None else acked
+        self._acked += acked
+        self.max_out = max(self.max_out, min(acked, self.cwnd))
         if self.cwnd >= self.cap:
             return False
-        self.cwnd = min(self.cap, self.cwnd * 2)
+        if self.cwnd < self.ssthresh:
+            self.cwnd = min(self.cap, self.cwnd * 2, max(self.ssthresh, self.cwnd + MSS))
+        else:
+            self.cwnd = min(self.cap, self.cwnd + MSS)
         return True
 
     def end(self, now: float, size: float = 0.0) -> None:
-        """The message has left: in slow start every byte acknowledged grows the window by a
-        byte, so the last, partial round's acknowledgements count too."""
+        """The message has left at ``now``: its last round is in flight for a round trip, and
+        its acknowledgements grow the window while it is used (slow start: up to twice the
+        most in flight; ``tcp_is_cwnd_limited``).  ``size`` (the channel's bytes) for a caller
+        that did not pass it to ``begin``."""
         self.last_sent = now
-        if size:
-            self.cwnd = min(self.cap, max(self.cwnd, getattr(self, "_at_begin", self.cwnd) + size / self.n))
+        per = size / self.n if size else self._size
+        if not per:
+            return
+        last = max(0.0, per - self._acked)  # the bytes of the last (partial) round
+        if last <= 0:
+            return
+        self._flights.append((now + self.rtt, last))
+        if self._acked:  # a new window began with the last round: its flight is what it holds
+            self.max_out = last
+        if self.cwnd < self.ssthresh:
+            if self._limited():
+                self.cwnd = min(self.cap, max(self.cwnd, min(self.cwnd + last, 2 * self.max_out)))
+        elif self.cwnd <= self.max_out:
+            self.cwnd = min(self.cap, self.cwnd + MSS * last / self.cwnd)
 
     def send_time(self, size: float, bandwidth: float) -> float:
         """Seconds to push ``size`` bytes alone through a link of ``bandwidth`` from this
         window (slow start, then at the link's rate), advancing the window as it goes
-        (``end`` then adds the last round's growth)."""
-        self._at_begin = self.cwnd
+        (``end`` then adds the last round's growth).  Call ``begin`` first."""
         t, left = 0.0, float(size)
         while left > 0:
             per_rtt = self.n * self.cwnd
@@ -242,7 +344,7 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
             if exp.sim.tcp_window_model:
                 win = windows.setdefault(key[:2], TcpWindow(rtt, n, min(window, (rate * rtt + queue) / n),
                                                             exp.parallel.slow_start_after_idle))
-                win.begin(begin)
+                win.begin(begin, size)
                 free = begin + win.send_time(size, rate)
                 win.end(free, size)
             else:
@@ -517,7 +619,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                     arrived.started(flow)
                 return
             fresh = win.last_sent is None or sim.now - win.last_sent >= win.rtt  # nothing of ours in flight
-            win.begin(sim.now)
+            win.begin(sim.now, act_bytes)
 
             def cap(remaining: float) -> float:
                 # a round whose window holds what is left sends it at the link's rate (then the
@@ -532,7 +634,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             counts["burst" if burst else "bulk"] += 1
             flow = sim.transfer(path, act_bytes, cap(act_bytes), arrived, owner=owner,
                                 on_sent=lambda t: left(channel), burst=burst)
-            channel["flow"] = flow
+            channel["flow"], channel["sent"] = flow, 0.0
             if sim_spec.tail_loss and flow is not None:
                 arrived.started(flow)
 
@@ -540,7 +642,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 if channel.get("flow") is not flow or flow.remaining <= 0:
                     return
                 sim.settle(flow)
-                grew = win.grow()
+                sent = act_bytes - flow.remaining  # what the message has sent so far
+                grew = win.grow((sent - channel.get("sent", 0.0)) / win.n)
+                channel["sent"] = sent
                 sim.set_ceiling(flow, cap(flow.remaining))
                 if grew or flow.ceiling < ceiling:
                     sim.at(sim.now + win.rtt, grow)
