@@ -8,8 +8,8 @@ estimated from the model's FLOPs and a device speed), runs the engine, and retur
 ``write_outputs`` produce the same ``metrics.json`` and Chrome trace.
 
 Two opt-in models of TCP sit between a message and its flow: ``sim.tcp_window_model``
-(``TcpWindow``: each channel's window, slow start and its restart after idle, sets the
-flow's ceiling as it grows) and ``sim.tail_loss`` (``_late_if_overflowing``: a message in
+(``TcpWindow``: each channel's window as Linux validates it -- grown only while used, decayed
+while application-limited, restarted after idle -- sets the flow's ceiling as it grows) and ``sim.tail_loss`` (``_late_if_overflowing``: a message in
 flight while its bottleneck's FIFO overflows arrives one tail-loss probe late).  Neither
 changes the engine's sharing; both only change a flow's ceiling or a message's arrival.
 A third is on wherever a WAN path has random loss (``sim.loss_model``, default true:
