@@ -263,27 +263,97 @@ def test_paper_scale_scenarios_load_and_simulate_fast():
 
 
 def test_tcp_window_restarts_after_an_idle_rto_and_grows_by_slow_start():
-    from testbed.sim.build import INITIAL_WINDOW, TcpWindow
+    from testbed.sim.build import INIT_SEGMENTS, MSS, TcpWindow
 
     rtt, rate = 0.262, 4e6
     win = TcpWindow(rtt, connections=4, cap=1e6, restart_after_idle=True)
+    assert win.segments(131072) == 23 + 1  # 32 KB a connection plus the slice header's segment
     # 131 KB over 4 connections from 10 segments: one spread round trip, then the rest at line rate
+    win.begin(0.0, 131072)
     first = win.send_time(131072, rate)
-    assert first == pytest.approx(rtt + (131072 - 4 * INITIAL_WINDOW) / rate)
-    win.end(1.0, 131072)
-    grown = win.cwnd
-    assert grown == pytest.approx(INITIAL_WINDOW + 131072 / 4)  # every byte acknowledged grew it
-    win.begin(1.0 + rtt + 0.2 - 0.01)  # idle just under the RTO: kept
-    assert win.cwnd == grown
+    assert first == pytest.approx(rtt + (131072 - 4 * (INIT_SEGMENTS - 1) * MSS) / rate)
+    win.end(first)
+    win.in_flight(first + rtt)  # the last round's ACKs: up to twice its flight (14 segments)
+    assert win.segs == 2 * 14
+    grown = win.segs
+    win.begin(first + rtt + 0.2 - 0.01, 131072)  # idle just under the RTO: kept
+    assert win.segs == grown
     win.end(2.0)
-    win.begin(2.0 + 3 * (rtt + 0.2) + 0.01)  # three RTOs idle: halved down to 10 segments
-    assert win.cwnd == pytest.approx(INITIAL_WINDOW)
+    win.begin(2.0 + 3 * (rtt + 0.2) + 0.01, 131072)  # three RTOs idle: halved down to 10 segments
+    assert win.segs == INIT_SEGMENTS
     tuned = TcpWindow(rtt, connections=4, cap=1e6, restart_after_idle=False)
-    tuned.cwnd = grown
-    tuned.last_sent = 0.0
-    tuned.begin(100.0)
-    assert tuned.cwnd == grown  # WAN-tuned hosts keep their window across idle
+    tuned.segs, tuned.last_sent = grown, 0.0
+    tuned.begin(100.0, 131072)
+    assert tuned.segs == grown  # WAN-tuned hosts keep their window across idle
     assert tuned.send_time(131072, rate) == pytest.approx(131072 / rate)  # one round, at line rate
+
+
+def _one_message(win, now, size, rate):
+    win.begin(now, size)
+    t = win.send_time(size, rate)
+    win.end(now + t)
+    return t
+
+
+def test_tcp_window_of_an_app_limited_channel_stays_near_twice_its_message():
+    """Linux grows the window only while it is used (tcp_is_cwnd_limited: in slow start, under
+    twice the most in flight): a channel sending one 24-segment message a second (idle under
+    the RTO, WAN-tuned so no restart) ends at 48 segments, not at its cap."""
+    from testbed.sim.build import TcpWindow
+
+    rtt, rate = 0.1, 4e6
+    win = TcpWindow(rtt, connections=4, cap=2e6, restart_after_idle=False)
+    for i in range(30):
+        _one_message(win, 0.25 * i, 131072, rate)
+    win.in_flight(100.0)
+    assert win.segs == 2 * win.segments(131072)
+    assert win.cap_segs > 10 * win.segs
+
+
+def test_tcp_window_after_an_idle_rto_halves_and_a_larger_message_pays_a_round_trip():
+    from testbed.sim.build import TcpWindow
+
+    rtt, rate = 0.262, 4e6
+    win = TcpWindow(rtt, connections=4, cap=2e6, restart_after_idle=True)
+    for i in range(10):  # settle at twice the message
+        _one_message(win, 0.3 * i, 131072, rate)
+    win.in_flight(10.0)
+    settled = win.segs
+    assert settled == 48
+    # one RTO idle (and a bit): halved to 24 segments, which still holds the 24-segment message
+    t0 = 10.0
+    win.last_sent = t0
+    assert _one_message(win, t0 + 1.5 * win.rto, 131072, rate) == pytest.approx(131072 / rate)
+    assert win.segs == settled // 2
+    # two RTOs idle from 48: 12 segments, under the message: one more round trip
+    win.segs = settled
+    win.in_flight(100.0)
+    win.last_sent = 100.0
+    t = _one_message(win, 100.0 + 2.5 * win.rto, 131072, rate)
+    assert win.segs >= 24 and t == pytest.approx(rtt + (131072 - 4 * 11 * 1448) / rate)
+    assert win.restarts == 2
+
+
+def test_tcp_window_app_limited_decay_and_bulk_growth():
+    """An unused window decays (tcp_cwnd_application_limited: (cwnd + used) / 2 after an RTO
+    not used, only with slow start after idle on); a bulk transfer, window-limited throughout,
+    doubles every round up to its cap as before."""
+    from testbed.sim.build import TcpWindow
+
+    rtt, rate = 0.05, 4e6
+    win = TcpWindow(rtt, connections=1, cap=1e6, restart_after_idle=True)
+    win.segs, win.stamp, win.last_sent = 200, 0.0, 0.0
+    win.begin(0.2, 20 * 1448)  # idle under the RTO (0.25 s): no restart, stamp 0.2 s old: no decay
+    win.end(0.2)
+    assert win.segs == 200
+    win.begin(0.26, 20 * 1448)  # not used for an RTO: (200 + 21) / 2
+    assert win.segs == (200 + 21) // 2
+    bulk = TcpWindow(rtt, connections=1, cap=64 * 1448, restart_after_idle=True)
+    bulk.begin(0.0, 1e7)
+    rounds = [bulk.segs]
+    while bulk.grow():
+        rounds.append(bulk.segs)
+    assert rounds == [10, 20, 40, 64]
 
 
 @pytest.mark.parametrize("pipelines", [1, 2, 4])

@@ -8,8 +8,8 @@ estimated from the model's FLOPs and a device speed), runs the engine, and retur
 ``write_outputs`` produce the same ``metrics.json`` and Chrome trace.
 
 Two opt-in models of TCP sit between a message and its flow: ``sim.tcp_window_model``
-(``TcpWindow``: each channel's window, slow start and its restart after idle, sets the
-flow's ceiling as it grows) and ``sim.tail_loss`` (``_late_if_overflowing``: a message in
+(``TcpWindow``: each channel's window as Linux validates it -- grown only while used, decayed
+while application-limited, restarted after idle -- sets the flow's ceiling as it grows) and ``sim.tail_loss`` (``_late_if_overflowing``: a message in
 flight while its bottleneck's FIFO overflows arrives one tail-loss probe late).  Neither
 changes the engine's sharing; both only change a flow's ceiling or a message's arrival.
 A third is on wherever a WAN path has random loss (``sim.loss_model``, default true:
@@ -37,69 +37,199 @@ from testbed.sim import validity
 from testbed.sim.engine import FifoBurstPolicy, Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
 
 
-INITIAL_WINDOW = 10 * MSS  # Linux's initial congestion window
+INIT_SEGMENTS = 10  # Linux's initial congestion window (TCP_INIT_CWND), segments
+INITIAL_WINDOW = INIT_SEGMENTS * MSS  # the same in bytes
 
 
 class TcpWindow:
-    """One channel's congestion window per connection, as Linux runs it: a new connection
-    starts at 10 segments; while a message is under way the window doubles every round trip
-    (slow start) up to ``cap`` (the path's BDP plus its queue, past which a real flow loses
-    packets and backs off); with ``restart_after_idle`` (Linux's default,
-    ``tcp_slow_start_after_idle = 1``) a channel idle for longer than its RTO (RTT + 200 ms)
-    halves its window for every RTO it was idle, down to 10 segments, before sending again.
-    What it does not model: loss recovery, CUBIC's growth past the cap, ACK compression."""
+    """One channel's congestion window per connection, as Linux runs it for messages that come
+    and go (CUBIC, no loss).  Every connection of the channel carries an equal slice of each
+    message (``testbed/train/transport.py``), so one window stands for all of them.  The window
+    is counted in segments, as the kernel counts it: a slice of s bytes is ceil(s / MSS)
+    segments plus one for its header (the transport writes the header on its own, and with
+    TCP_NODELAY it leaves as its own segment); ``cwnd`` is the window in bytes (segments x MSS).
+
+    What it models, with the kernel function that does it:
+
+    * A new connection starts at 10 segments (``tcp_init_cwnd``) with an infinite ssthresh.
+    * Growth only while the window is used (``tcp_is_cwnd_limited``, checked by
+      ``cubictcp_cong_avoid`` on every ACK): the flight filled the window (``is_cwnd_limited``,
+      set in ``tcp_write_xmit``), or, in slow start, the window is under twice the most in
+      flight in the current window (``max_packets_out``, reset once a window is all
+      acknowledged; ``tcp_cwnd_validate``).  In slow start every segment acknowledged then grows
+      the window by one (``tcp_slow_start``), so a channel whose messages fit its window holds
+      about twice its largest flight, not the path's BDP, however many messages it has sent.
+      A message larger than the window goes in rounds, the window doubling each (``grow``), up
+      to ``cap`` (the path's BDP plus its queue, past which a real flow loses packets).
+    * Application-limited decay (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``,
+      RFC 2861; Linux runs it only with ``tcp_slow_start_after_idle``): a window not used for an
+      RTO, checked as the next message is sent, becomes (cwnd + the most used, at least 10) / 2,
+      ssthresh = max(ssthresh, 3/4 cwnd) (``tcp_current_ssthresh``).
+    * Restart after idle (``tcp_slow_start_after_idle_check`` -> ``tcp_cwnd_restart``, with
+      ``restart_after_idle``: Linux's default ``tcp_slow_start_after_idle = 1``): a message that
+      finds nothing in flight and the channel idle (since its last segment left) longer than
+      the RTO (RTT + 200 ms) halves the window (``>>= 1``) once per RTO idle, down to 10 segments
+      (or the window, if smaller); ssthresh = max(ssthresh, 3/4 cwnd).  A message larger than
+      the restarted window pays a round trip per doubling it needs.
+    * Above ssthresh (only where a restart or decay lowered a window below a finite ssthresh)
+      a segment a round trip (Reno's congestion avoidance; CUBIC's cubic growth is left out: only
+      bulk transfers reach it, and they sit at ``cap``).
+
+    What it leaves out: loss and its recovery (``cap`` stands in for it; random loss is
+    ``loss_cap``'s), HyStart, delayed and stretched ACKs (growth in whole rounds, each round's
+    ACKs a round trip after it left), pacing, the queueing delay in the RTO's srtt."""
+
+    HEADER_SEGMENTS = 1  # the slice header, its own segment (transport.py, TCP_NODELAY)
 
     def __init__(self, rtt: float, connections: int, cap: float, restart_after_idle: bool):
         self.rtt, self.n = rtt, connections
-        self.cap = max(INITIAL_WINDOW, cap)
+        self.cap_segs = max(INIT_SEGMENTS, int(cap // MSS))
         self.restart = restart_after_idle
-        self.cwnd = float(INITIAL_WINDOW)
-        self.last_sent: float | None = None
+        self.segs = INIT_SEGMENTS  # snd_cwnd
+        self.ssthresh = float("inf")
+        self.last_sent: float | None = None  # when the channel's last segment left (``lsndtime``)
+        self.max_out = 0  # the most in flight in the current window (``max_packets_out``)
+        self.used = 0  # the most in flight while the window was not used (``snd_cwnd_used``)
+        self.stamp: float | None = None  # when the window was last used or changed (``snd_cwnd_stamp``)
+        self.restarts = 0  # restarts after idle that cut the window (for reports and tests)
+        self._flights: list[tuple[float, int]] = []  # (acknowledged at, segments): sent, not yet acknowledged
+        self._acked = 0  # segments of the current message acknowledged in its full rounds
+        self._msg = 0  # the current message's segments a connection
+
+    @property
+    def cwnd(self) -> float:
+        """The window in bytes a connection."""
+        return float(self.segs * MSS)
+
+    @property
+    def cap(self) -> float:
+        return float(self.cap_segs * MSS)
 
     @property
     def rto(self) -> float:
         return self.rtt + RTO_MIN_S
 
-    def begin(self, now: float) -> None:
-        """A message starts: restart the window if the channel was idle long enough."""
-        if self.restart and self.last_sent is not None:
-            idle = now - self.last_sent
-            floor = min(INITIAL_WINDOW, self.cwnd)
-            while idle > self.rto and self.cwnd > floor:
-                self.cwnd = max(floor, self.cwnd / 2)
+    def segments(self, size: float) -> int:
+        """Segments a connection for a message of ``size`` bytes (the channel's)."""
+        return -(-int(round(size / self.n)) // MSS) + self.HEADER_SEGMENTS if size > 0 else 0
+
+    def holds(self, size: float) -> bool:
+        """Whether the window holds a whole message of ``size`` bytes (the channel's) at once."""
+        return self.segments(size) <= self.segs
+
+    def in_flight(self, now: float) -> int:
+        """Segments a connection has sent and not yet had acknowledged at ``now``; the flights
+        acknowledged by then grow the window as their ACKs come in (``_acknowledged``)."""
+        while self._flights and self._flights[0][0] <= now:
+            self._acknowledged(self._flights.pop(0)[1])
+        return sum(k for _, k in self._flights)
+
+    def room(self, now: float) -> int:
+        """Segments a connection may send at ``now``: the window less what is in flight."""
+        return max(0, self.segs - self.in_flight(now))
+
+    def _acknowledged(self, k: int) -> None:
+        """The ACKs of ``k`` segments: in slow start a segment each while the window is used
+        (``tcp_slow_start`` under ``tcp_is_cwnd_limited``); above ssthresh a segment a round."""
+        if self.segs < self.ssthresh:
+            if self._limited():
+                self.segs = min(self.cap_segs, max(self.segs, min(self.segs + k, 2 * self.max_out)))
+        elif self.segs <= self.max_out:
+            self.segs = min(self.cap_segs, self.segs + 1)
+
+    def _limited(self) -> bool:
+        """``tcp_is_cwnd_limited`` in slow start: the window is under twice the most in flight."""
+        return self.segs < self.ssthresh and self.segs < 2 * self.max_out
+
+    def begin(self, now: float, size: float = 0.0) -> None:
+        """A message of ``size`` bytes (the channel's, all connections) starts at ``now``:
+        restart the window if the channel was idle long enough, then account the message's
+        first flight as ``tcp_write_xmit`` / ``tcp_cwnd_validate`` do."""
+        if self.stamp is None:
+            self.stamp = now
+        flying = self.in_flight(now)
+        if self.restart and self.last_sent is not None and flying <= 0 and now - self.last_sent > self.rto:
+            # tcp_cwnd_restart: halve per RTO idle, down to the initial window
+            self.ssthresh = max(self.ssthresh, (self.segs >> 1) + (self.segs >> 2))
+            floor = min(INIT_SEGMENTS, self.segs)
+            cwnd, idle = self.segs, now - self.last_sent
+            while idle - self.rto > 0 and cwnd > floor:
                 idle -= self.rto
-        self._at_begin = self.cwnd
+                cwnd >>= 1
+            if max(cwnd, floor) < self.segs:
+                self.restarts += 1
+            self.segs = max(cwnd, floor)
+            self.stamp, self.used = now, 0
+        self._msg = self.segments(size)
+        self._acked = 0
+        if not size:
+            return
+        flight = min(self.segs, flying + self._msg)
+        if flying <= 0:  # the previous window is all acknowledged: a new one is tracked
+            self.max_out = flight
+        else:
+            self.max_out = max(self.max_out, flight)
+        full = flying + self._msg >= self.segs  # the message fills the window (is_cwnd_limited)
+        self._validate(now, flight, full)
+
+    def _validate(self, now: float, flight: int, full: bool) -> None:
+        """``tcp_cwnd_validate``: a used window is stamped; one unused for an RTO decays
+        (``tcp_cwnd_application_limited``, only where slow start after idle is on)."""
+        if full or self._limited():
+            self.used, self.stamp = 0, now
+            return
+        self.used = max(self.used, flight)
+        if self.restart and now - self.stamp >= self.rto:
+            used = max(self.used, INIT_SEGMENTS)
+            if used < self.segs:
+                self.ssthresh = max(self.ssthresh, (self.segs >> 1) + (self.segs >> 2))
+                self.segs = (self.segs + used) >> 1
+            self.used, self.stamp = 0, now
 
     def rate(self) -> float:
         return self.n * self.cwnd / self.rtt if self.rtt > 0 else float("inf")
 
-    def grow(self) -> bool:
-        """One round trip of slow start; False once the window is at its cap."""
-        if self.cwnd >= self.cap:
+    def grow(self, acked: float | None = None) -> bool:
+        """One round of the current message acknowledged (``acked`` bytes a connection; default
+        a full window: it filled the window, so the window is used): slow start doubles it,
+        congestion avoidance adds a segment, up to ``cap``; False once the window is at its cap."""
+        k = self.segs if acked is None else max(1, min(self.segs, int(round(acked / MSS))))
+        self._acked += k
+        self.max_out = max(self.max_out, k)
+        if self.segs >= self.cap_segs:
             return False
-        self.cwnd = min(self.cap, self.cwnd * 2)
+        if self.segs < self.ssthresh:
+            self.segs = min(self.cap_segs, self.segs + k, max(int(min(self.ssthresh, 1 << 40)), self.segs + 1))
+        else:
+            self.segs = min(self.cap_segs, self.segs + 1)
         return True
 
     def end(self, now: float, size: float = 0.0) -> None:
-        """The message has left: in slow start every byte acknowledged grows the window by a
-        byte, so the last, partial round's acknowledgements count too."""
+        """The message has left at ``now``: its last round is in flight for a round trip, and its
+        acknowledgements then grow the window while it is used (slow start: up to twice the most
+        in flight; ``tcp_is_cwnd_limited``; see ``in_flight``).  ``size`` (the channel's bytes) for a caller that did
+        not pass it to ``begin``."""
         self.last_sent = now
-        if size:
-            self.cwnd = min(self.cap, max(self.cwnd, getattr(self, "_at_begin", self.cwnd) + size / self.n))
+        msg = self.segments(size) if size else self._msg
+        last = msg - self._acked  # the segments of the last (partial) round
+        self._msg = 0
+        if last <= 0:
+            return
+        self._flights.append((now + self.rtt, last))  # its ACKs grow the window a round trip on
+        if self._acked:  # a new window began with the last round: its flight is what it holds
+            self.max_out = last + sum(k for _, k in self._flights[:-1])
 
     def send_time(self, size: float, bandwidth: float) -> float:
-        """Seconds to push ``size`` bytes alone through a link of ``bandwidth`` from this
-        window (slow start, then at the link's rate), advancing the window as it goes
-        (``end`` then adds the last round's growth)."""
-        self._at_begin = self.cwnd
-        t, left = 0.0, float(size)
+        """Seconds to push ``size`` bytes alone through a link of ``bandwidth`` from this window
+        (a round trip per window it does not hold, the last round at the link's rate), advancing
+        the window as it goes (``end`` then adds the last round's growth).  Call ``begin`` first."""
+        t, left, segs = 0.0, float(size), self._msg or self.segments(size)
         while left > 0:
-            per_rtt = self.n * self.cwnd
-            if per_rtt >= bandwidth * self.rtt or self.rtt <= 0:
-                return t + left / bandwidth
-            if left <= per_rtt:  # the last round leaves at the link's rate
-                return t + left / bandwidth
-            left -= per_rtt
+            if self.n * self.cwnd >= bandwidth * self.rtt or self.rtt <= 0 or segs <= self.segs:
+                return t + left / bandwidth  # the link's rate binds, or the last round
+            sent = self.segs
+            left -= self.n * (sent - (self.HEADER_SEGMENTS if segs == self._msg else 0)) * MSS
+            segs -= sent
             t += self.rtt
             self.grow()
         return t
@@ -242,7 +372,7 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
             if exp.sim.tcp_window_model:
                 win = windows.setdefault(key[:2], TcpWindow(rtt, n, min(window, (rate * rtt + queue) / n),
                                                             exp.parallel.slow_start_after_idle))
-                win.begin(begin)
+                win.begin(begin, size)
                 free = begin + win.send_time(size, rate)
                 win.end(free, size)
             else:
@@ -516,23 +646,22 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 if sim_spec.tail_loss and flow is not None:
                     arrived.started(flow)
                 return
-            fresh = win.last_sent is None or sim.now - win.last_sent >= win.rtt  # nothing of ours in flight
-            win.begin(sim.now)
+            win.begin(sim.now, act_bytes)
 
             def cap(remaining: float) -> float:
-                # a round whose window holds what is left sends it at the link's rate (then the
-                # message is out), unless the channel's previous message is still in flight (the
-                # window is full of it: this one follows the acknowledgements); a full round's
-                # window is spread over its round trip
-                if fresh and remaining <= win.n * win.cwnd:
+                # a round whose window, less what the channel still has in flight, holds what is
+                # left sends it at the link's rate (then the message is out); otherwise it follows
+                # the acknowledgements: a full round's window spread over its round trip
+                left = win.segments(remaining) - (0 if remaining >= act_bytes else win.HEADER_SEGMENTS)
+                if left <= win.room(sim.now):
                     return ceiling
                 return min(ceiling, win.rate())
 
-            burst = act_bytes <= win.n * win.cwnd  # the window as it is now holds all of it
+            burst = win.segments(act_bytes) <= win.room(sim.now)  # the window as it is now holds all of it
             counts["burst" if burst else "bulk"] += 1
             flow = sim.transfer(path, act_bytes, cap(act_bytes), arrived, owner=owner,
                                 on_sent=lambda t: left(channel), burst=burst)
-            channel["flow"] = flow
+            channel["flow"], channel["sent"] = flow, 0.0
             if sim_spec.tail_loss and flow is not None:
                 arrived.started(flow)
 
@@ -540,7 +669,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 if channel.get("flow") is not flow or flow.remaining <= 0:
                     return
                 sim.settle(flow)
-                grew = win.grow()
+                sent = act_bytes - flow.remaining  # what the message has sent so far
+                grew = win.grow((sent - channel.get("sent", 0.0)) / win.n)
+                channel["sent"] = sent
                 sim.set_ceiling(flow, cap(flow.remaining))
                 if grew or flow.ceiling < ceiling:
                     sim.at(sim.now + win.rtt, grow)
