@@ -16,7 +16,8 @@ prints: start-up (from the call to the go: network, WAN check, workers ready), t
 iteration time, the per-op timing error (median of the worst worker, and its 99th
 percentile), resident memory per worker (mean and max, sampled mid-run), the memory the
 whole run holds (MemAvailable drop) and the cores the machine was busy for during training
-(/proc/stat), and the simulator's iteration time for the same experiment.  Under
+(/proc/stat), and the simulator's iteration time for the same experiment (its default, fair
+sharing, and with the TCP the window-sized messages meet: fifo-bursts and the window model).  Under
 ``--time-dilation K`` every figure is in emulated terms (the op error too: the wall clock's
 divided by K).  Run it on an otherwise idle machine.
 """
@@ -115,9 +116,16 @@ def run_case(tmp: Path, devices: int, dcs: int, iterations: int, k: float = 1.0)
 
     times, latency = stage_times(exp)
     predicted = metrics.summarise(simulate(exp, stage_times=times, message_overhead_s=latency)).summary
+    # and with the TCP the many window-sized messages meet (issue #30): a drop-tail FIFO serves
+    # them in order (sim.sharing: fifo-bursts) and Linux's windows restart after an idle RTO
+    tcp = exp.model_copy(deep=True)
+    tcp._origin, tcp._topo, tcp._topo_file, tcp._slots = exp._origin, exp._topo, exp._topo_file, exp._slots
+    tcp.sim.sharing, tcp.sim.tcp_window_model = "fifo-bursts", True
+    predicted_tcp = metrics.summarise(simulate(tcp, stage_times=times, message_overhead_s=latency)).summary
     row = {"devices": devices, "dcs": dcs, "pipelines": devices // dcs, "time_dilation": k,
            "startup_s": round(run.go_time - t0, 2), "iteration_s": s["mean_iteration_time_s"],
            "simulated_iteration_s": predicted.mean_iteration_time_s,
+           "simulated_fifo_window_s": predicted_tcp.mean_iteration_time_s,
            # in emulated microseconds: the wall clock's error / k
            "op_error_median_us": round(timing["median_us_worst_worker"] / k, 2),
            "op_error_p99_us": round(timing["p99_us_worst_worker"] / k, 2),
@@ -126,7 +134,7 @@ def run_case(tmp: Path, devices: int, dcs: int, iterations: int, k: float = 1.0)
            "wall_s": round(t_end - t0, 1), "warnings": s["warnings"]}
     print(f"  {devices:>3} devices / {dcs} DCs ({devices // dcs} pipelines a link), k={k:g}: start-up "
           f"{row['startup_s']:.1f} s, {row['iteration_s']:.3f} s/iteration (simulated "
-          f"{row['simulated_iteration_s']:.3f}), op error median {row['op_error_median_us']} us "
+          f"{row['simulated_iteration_s']:.3f}; fifo-bursts + window model {row['simulated_fifo_window_s']:.3f}), op error median {row['op_error_median_us']} us "
           f"(p99 {row['op_error_p99_us']} us), RSS {row['rss_mean_mb']} MB/worker (max {row['rss_max_mb']}), "
           f"run {row['run_memory_mb']} MB, {row['cores_busy']} cores busy", flush=True)
     return row
