@@ -96,6 +96,18 @@ def test_wan_check_flags_a_direction_that_is_not_as_configured(caps):
     assert "one-way" not in after[("west", "east")].problem
 
 
+def test_wan_check_reads_a_jittery_link_at_its_configured_delay(caps):
+    """With jitter (uniform, symmetric about the delay) the minimum of the probes sits near the
+    delay less the jitter (aws-longhaul3-lossy's 262 ms with +-4 ms each way read 255 ms):
+    the check reads their median, and a jittery link as configured passes."""
+    with Network(two_dcs(delay_ms=100, rate_mbps=50, jitter_ms=4), caps=caps) as net:
+        checks = check_wan(net)
+    for c in checks:
+        assert c.ok, c
+        assert abs(c.rtt_ms_measured - 200.0) <= rtt_tolerance_ms(200.0), c  # the minimum: ~193 ms
+        assert abs(c.owd_ms_measured - 100.0) <= rtt_tolerance_ms(100.0), c  # the minimum: ~96.5 ms
+
+
 @pytest.mark.slow
 def test_the_main_job_runs_across_the_long_hauls_and_checks_its_wan(tmp_path):
     exp = load_experiment(REPO / "experiments" / "longhaul.yaml").with_iterations(3)
