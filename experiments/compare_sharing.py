@@ -70,16 +70,21 @@ def bench(tmp: Path) -> list[dict]:
     rows = []
     for (devices, dcs), (iterations, k, measured) in BENCH.items():
         exp = load_experiment(bench_emulated._experiment(tmp, devices, dcs, iterations, k))
-        times, latency = emulated_stage_times(exp)
-        runs = _both(exp, stage_times=times, message_overhead_s=latency)
-        row = {"case": f"{devices}x{dcs}", "measured": measured}
-        for name, (result, wall) in runs.items():
-            row[name] = summarise(result).summary.mean_iteration_time_s
-            row[f"{name}_wall_s"] = round(wall, 2)
-            row[f"{name}_note"] = result.log_lines[0]
-        rows.append(row)
-        _print(row)
+        rows.append(_emulated_row(exp, f"{devices}x{dcs}", measured))
     return rows
+
+
+def _emulated_row(exp, case: str, measured: float, **kw) -> dict:
+    """One case on emulated devices, simulated under both policies with the devices' own times
+    and per-message latency: its row (printed)."""
+    times, latency = emulated_stage_times(exp)
+    row = {"case": case, "measured": measured}
+    for name, (result, wall) in _both(exp, stage_times=times, message_overhead_s=latency, **kw).items():
+        row[name] = summarise(result).summary.mean_iteration_time_s
+        row[f"{name}_wall_s"] = round(wall, 2)
+        row[f"{name}_note"] = result.log_lines[0]
+    _print(row)
+    return row
 
 
 def emulated(tmp: Path) -> list[dict]:
@@ -89,15 +94,8 @@ def emulated(tmp: Path) -> list[dict]:
     for (pipelines, x), measured in EMULATED.items():
         for tuned in (False, True):
             exp = load_experiment(validate_emulated._files(tmp, pipelines, x, tuned, 5))
-            times, latency = emulated_stage_times(exp)
-            runs = _both(exp, iterations=8, stage_times=times, message_overhead_s=latency)
-            row = {"case": f"{pipelines} pipelines {x}x BDP {'tuned' if tuned else 'default'}",
-                   "measured": measured[tuned]}
-            for name, (result, _wall) in runs.items():
-                row[name] = summarise(result)["summary"]["mean_iteration_time_s"]
-                row[f"{name}_note"] = result.log_lines[0]
-            rows.append(row)
-            _print(row)
+            rows.append(_emulated_row(exp, f"{pipelines} pipelines {x}x BDP {'tuned' if tuned else 'default'}",
+                                      measured[tuned], iterations=8))
     return rows
 
 

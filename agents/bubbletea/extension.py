@@ -41,6 +41,7 @@ from pathlib import Path
 
 from agents.bubbletea.messages import Died
 from agents.bubbletea.config import ControllerConfig, DecodeConfig, InferenceModel, ServerConfig, Workload
+from agents.bubbletea.predictor import is_peer_wait
 from testbed import messages as m
 from testbed.train.device import create_device
 from testbed.train.waitboard import create_board
@@ -462,7 +463,7 @@ def _start_latency(run: RunRecord, data: dict, served: list[int]) -> dict:
     for name, w in run.workers.items():
         starts = sorted(s for s, *_ in data["prefill_intervals"].get(name, []))
         for kind, mb, s, e, it in w.events:
-            if it in served and (kind == "allreduce" or (kind == "recv" and mb >= 0)):
+            if it in served and is_peer_wait(kind, mb):
                 i = bisect.bisect_left(starts, s)
                 if i < len(starts) and starts[i] < e:
                     lag.append(1000 * (starts[i] - s))

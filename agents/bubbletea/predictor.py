@@ -19,6 +19,12 @@ from testbed.messages import Events, Wait
 from testbed.results.metrics import worker_iteration
 
 
+def is_peer_wait(kind: str, mb: int) -> bool:
+    """Whether a timeline interval is a wait for a peer the worker announces: a microbatch's
+    receive, or the data-parallel all-reduce."""
+    return (kind == "recv" and mb >= 0) or kind == "allreduce"
+
+
 def bubbles_of(events: list, start: float, end: float) -> list[tuple[float, float]]:
     """Maximal non-busy runs of one iteration's intervals, as (offset from start, length):
     the run's own bubble accounting (``metrics.worker_iteration``), relative to ``start``."""
@@ -44,7 +50,7 @@ class WorkerBubbles:
         self.pending.extend(msg.events)
         if msg.iteration_done:
             waits = [ev.end - ev.start for ev in sorted(self.pending, key=lambda ev: ev.start)
-                     if (ev.kind == "recv" and ev.mb >= 0) or ev.kind == "allreduce"]
+                     if is_peer_wait(ev.kind, ev.mb)]
             self.history.append(waits)
             self.pending = []
             if self.last_end is not None:

@@ -191,25 +191,23 @@ def idle_at_rto(run: RunRecord) -> list[str]:
         return []
     topo = exp.topo
     place = {(w.stage, w.replica): w for w in run.workers.values()}
-    found: dict[tuple[str, str], list[float]] = {}  # (src DC, dst DC) -> gaps / RTO
+    found: dict[tuple[str, str], tuple[float, list[float]]] = {}  # (src DC, dst DC) -> (RTO, gaps / RTO)
     for w in run.workers.values():
         for kind, step in (("xfer_act", -1), ("xfer_grad", 1)):
             sender = place.get((w.stage + step, w.replica))
             if sender is None or sender.dc == w.dc:
                 continue
-            rtt = topo.rtt_ms(sender.dc, w.dc) / 1000
             one_way = topo.one_way_delay_ms(sender.dc, w.dc) / 1000
-            rto = rtt + RTO_MIN_S / run.time_dilation
+            rto = topo.rtt_ms(sender.dc, w.dc) / 1000 + RTO_MIN_S / run.time_dilation
             msgs = sorted((t for t in w.transfers if t.kind == kind), key=lambda t: t.start)
-            found.setdefault((sender.dc, w.dc), []).extend(
+            found.setdefault((sender.dc, w.dc), (rto, []))[1].extend(
                 (b.start - (a.end - one_way)) / rto for a, b in zip(msgs, msgs[1:]))
     out = []
-    for (src, dst), ratios in sorted(found.items()):
+    for (src, dst), (rto, ratios) in sorted(found.items()):
         near = [r for r in ratios if IDLE_AT_RTO[0] <= r <= IDLE_AT_RTO[1]]
         if ratios and len(near) >= 0.1 * len(ratios):
-            rto_ms = 1000 * (topo.rtt_ms(src, dst) / 1000 + RTO_MIN_S / run.time_dilation)
             out.append(f"{len(near)} of {len(ratios)} idle gaps between messages {src}->{dst} last "
-                       f"{IDLE_AT_RTO[0]:g}-{IDLE_AT_RTO[1]:g}x the connections' RTO (~{rto_ms:.0f} ms): with "
+                       f"{IDLE_AT_RTO[0]:g}-{IDLE_AT_RTO[1]:g}x the connections' RTO (~{1000 * rto:.0f} ms): with "
                        f"slow start after idle (Linux's default) each restart is a coin flip, and runs may "
                        f"settle into different iteration times; parallel.slow_start_after_idle: false "
                        f"(WAN-tuned hosts) removes it")
