@@ -54,7 +54,7 @@ case "$what" in
   setup) echo "set up: .venv/bin/testbed is ready" ;;
   demo) exec .venv/bin/testbed run experiments/default.yaml --out results/default ;;
   test|test-all)
-    apt_install vagrant  # the tests validate the Vagrantfile
+    apt_install vagrant faketime  # the tests validate the Vagrantfile; faketime drifts a fake machine's clock
     # Where this kernel has no netem, the netem variants run in a VM with Debian's stock kernel
     # (testbed/tools/vm.py, tests/netem_vm.py; its image is built once, ~8 min, into
     # /var/cache/geo-testbed/vm).

@@ -241,7 +241,7 @@ def run(
             if inventory is not None:
                 from testbed.cluster.remote import ClusterSite, open_cluster
 
-                cluster = open_cluster(exp.topo, inventory, machines,
+                cluster = open_cluster(exp.topo, inventory, machines, run=exp.name,
                                        progress=lambda m: progress.console.print(m, highlight=False))
                 site = ClusterSite(cluster)
             task = progress.add_task(f"training {exp.name}", total=exp.training.iterations)
@@ -381,7 +381,8 @@ def provision(
 
 
 @app.command()
-def clean(force: bool = typer.Option(False, help="also when a run still holds the lock"),
+def clean(force: bool = typer.Option(False, help="also when a run still holds the lock (with --inventory: end "
+                                                  "other orchestrators' live runs too)"),
           inventory: Optional[Path] = typer.Option(None, help="clean every machine of this inventory (Ansible)"),
           fake_cluster: bool = typer.Option(False, "--fake-cluster", help="also end the fake cluster")) -> None:
     """Remove every namespace, interface, process and file the testbed made (also after a crash)."""
@@ -394,17 +395,25 @@ def clean(force: bool = typer.Option(False, help="also when a run still holds th
         from testbed.cluster.plays import clean_machines
 
         try:
-            result = clean_machines(inventory)
+            result = clean_machines(inventory, force=force)
         except ClusterError as exc:
             _fail(str(exc))
         for host, stats in sorted(result["hosts"].items()):
-            out.print(f"{host}: {'cleaned' if not stats.get('unreachable') else 'unreachable'}")
+            said = result["said"].get(host, "").strip().splitlines()
+            state = "unreachable" if stats.get("unreachable") else said[-1] if said else "cleaned"
+            out.print(f"{host}: {state}", highlight=False, soft_wrap=True)
         for f in result["failures"]:
             console.print(f"[bold yellow]warning:[/] {f}", highlight=False)
         if result["failures"]:
             raise typer.Exit(1)
         return
-    _end_agent()
+    if not _end_agent(force):
+        from testbed.cluster.agent import live_agent
+
+        info = live_agent() or {}
+        out.print(f"left alone: a live run of {info.get('orchestrator', '?')} (machine agent pid {info.get('pid')}); "
+                  f"--force ends it", soft_wrap=True)
+        return
     if fake_cluster:
         from testbed.cluster import fake
 
@@ -416,8 +425,8 @@ def clean(force: bool = typer.Option(False, help="also when a run still holds th
         _fail(str(exc))
     out.print(
         f"removed {len(found['processes'])} process(es), {len(found['netns'])} named namespace(s), "
-        f"{len(found['links'])} interface(s), {len(found['cgroups'])} cgroup(s), {len(found['files'])} file(s)"
-    )
+        f"{len(found['links'])} interface(s), {len(found['cgroups'])} cgroup(s), {len(found['files'])} file(s)",
+        soft_wrap=True)
 
 
 @app.command()
@@ -505,48 +514,39 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
-def _end_agent() -> None:
-    """A machine agent of this machine (its PID file, its command line checked) ends first:
-    it removes its own network on SIGTERM."""
+def _end_agent(force: bool) -> bool:
+    """The machine agent of this machine, if one runs: ended (it removes its own network on
+    SIGTERM) when ``force``; else left alone, and False returned (another orchestrator's live run)."""
     import time
 
-    from testbed.cluster.agent import PID_FILE
+    from testbed.cluster.agent import live_agent
 
-    try:
-        pid = int(PID_FILE.read_text().split()[0])
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError, IndexError):
-        return
-    if b"machine-agent" not in cmdline:
-        return
+    info = live_agent()
+    if info is None:
+        return True
+    if not force:
+        return False
+    pid = int(info["pid"])
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.05)
     if os.path.exists(f"/proc/{pid}"):
         os.kill(pid, signal.SIGKILL)
+    return True
 
 
 @app.command("machine-agent")
 def machine_agent(
-    listen: str = typer.Option(..., help="the management (underlay) address to listen on"),
-    port: int = typer.Option(29700, help="TCP port"),
-    token_file: Path = typer.Option(..., help="a file holding the run's token"),
     lease: float = typer.Option(15.0, help="end, and clean up, after this many seconds without the orchestrator"),
-    accept_timeout: float = typer.Option(120.0, help="end when no orchestrator connects within this"),
+    hello_timeout: float = typer.Option(60.0, help="end when the orchestrator says nothing within this"),
 ) -> None:
-    """One machine's part of a run across machines (Ansible starts it: playbooks/cluster.yml)."""
-    from testbed.cluster.agent import serve
+    """One machine's part of a run across machines, on stdin/stdout (the orchestrator starts it over SSH)."""
+    from testbed.cluster.agent import serve_stdio
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        token = token_file.read_text().strip()
-    except OSError as exc:
-        _fail(f"--token-file {token_file}: {exc.strerror}")
-    try:
-        code = serve(listen, port, token, lease_s=lease, accept_s=accept_timeout)
-    except OSError as exc:
-        _fail(f"machine agent on {listen}:{port}: {exc.strerror or exc}")
+        code = serve_stdio(lease_s=lease, hello_s=hello_timeout)
     except KeyboardInterrupt:
         code = 130
     raise typer.Exit(code)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from testbed.train.reference import reference_losses
 from testbed.spec.experiment import load_experiment
@@ -151,9 +152,11 @@ def test_default_job_across_machines_trains_as_on_one(cluster, tmp_path):
     _nothing_left(cluster)
 
 
-def _start_run(cluster, out: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(cluster.head_argv([*TESTBED, "run", "experiments/default.yaml", "--inventory",
-                                               str(cluster.inventory_path), "--out", str(out)]),
+def _start_run(cluster, out: Path, machines: str | None = None, experiment: str = "experiments/default.yaml"
+               ) -> subprocess.Popen:
+    proc = subprocess.Popen(cluster.head_argv([*TESTBED, "run", experiment, "--inventory",
+                                               str(cluster.inventory_path), "--out", str(out),
+                                               *(["--machines", machines] if machines else [])]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     deadline = time.monotonic() + 180
     while (out / "iterations.jsonl").exists() is False or not (out / "iterations.jsonl").read_text().strip():
@@ -191,13 +194,46 @@ def test_a_killed_remote_worker_ends_the_run_naming_it(cluster, tmp_path):
     _nothing_left(cluster)
 
 
-def test_after_a_sigkilled_orchestrator_clean_inventory_leaves_nothing(cluster, tmp_path):
-    proc = _start_run(cluster, tmp_path)
-    proc.kill()
-    proc.wait(10)
+def _agent_pid(cluster, machine: str) -> int:
+    m = next(x for x in cluster.machines if x.name == machine)
+    ns = os.readlink(f"/proc/{m.pid}/ns/pid")
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and os.readlink(f"/proc/{p}/ns/pid") == ns and \
+                    b"machine-agent" in Path(f"/proc/{p}/cmdline").read_bytes():
+                return int(p)
+        except OSError:
+            continue
+    raise AssertionError(f"no machine agent on {machine}")
+
+
+def test_clean_inventory_after_a_crash_ends_the_dead_run_and_leaves_a_live_one(cluster, tmp_path):
+    """Run A crashes (its agent on m1 and its orchestrator SIGKILLed: m1 keeps A's network);
+    run B, another orchestrator's, trains on m2 and m3; ``clean --inventory`` then removes
+    A's leftovers on m1 and leaves B alone, which finishes."""
+    a = _start_run(cluster, tmp_path / "a")
+    os.kill(_agent_pid(cluster, "m1"), signal.SIGKILL)
+    a.kill()
+    a.wait(10)
+    long = yaml.safe_load((REPO / "experiments" / "default.yaml").read_text())
+    long["training"]["iterations"] = 1000  # B trains until this test ends it
+    (tmp_path / "long.yaml").write_text(yaml.safe_dump(long))
+    b = _start_run(cluster, tmp_path / "b", machines="virginia=m2,ohio=m2,oregon=m3",
+                   experiment=str(tmp_path / "long.yaml"))
     r = _head(cluster, ["clean", "--inventory", str(cluster.inventory_path)], timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(ln.split(":")[0] for ln in r.stdout.splitlines() if ln.strip()) == ["m1", "m2", "m3"]
+    said = dict(ln.split(": ", 1) for ln in r.stdout.splitlines() if ": " in ln)
+    assert sorted(said) == ["m1", "m2", "m3"], r.stdout
+    assert said["m1"].startswith("removed ") and not said["m1"].startswith("removed 0 process"), said
+    assert said["m2"].startswith("left alone: a live run of") and said["m3"].startswith("left alone"), said
+    done = len((tmp_path / "b" / "iterations.jsonl").read_text().splitlines())
+    deadline = time.monotonic() + 60
+    while len((tmp_path / "b" / "iterations.jsonl").read_text().splitlines()) < done + 3:
+        assert b.poll() is None and time.monotonic() < deadline, "run B stopped training after the clean"
+        time.sleep(0.2)
+    b.send_signal(signal.SIGINT)  # its user's Ctrl-C: B ends as any run does
+    out, _ = b.communicate(timeout=120)
+    assert b.returncode == 130, out[-3000:]
     _nothing_left(cluster)
 
 

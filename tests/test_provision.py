@@ -110,3 +110,18 @@ def test_cli_exits_non_zero_for_an_unknown_host_or_inventory(tmp_path):
     result = subprocess.run([sys.executable, "-m", "testbed.cli", "provision", "--inventory", str(tmp_path / "nope.ini")],
                             capture_output=True, text=True, cwd=REPO, env=ENV, timeout=60)
     assert result.returncode == 1 and "does not exist" in result.stderr
+
+
+def test_a_play_leaves_the_callers_ctrl_c_and_sigterm_handlers_as_they_were(tmp_path):
+    """ansible-runner installs SIGINT/SIGTERM handlers that only flag a cancel: left in place,
+    a run across machines (which plays Ansible first) ignored Ctrl-C to the end."""
+    import signal
+
+    from testbed.tools.provision import provision
+
+    play = tmp_path / "noop.yml"
+    play.write_text("- hosts: all\n  gather_facts: false\n  tasks:\n"
+                    "    - name: Nothing\n      ansible.builtin.command: 'true'\n      changed_when: false\n")
+    mine = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    provision(playbook=play)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == mine

@@ -1,23 +1,28 @@
 """``testbed machine-agent``: one machine's part of a run across several machines.
 
-How it fits: Ansible starts one agent per machine (``playbooks/cluster.yml``); the
-orchestrator (``remote.py``) connects to it on the management address, proves the run's
-token, and drives it with requests (``wire.py``): build this machine's DCs of the topology
-(``network.Network`` with ``dcs`` and VXLAN ``tunnels``), run commands and processes in its
-hosts, start workers in their CPU containers (``procs``), relay what the workers say on
-the machine's own telemetry hub (``hub.TelemetryHub``), answer clock samples.  One thread
-answers requests (a clock sample is answered the moment it arrives); a second relays
-telemetry and reports processes that ended and delay lines that died.
+How it fits: the orchestrator (``remote.py``) starts one agent per machine over SSH, from
+the build it installed there (``build.py``), and speaks to it on the SSH session's stdin and
+stdout (``wire.py``); nothing listens on a port.  The first call is ``hello`` with the
+orchestrator's build: the agent refuses any other build than its own, naming both.  Then it
+serves requests: build this machine's DCs of the topology (``network.Network`` with ``dcs``
+and VXLAN ``tunnels``), run commands and processes in its hosts, start workers in their CPU
+containers (``procs``), relay what the workers say on the machine's own telemetry hub
+(``hub.TelemetryHub``), answer clock samples.  One thread answers requests (a clock sample
+is answered the moment it arrives); a second relays telemetry and reports processes that
+ended and delay lines that died.  The agent's log is its stderr, which SSH carries back to
+the orchestrator.
 
-Leases: the agent serves one orchestrator.  When its connection closes (the orchestrator
-ended, or was killed) or it hears nothing for ``lease_s`` (a hung orchestrator, a cut
-management network), it removes everything it made and exits, so a machine is left clean
-without anyone reaching it; ``testbed clean`` on the machine does the same after a crash
-of the agent itself.
+Leases: the agent serves one orchestrator.  When its stdin closes (the orchestrator ended,
+or was killed, and its SSH client with it) or it hears nothing for ``lease_s`` (a hung
+orchestrator, a cut management network), it removes everything it made and exits, so a
+machine is left clean without anyone reaching it; ``testbed clean`` on the machine does the
+same after a crash of the agent itself, and leaves a live agent (another orchestrator's run)
+alone unless forced (``PID_FILE`` says whose run it is).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -29,14 +34,14 @@ from pathlib import Path
 
 from testbed import messages as m
 from testbed.cluster import wire
+from testbed.cluster.build import version
 
-PID_FILE = Path("/run/gtb-agent.pid")
+PID_FILE = Path("/run/gtb-agent.pid")  # {"pid", "orchestrator", "run"}: the live agent of this machine
 
 
 class _Session:
-    def __init__(self, conn: socket.socket, token: str, lease_s: float, log):
+    def __init__(self, conn: wire.Channel, lease_s: float, log):
         self.conn = conn
-        self.token = token
         self.lease_s = lease_s
         self.log = log
         self.lock = threading.Lock()
@@ -54,7 +59,7 @@ class _Session:
     def emit(self, msg: m.Message) -> None:
         with self.lock:
             try:
-                wire.send(self.conn, msg)
+                self.conn.send(msg)
             except OSError:
                 self.alive = False
 
@@ -120,12 +125,10 @@ class _Session:
         fn = getattr(self, f"op_{req.op}", None)
         if fn is None:
             raise ValueError(f"unknown op {req.op!r}")
-        args = {k: v for k, v in req.args.items() if k != "token"}
-        return fn(**args)
+        return fn(**req.args)
 
-    def op_hello(self) -> dict:
-        return {"machine": os.environ.get("GTB_MACHINE") or socket.gethostname(), "pid": os.getpid(),
-                "t": time.monotonic()}
+    def op_hello(self, **_orchestrator) -> dict:
+        return {"machine": machine_name(), "pid": os.getpid(), "t": time.monotonic(), "build": version()}
 
     def op_clock(self) -> dict:
         return {"t": time.monotonic()}
@@ -275,47 +278,57 @@ class _Session:
         self.launcher = None
 
 
-def serve(listen: str, port: int, token: str, lease_s: float = 15.0, accept_s: float = 120.0,
-          log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> int:
-    """Serve one orchestrator session on ``listen:port``; 0 when it ended cleanly."""
-    PID_FILE.write_text(f"{os.getpid()}\n")
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((listen, port))
-    server.listen(8)
-    log(f"machine agent {os.environ.get('GTB_MACHINE', socket.gethostname())} on {listen}:{port}, lease {lease_s:g} s")
-    deadline = time.monotonic() + accept_s
+def machine_name() -> str:
+    return os.environ.get("GTB_MACHINE") or socket.gethostname()
+
+
+def live_agent() -> dict | None:
+    """The agent running on this machine now (``PID_FILE``, its command line checked), if any."""
     try:
-        while True:  # the first connection that proves the token is the orchestrator
-            server.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                conn, peer = server.accept()
-            except socket.timeout:
-                log(f"no orchestrator within {accept_s:g} s")
-                return 1
-            conn.settimeout(5.0)
-            reader = wire.LineReader(conn)
-            try:
-                lines = reader.read() or []
-            except (ValueError, OSError):
-                lines = []
-            first = lines[0] if lines else None
-            if isinstance(first, m.Call) and first.op == "hello" and first.args.get("token") == token:
-                break
-            conn.close()  # a port probe (Ansible's wait_for) or a stranger
-    finally:
-        server.close()
-    conn.settimeout(None)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    log(f"orchestrator {peer[0]} connected")
-    session = _Session(conn, token, lease_s, log)
+        info = json.loads(PID_FILE.read_text())
+        cmdline = Path(f"/proc/{int(info['pid'])}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info if b"machine-agent" in cmdline else None
+
+
+def serve_stdio(lease_s: float = 15.0, hello_s: float = 60.0,
+                log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> int:
+    """Serve the orchestrator on stdin/stdout (an SSH session); 0 when it ended cleanly, 2
+    when it runs another build."""
+    # the wire keeps the session's two pipes; anything else this process or its children
+    # print goes to stderr (the log), never into the wire
+    chan = wire.Channel(os.dup(0), os.dup(1))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    reader = wire.LineReader(chan)
+    ready, _, _ = select.select([chan], [], [], hello_s)
+    lines = (reader.read() or []) if ready else []
+    first = lines[0] if lines else None
+    if not (isinstance(first, m.Call) and first.op == "hello"):
+        log(f"no hello from an orchestrator within {hello_s:g} s")
+        chan.close()
+        return 1
+    theirs, mine = first.args.get("build"), version()
+    if theirs != mine:
+        chan.send(m.Answer(id=first.id, error=f"testbed build {mine} on machine {machine_name()}, the orchestrator "
+                                              f"runs {theirs}: one build must run everywhere"))
+        chan.close()
+        return 2
+    who = first.args.get("orchestrator", "?")
+    PID_FILE.write_text(json.dumps({"pid": os.getpid(), "orchestrator": who, "run": first.args.get("run", "")}))
+    log(f"machine agent {machine_name()} (build {mine}) serving {who}, lease {lease_s:g} s")
+    session = _Session(chan, lease_s, log)
     try:
         session.serve(reader, first)
     finally:
-        conn.close()
+        chan.close()
         try:
-            PID_FILE.unlink()
-        except OSError:
+            if live_agent() and json.loads(PID_FILE.read_text())["pid"] == os.getpid():
+                PID_FILE.unlink()
+        except (OSError, ValueError, KeyError):
             pass
     log("machine agent done: everything it made is removed")
     return 0

@@ -128,7 +128,8 @@ def create(n: int = 3, clock_offsets_s: list[float] | None = None) -> FakeCluste
         key = FAKE_DIR / "id_ed25519"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True,
                        capture_output=True)
-        head = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], start_new_session=True)
+        head = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # holds no caller's pipe
         state["head"] = {"pid": head.pid, "start": _wait_start(head.pid)}
         _write_state(state)
         _wait_own_netns(head.pid)  # until unshare has run, nsenter would enter this machine's network

@@ -1,8 +1,9 @@
 """The orchestrator's side of a run across machines: agents, clocks, and the network they make.
 
-How it fits: ``Cluster.start`` starts one machine agent per machine through Ansible
-(``plays.py``), connects to each (``AgentClient``: requests and answers, events in one
-queue), measures each machine's clock against the orchestrator's (``measure_clock``),
+How it fits: ``Cluster.start`` installs the orchestrator's build on each machine through
+Ansible (``plays.py``, ``build.py``), starts one machine agent per machine over SSH from that
+build and speaks to it on the session's stdin/stdout (``AgentClient``: requests and
+answers, events in one queue; nothing listens on a port), measures each machine's clock against the orchestrator's (``measure_clock``),
 measures the underlay, and builds each machine's DCs with a VXLAN per WAN link that
 crosses machines.  ``ClusterNetwork`` is the ``net.surface.NetworkSurface`` that
 ``runner.TrainingRun`` and ``fidelity`` use, as ``network.Network`` is on one machine:
@@ -32,11 +33,13 @@ interface on every machine gets the underlay's MTU less 50 (the VXLAN header): 1
 
 from __future__ import annotations
 
+import getpass
 import itertools
 import os
 import queue
-import secrets
+import shutil
 import socket
+import tempfile
 import subprocess
 import threading
 import time
@@ -50,6 +53,7 @@ from testbed.net.shaping import ClassCounters, Counters
 from testbed.net.surface import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Topology
 from testbed.cluster import wire
+from testbed.cluster.build import version
 from testbed.cluster.inventory import ClusterError, Machine
 
 VXLAN_OVERHEAD = 50
@@ -58,27 +62,50 @@ _VNI_BASE = 4096
 
 
 class AgentClient:
-    """One machine agent: ``call`` blocks for its answer; events go to ``events``."""
+    """One machine agent, started over SSH (``plays.agent_command``) and spoken to on that
+    session's stdin/stdout: ``call`` blocks for its answer; events go to ``events``; what the
+    agent logs (its stderr) goes to ``log``."""
 
-    def __init__(self, machine: Machine, port: int, token: str, events: "queue.Queue", timeout: float = 30.0):
+    def __init__(self, machine: Machine, argv: list[str], events: "queue.Queue", log: Path):
         self.machine = machine
         self.events = events
-        try:
-            self.sock = socket.create_connection((machine.underlay, port), timeout=timeout)
+        self.log = log
+        self._log_fh = open(log, "ab")
+        try:  # its own session: a Ctrl-C at the orchestrator's terminal reaches the orchestrator only
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_fh,
+                                         start_new_session=True)
         except OSError as exc:
-            raise ClusterError(f"machine {machine.name}: no agent at {machine.underlay}:{port} "
-                               f"({exc.strerror or exc})") from None
-        self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._log_fh.close()
+            raise ClusterError(f"machine {machine.name}: {argv[0]}: {exc.strerror or exc}") from None
+        self.chan = wire.Channel(self.proc.stdout.fileno(), self.proc.stdin.fileno())
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._waiting: dict[int, tuple[threading.Event, list]] = {}
         self.closed = False
+        self.hello: dict = {}
         threading.Thread(target=self._read, daemon=True).start()
-        self.hello = self.call("hello", token=token)
+
+    def greet(self, run: str, wait_s: float = 60.0) -> dict:
+        """The first call: this orchestrator's build (the agent refuses another) and who it is."""
+        try:
+            self.hello = self.call("hello", wait_s=wait_s, build=version(), run=run,
+                                   orchestrator=f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}")
+        except ClusterError as exc:
+            if self.closed and "no answer" in str(exc):  # it never started: say why (ssh's or Python's last word)
+                raise ClusterError(f"machine {self.machine.name}: its agent did not start: {self.last_log_line()}") \
+                    from None
+            raise
+        return self.hello
+
+    def last_log_line(self) -> str:
+        try:
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        return lines[-1].strip() if lines else "no output"
 
     def _read(self) -> None:
-        reader = wire.LineReader(self.sock)
+        reader = wire.LineReader(self.chan)
         while True:
             lines = reader.read()
             if lines is None:
@@ -104,7 +131,7 @@ class AgentClient:
         self._waiting[rid] = (ev, box)
         with self._lock:
             try:
-                wire.send(self.sock, Call(id=rid, op=op, args=args))
+                self.chan.send(Call(id=rid, op=op, args=args))
             except OSError as exc:
                 raise ClusterError(f"machine {self.machine.name}: its agent is unreachable ({exc})") from None
         if not ev.wait(wait_s) or not box:
@@ -114,12 +141,19 @@ class AgentClient:
             raise ClusterError(f"machine {self.machine.name}: {op}: {box[0].error}")
         return box[0].result
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """End the session: the agent reads end-of-file, removes what it made and exits."""
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.proc.stdin.close()
         except OSError:
             pass
-        self.sock.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._log_fh.close()
 
 
 @dataclass
@@ -397,6 +431,10 @@ class ClusterLauncher:
             for n, text in logs.items():
                 dst.mkdir(parents=True, exist_ok=True)
                 (dst / f"{rename(n)}.log").write_text(text)
+        for machine, agent in self.cluster.agents.items():  # with them, what each machine's agent said
+            if agent.log.exists() and agent.log.stat().st_size:
+                dst.mkdir(parents=True, exist_ok=True)
+                (dst / agent.log.name).write_bytes(agent.log.read_bytes())
 
 
 class ClusterHub:
@@ -458,7 +496,6 @@ class Cluster:
     machines: list[Machine]
     placement: dict[str, str]  # DC -> machine
     inventory: Path
-    port: int = wire.AGENT_PORT
     lease_s: float = 15.0
     progress: Callable[[str], None] = lambda msg: None
     agents: dict[str, AgentClient] = field(default_factory=dict)
@@ -472,19 +509,25 @@ class Cluster:
     _renewer: threading.Thread | None = None
     _report: dict | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
+    logs: Path | None = None  # each agent's log (its stderr over SSH): agent-<machine>.log
 
     # -- start and end ----------------------------------------------------------------
-    def start(self) -> "Cluster":
-        from testbed.cluster.plays import start_agents
+    def start(self, run: str = "") -> "Cluster":
+        from testbed.cluster.plays import agent_command, install_build
 
         used = sorted(set(self.placement.values()), key=[m.name for m in self.machines].index)
-        token = secrets.token_hex(16)
-        self.progress(f"starting machine agents on {', '.join(used)} (Ansible)")
-        start_agents(self.inventory, used, self.port, token, self.lease_s, progress=self.progress)
         by_name = {m.name: m for m in self.machines}
+        installing = [n for n in used if by_name[n].testbed_root is None]
+        self.progress(f"installing build {version()} on {', '.join(installing) or 'no machine'} (Ansible)")
+        build_dir = install_build(self.inventory, installing, progress=self.progress)
+        self.progress(f"starting machine agents on {', '.join(used)} (SSH)")
+        self.logs = Path(tempfile.mkdtemp(prefix="gtb-agent-logs-"))
         try:
-            for name in used:
-                self.agents[name] = AgentClient(by_name[name], self.port, token, self.events)
+            for name in used:  # all started first: their Pythons import side by side
+                self.agents[name] = AgentClient(by_name[name], agent_command(by_name[name], self.lease_s, build_dir),
+                                                self.events, self.logs / f"agent-{name}.log")
+            for agent in self.agents.values():
+                agent.greet(run)
             self._renewer = threading.Thread(target=self._renew, daemon=True)
             self._renewer.start()
             self.measure_clocks("start")
@@ -510,6 +553,8 @@ class Cluster:
                 pass
             agent.close()
         self.agents.clear()
+        if self.logs is not None:
+            shutil.rmtree(self.logs, ignore_errors=True)
 
     # -- clocks -----------------------------------------------------------------------
     def measure_clocks(self, when: str) -> dict:
@@ -744,14 +789,14 @@ class ClusterSite:
 
 
 def open_cluster(topo: Topology, inventory: Path, machines_flag: str | None = None,
-                 progress: Callable[[str], None] = lambda msg: None, lease_s: float = 15.0) -> Cluster:
+                 progress: Callable[[str], None] = lambda msg: None, lease_s: float = 15.0, run: str = "") -> Cluster:
     """Read the inventory, place the DCs, start and reach the agents, sample the clocks.
     The caller ends it with ``close()`` (the agents' leases end it too)."""
     from testbed.cluster.inventory import load_inventory, parse_machines_flag, place
 
     machines = load_inventory(inventory)
     placement = place(topo, machines, parse_machines_flag(machines_flag))
-    return Cluster(machines, placement, Path(inventory), lease_s=lease_s, progress=progress).start()
+    return Cluster(machines, placement, Path(inventory), lease_s=lease_s, progress=progress).start(run)
 
 
 def correct_drift(records: dict, where: dict[str, str], sender_of: Callable[[str, str], str | None],

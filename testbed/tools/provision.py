@@ -10,9 +10,12 @@ local.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -33,6 +36,7 @@ class ProvisionResult:
     rc: int
     hosts: dict[str, dict[str, int]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    outputs: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> task -> its stdout (ok tasks)
 
     @property
     def changed(self) -> int:
@@ -42,6 +46,16 @@ class ProvisionResult:
 def _one_line(text: str) -> str:
     lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
     return lines[-1] if lines else str(text).strip()
+
+
+@contextlib.contextmanager
+def _restored(handlers: dict):
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
 
 def provision(inventory: Path | None = None, check: bool = False, limit: str | None = None,
@@ -56,6 +70,7 @@ def provision(inventory: Path | None = None, check: bool = False, limit: str | N
     # ansible-runner starts ansible-playbook from PATH: use the one next to this Python
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     failures: list[str] = []
+    outputs: dict[str, dict[str, str]] = {}
     say = progress or (lambda line: None)
 
     def on_event(event: dict) -> bool:
@@ -63,6 +78,8 @@ def provision(inventory: Path | None = None, check: bool = False, limit: str | N
         data = event.get("event_data", {})
         host, task = data.get("host", ""), data.get("task", "")
         if kind == "runner_on_ok":
+            if data.get("res", {}).get("stdout"):
+                outputs.setdefault(host, {})[task] = str(data["res"]["stdout"])
             say(f"{'changed' if data.get('res', {}).get('changed') else 'ok':>8}  {host}: {task}")
         elif kind == "runner_on_skipped":
             say(f"{'skipped':>8}  {host}: {task}")
@@ -83,7 +100,10 @@ def provision(inventory: Path | None = None, check: bool = False, limit: str | N
         cmdline += ["--limit", limit]
     if tags:
         cmdline += ["--tags", tags]
-    with tempfile.TemporaryDirectory(prefix="gtb-ansible-") as private:
+    # ansible-runner sets its own SIGINT and SIGTERM handlers (they only flag a cancel) and
+    # leaves them: a run across machines would then ignore Ctrl-C; ours come back after
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with tempfile.TemporaryDirectory(prefix="gtb-ansible-") as private, _restored(handlers):
         runner = ansible_runner.run(
             private_data_dir=private,
             playbook=str(Path(playbook).resolve()),
@@ -101,7 +121,7 @@ def provision(inventory: Path | None = None, check: bool = False, limit: str | N
                           ("dark", "unreachable"), ("skipped", "skipped")):
             for host, n in (stats.get(key) or {}).items():
                 hosts.setdefault(host, {})[name] = n
-        result = ProvisionResult(runner.status, runner.rc, hosts, failures)
+        result = ProvisionResult(runner.status, runner.rc, hosts, failures, outputs)
         if runner.rc != 0 or failures:
             if failures:
                 raise ProvisionError(failures[0])

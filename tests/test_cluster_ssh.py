@@ -1,0 +1,143 @@
+"""Runs across machines reach their agents over SSH, with one build everywhere, and map a
+drifting clock: the quick checks on the fake cluster (``tests/test_cluster.py``'s fixture).
+
+The orchestrator's side runs in this process, in the fake cluster's head network namespace
+(as ``test_site_conformance.py`` does): ``open_cluster`` installs this build on the machines
+through Ansible and starts each machine's agent over SSH.  Checked: no process of the
+testbed listens on a TCP port of any machine while its network is up (``ss -ltnp`` inside
+each); an agent of another build (a copy of the packages with one line changed, run through
+``gtb_testbed_root``) is refused with both builds named, and the other machines are left
+clean; an agent whose clock runs 500 ppm fast (libfaketime's rate, ``gtb_agent_wrap``) shows
+that drift, and a timestamp taken mid-run on it maps onto the orchestrator's clock within
+the samples' uncertainty once the drift is corrected, where the start offset alone is off by
+drift x elapsed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_cluster import _missing, _nothing_left, cluster  # noqa: F401  (cluster: the fake cluster fixture)
+from test_site_conformance import _in_netns
+from testbed.spec.topology import load_topology, resolve_topology
+
+pytestmark = [pytest.mark.network, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+REPO = Path(__file__).resolve().parent.parent
+DRIFT_PPM = 500.0
+
+
+def _open(fake, inventory: Path, topology: str = "aws-us3"):
+    from testbed.cluster.remote import open_cluster
+
+    intern = sys.intern  # Ansible patches sys.intern for the process (see test_site_conformance)
+    try:
+        with _in_netns(fake.head_pid):
+            return open_cluster(load_topology(resolve_topology(topology)), inventory)
+    finally:
+        sys.intern = intern
+
+
+def _nothing_left_soon(fake, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:  # an agent exits a moment after its session ends
+        try:
+            _nothing_left(fake)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _inventory(fake, path: Path, extra: dict[str, str]) -> Path:
+    lines = []
+    for line in fake.inventory_text().splitlines():
+        name = line.split(" ", 1)[0]
+        lines.append(line + (f" {extra[name]}" if name in extra and "gtb_underlay=" in line else ""))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _listeners(fake, machine: str) -> list[str]:
+    out = subprocess.run(fake.machine_argv(machine, ["ss", "-Hltnp"]), capture_output=True, text=True,
+                         timeout=30).stdout
+    return [ln for ln in out.splitlines() if ln.strip()]
+
+
+def test_agents_come_over_ssh_listen_on_no_port_and_run_this_build(cluster):
+    from testbed.cluster.build import version
+    from testbed.cluster.remote import ClusterNetwork
+
+    opened = _open(cluster, cluster.inventory_path)
+    try:
+        assert {n: a.hello["build"] for n, a in opened.agents.items()} == {n: version() for n in ("m1", "m2", "m3")}
+        with ClusterNetwork(opened, load_topology(resolve_topology("aws-us3"))):  # each machine's DC up, VXLANs and all
+            for m in cluster.machines:
+                listening = _listeners(cluster, m.name)
+                assert listening and all('"sshd"' in ln for ln in listening), (m.name, listening)
+    finally:
+        opened.close()
+    _nothing_left_soon(cluster)
+
+
+def test_an_agent_of_another_build_is_refused_naming_both(cluster, tmp_path):
+    from testbed.cluster import build
+    from testbed.cluster.inventory import ClusterError
+
+    alt = tmp_path / "alt"
+    for pkg in build.PACKAGES:
+        shutil.copytree(REPO / pkg, alt / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(alt / "testbed" / "__init__.py", "a") as fh:
+        fh.write("# another build\n")
+    theirs, mine = build.digest(alt), build.digest()
+    assert theirs != mine
+    inv = _inventory(cluster, tmp_path / "inv.ini", {"m2": f"gtb_testbed_root={alt}"})
+    with pytest.raises(ClusterError) as err:
+        _open(cluster, inv)
+    msg = str(err.value)
+    assert len(msg.splitlines()) == 1 and "m2" in msg and theirs in msg and mine in msg, msg
+    _nothing_left_soon(cluster)  # m1 and m3's agents, started, were ended with the run
+
+
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (apt-get install faketime)")
+def test_a_drifting_clock_is_measured_and_mapped_within_its_uncertainty(cluster, tmp_path):
+    from testbed.cluster.remote import correct_drift, measure_clock
+    from testbed.results.records import Interval, WorkerRecord
+
+    rate = 1 + DRIFT_PPM / 1e6
+    inv = _inventory(cluster, tmp_path / "inv.ini", {"m2": f"gtb_agent_wrap='faketime -m -f \"+0 x{rate}\"'"})
+    opened = _open(cluster, inv)
+    try:
+        time.sleep(2.0)
+        mid = measure_clock(opened.agents["m2"])  # m2's clock read at orchestrator time mid.at
+        time.sleep(2.0)
+        report = opened.clock_report()  # the end sample
+        start, end = opened.clock["start"], opened.clock["end"]
+    finally:
+        opened.close()
+    span = end["m2"]["at"] - start["m2"]["at"]
+    known_ppm = (start["m2"]["uncertainty_ms"] + end["m2"]["uncertainty_ms"]) / 1e3 / span * 1e6
+    drift = report["machines"]["m2"]["drift_ppm"]
+    assert abs(drift - DRIFT_PPM) <= max(known_ppm, 0.05 * DRIFT_PPM), (drift, known_ppm)
+    assert abs(report["machines"]["m1"]["drift_ppm"]) <= max(known_ppm, 0.05 * DRIFT_PPM), report
+    # a timestamp m2 took at mid.at, mapped as the hub maps it (the start offset), then corrected
+    stamp = mid.at + mid.offset_s - start["m2"]["offset_s"]
+    uncorrected_ms = (stamp - mid.at) * 1e3
+    elapsed = mid.at - start["m2"]["at"]
+    assert uncorrected_ms == pytest.approx(DRIFT_PPM * 1e-6 * elapsed * 1e3, rel=0.25), (uncorrected_ms, elapsed)
+    rec = WorkerRecord("w", 0, 0, "dc")
+    rec.events = [Interval("forward", 0, stamp, stamp, 0)]
+    assert correct_drift({"w": rec}, {"w": "m2"}, lambda n, k: None, start, end)
+    error_ms = abs(rec.events[0].start - mid.at) * 1e3
+    bound_ms = start["m2"]["uncertainty_ms"] + end["m2"]["uncertainty_ms"] + mid.uncertainty_s * 1e3
+    print(f"drift put in {DRIFT_PPM:g} ppm, measured {drift:.1f} ppm; mid-run stamp off by {uncorrected_ms:.3f} ms "
+          f"with the start offset, {error_ms:.4f} ms corrected (bound {bound_ms:.4f} ms)")
+    assert error_ms <= bound_ms, (error_ms, bound_ms)
+    _nothing_left_soon(cluster)
