@@ -7,8 +7,8 @@ emulator and builds no network).
 * ``bench``: ``bench_emulated.py``'s cases 16x4, 64x4, 64x8 (6 iterations) and 256x4 (4
   iterations, k = 10), each built as that script builds it and simulated as it simulates it
   (the emulated devices' times, their per-message latency);
-* ``emulated``: ``validate_emulated.py``'s matrix (1/4/8 pipelines, 10x/100x BDP, default
-  and tuned hosts), simulated as that script does (8 iterations);
+* ``emulated``: ``validate_emulated.py``'s earlier 12 cells (4.2 ms, 1/4/8 pipelines, 10x/100x
+  BDP, default and tuned hosts, fair sharing), simulated as that script does (8 iterations);
 * ``sim``: ``validate_sim.py``'s 24 cases.  Its simulator side needs each emulator run's
   ``timeline.json`` (the profiled op times and per-message latency), which is not kept; so
   this is a proxy: forward 30 ms / P, backward twice that, each op drawn from +-50%, a
@@ -92,12 +92,13 @@ def _emulated_row(exp, case: str, measured: float, **kw) -> dict:
 
 
 def emulated(tmp: Path) -> list[dict]:
-    import validate_emulated
+    import validation_matrix
 
     rows = []
     for (pipelines, x), measured in EMULATED.items():
         for tuned in (False, True):
-            exp = load_experiment(validate_emulated._files(tmp, pipelines, x, tuned, 5))
+            cell = validation_matrix.Cell(4.2, pipelines, float(x), "tuned" if tuned else "default", "fair")
+            exp = load_experiment(validation_matrix.write_experiment(cell, tmp, 5))
             rows.append(_emulated_row(exp, f"{pipelines} pipelines {x}x BDP {'tuned' if tuned else 'default'}",
                                       measured[tuned], iterations=8))
     return rows
