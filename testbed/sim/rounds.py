@@ -110,14 +110,14 @@ class RoundsChannel:
     def _put(self, msg: dict, flight: list, size: float, clocked: float = 0.0, recovery: bool = False) -> None:
         """One round of ``msg`` into the network: what the queues take of it, and its lost tail.
         ``clocked``: bytes whose ACKs release the round as they come in, so that it reaches
-        the queue as fast as they left it; the queue grows by the rest (a burst: all of it)."""
+        the queue as fast as they left it; the queue grows by the rest (a burst: all of it).
+        ``recovery``: lost segments sent again, as the ACKs come in (PRR's pace): they take
+        the room those leave, and are lost only to a queue already over its bytes."""
         sim, win = self._sim, self._win
         sent_at, srtt = sim.now, self._srtt
-        over = max(sim.backlog(link) + size - min(size, clocked) - self._queue_bytes(link) for link in self._path)
+        grows = 0.0 if recovery else size - min(size, clocked)
+        over = max(sim.backlog(link) + grows - self._queue_bytes(link) for link in self._path)
         mine = None
-        if recovery:  # sent as the ACKs come in (PRR's pace): it takes the room they leave
-            clocked = size
-            over = max(self._sim.backlog(link) - self._queue_bytes(link) for link in self._path)
         lost = min(flight[1], -(-int(round(min(size, over) / self._n)) // MSS)) if over > 0 and size > 0 else 0
         if lost > 0:
             lost_bytes = min(size, self._n * lost * MSS)

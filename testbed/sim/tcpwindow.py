@@ -52,9 +52,15 @@ class TcpWindow:
       a segment a round trip (Reno's congestion avoidance; CUBIC's cubic growth is left out: only
       bulk transfers reach it, and they sit at ``cap``).
 
-    What it leaves out: loss and its recovery (``cap`` stands in for it; random loss is
-    ``loss_cap``'s), HyStart, delayed and stretched ACKs (growth in whole rounds, each round's
-    ACKs a round trip after it left), pacing, the queueing delay in the RTO's srtt."""
+    * Losses (only for ``rounds.RoundsChannel``, which finds them at a full queue): known
+      lost, CUBIC's multiplicative decrease to 0.7, once a round trip (``lose``, ``_reduce``);
+      a retransmission timeout to one segment.  Above ssthresh a round's ACKs add a segment
+      per window's worth (``_acknowledged_round``).
+
+    What it leaves out: loss and its recovery under fair sharing (``cap`` stands in for it;
+    random loss is ``loss_cap``'s), HyStart, delayed and stretched ACKs (growth in whole
+    rounds, each round's ACKs a round trip after it left), pacing, the queueing delay in the
+    RTO's srtt."""
 
     HEADER_SEGMENTS = 1  # the slice header, its own segment (transport.py, TCP_NODELAY)
 
