@@ -1,13 +1,14 @@
 """The simulator alone, under both sharing models, on the cases the emulator was measured on
-(prints measured / fair / fifo-bursts per cell; starts no emulator and builds no network).
+(prints measured / fair / fifo-bursts / fifo-bursts with the window model per cell; starts no
+emulator and builds no network).
 
     .venv/bin/python experiments/compare_sharing.py [--only bench,emulated,sim] [--json OUT]
 
 * ``bench``: ``bench_emulated.py``'s cases 16x4, 64x4, 64x8 (6 iterations) and 256x4 (4
   iterations, k = 10), each built as that script builds it and simulated as it simulates it
   (the emulated devices' times, their per-message latency);
-* ``emulated``: ``validate_emulated.py``'s matrix (1/4/8 pipelines, 10x/100x BDP, default
-  and tuned hosts), simulated as that script does (8 iterations);
+* ``emulated``: ``validate_emulated.py``'s earlier 12 cells (4.2 ms, 1/4/8 pipelines, 10x/100x
+  BDP, default and tuned hosts, fair sharing), simulated as that script does (8 iterations);
 * ``sim``: ``validate_sim.py``'s 24 cases.  Its simulator side needs each emulator run's
   ``timeline.json`` (the profiled op times and per-message latency), which is not kept; so
   this is a proxy: forward 30 ms / P, backward twice that, each op drawn from +-50%, a
@@ -37,10 +38,13 @@ from testbed.sim.device import stage_times as emulated_stage_times  # noqa: E402
 from testbed.sim.engine import FifoBurstPolicy, SharingPolicy, StageTimes  # noqa: E402
 from testbed.spec.experiment import load_experiment  # noqa: E402
 
-POLICIES = {"fair": SharingPolicy, "fifo": FifoBurstPolicy}
+# name -> (policy, sim.tcp_window_model): fifo_window sends each message a window at a time
+# into drop-tail FIFOs (testbed/sim/rounds.py)
+POLICIES = {"fair": (SharingPolicy, False), "fifo": (FifoBurstPolicy, False), "fifo_window": (FifoBurstPolicy, True)}
 
-# docs/benchmarks.md: "Emulated devices" (12-03) and "Reruns after the device kinds" (12-05)
-BENCH = {(16, 4): (6, 1.0, 0.597), (64, 4): (6, 1.0, 1.625), (64, 8): (6, 1.0, 2.433), (256, 4): (4, 10.0, 5.878)}
+# docs/benchmarks.md: "The simulator on many pipelines a link and on the long haul" (12-06 reruns;
+# 256x4: the mean of its three runs)
+BENCH = {(16, 4): (6, 1.0, 0.573), (64, 4): (6, 1.0, 1.722), (64, 8): (6, 1.0, 2.465), (256, 4): (4, 10.0, 5.842)}
 # docs/benchmarks.md: "Simulator against emulated devices": (pipelines, x BDP) -> (default, tuned) measured
 EMULATED = {(1, 10): (0.406, 0.405), (4, 10): (1.066, 1.048), (8, 10): (1.980, 1.976),
             (1, 100): (4.079, 3.961), (4, 100): (10.110, 9.786), (8, 100): (18.429, 18.396)}
@@ -57,9 +61,9 @@ SIM = {(2, 1, 1, 1): (0.3888, 0.359), (2, 1, 1, 4): (0.3205, 0.3319), (2, 1, 10,
 
 def _both(exp, **kw) -> dict[str, tuple[float, str]]:
     out = {}
-    for name, policy in POLICIES.items():
+    for name, (policy, window) in POLICIES.items():
         t0 = time.perf_counter()
-        result = simulate(exp, policy=policy(), **kw)
+        result = simulate(exp, policy=policy(), tcp=window, **kw)
         out[name] = (result, time.perf_counter() - t0)
     return out
 
@@ -88,12 +92,13 @@ def _emulated_row(exp, case: str, measured: float, **kw) -> dict:
 
 
 def emulated(tmp: Path) -> list[dict]:
-    import validate_emulated
+    import validation_matrix
 
     rows = []
     for (pipelines, x), measured in EMULATED.items():
         for tuned in (False, True):
-            exp = load_experiment(validate_emulated._files(tmp, pipelines, x, tuned, 5))
+            cell = validation_matrix.Cell(4.2, pipelines, float(x), "tuned" if tuned else "default", "fair")
+            exp = load_experiment(validation_matrix.write_experiment(cell, tmp, 5))
             rows.append(_emulated_row(exp, f"{pipelines} pipelines {x}x BDP {'tuned' if tuned else 'default'}",
                                       measured[tuned], iterations=8))
     return rows
@@ -122,14 +127,16 @@ def sim(tmp: Path) -> list[dict]:
         row["fifo_vs_fair"] = row["fifo"] / row["fair"] - 1
         rows.append(row)
         print(f"  {row['case']:<22} measured {measured:.4f} (recorded prediction {predicted:.4f}); proxy fair "
-              f"{row['fair']:.4f}, fifo {row['fifo']:.4f} ({row['fifo_vs_fair']:+.2%})", flush=True)
+              f"{row['fair']:.4f}, fifo {row['fifo']:.4f} ({row['fifo_vs_fair']:+.2%}), fifo+window "
+              f"{row['fifo_window']:.4f} ({row['fifo_window'] / row['fair'] - 1:+.2%})", flush=True)
     return rows
 
 
 def _print(row: dict) -> None:
     m = row["measured"]
     print(f"  {row['case']:<32} measured {m:.3f}  fair {row['fair']:.3f} ({row['fair'] / m - 1:+.1%})  "
-          f"fifo {row['fifo']:.3f} ({row['fifo'] / m - 1:+.1%})", flush=True)
+          f"fifo {row['fifo']:.3f} ({row['fifo'] / m - 1:+.1%})  "
+          f"fifo+window {row['fifo_window']:.3f} ({row['fifo_window'] / m - 1:+.1%})", flush=True)
 
 
 def main() -> int:

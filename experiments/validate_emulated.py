@@ -1,20 +1,33 @@
-"""The simulator against emulated-device runs, where TCP's fair sharing should hold.
+"""The simulator against emulated-device runs: issue #30's validation matrix, resumable.
 
-    .venv/bin/python experiments/validate_emulated.py [--quick] [--out DIR] [--reuse DIR]
+    .venv/bin/python experiments/validate_emulated.py [--out DIR] [--plan | --reuse]
+        [--rtt 5,50,150,250] [--pipelines 1,4,8] [--message-bdp 1,10,100]
+        [--hosts default,tuned] [--sharing fair,temporal] [--max-cell-seconds S]
+        [--iterations N] [--model default|fifo-window]
 
-The matrix (each case one run of ``device: emulated`` on the emulator, then ``simulate`` of
-the same experiment; the devices' times are exact, so what differs is the network's model):
+How it fits: ``validation_matrix.py`` says what each cell is (the matrix, its link rates and
+messages, its experiment file) and what it will cost; this command plans, runs and reports.
+Each cell runs once on the emulator (``TrainingRun``, ``device: emulated``: the devices' times
+are exact, so what differs is the network's model) into ``DIR/<cell>/``, and the simulator
+predicts the same experiment (the devices' own times; with temporal sharing, the plan the
+run's Atlas controller published, through the extension's ``predict`` hook).
 
-* one WAN link between two DCs, 100 Mbit/s; P = 2 (one stage per DC), 1F1B, 4 microbatches;
-* pipelines on the link: 1, 4, 8;
-* a boundary message of ~10 or ~100 times the link's bandwidth-delay product (0.5 MiB at a
-  4.2 ms round trip; 5 MiB at the same round trip), compute per microbatch about one
-  message's transfer time (forward one third, backward two thirds);
-* hosts with Linux's defaults (``tcp_slow_start_after_idle = 1``, as the main job runs) and
-  WAN-tuned hosts (``= 0``).
+* Resumable: a cell whose folder holds ``metrics.json`` is finished and is not run again (a
+  folder without it, a run cut short, is run afresh); ``--reuse`` runs nothing and predicts
+  the finished cells again (after a change to the simulator, say).
+* ``--plan`` runs nothing: it prints each selected cell's estimated emulated duration (the
+  simulator's own iteration time x iterations, plus start-up) and the total.
+* ``--max-cell-seconds S`` leaves out the cells whose estimate exceeds S, and says which.
+* Before each run it prints the cell's estimate; at the end the mean and the largest
+  |error| over the finished cells against the bar (mean <= 3%, max <= 6%, Phantora's
+  figures), and writes ``DIR/validate_emulated.csv`` and ``DIR/validate_emulated.md`` (every
+  selected cell: its settings, the link's rate, its estimate, and its figures or why it has
+  none).
+* ``--model fifo-window`` predicts with ``sim.sharing: fifo-bursts`` and the window model
+  instead of the experiment's own (fair sharing); temporal cells keep Atlas's policy.
 
-It prints measured and predicted mean iteration times and the error per case, and writes
-``DIR/validate_emulated.csv``.  ``--reuse DIR`` predicts again from the runs kept in DIR.
+The earlier 12-cell matrix (4.2 ms, 100 Mbit/s, fair) is ``--rtt 4.2 --message-bdp 10,100
+--sharing fair``: the same experiments, its old run folders read as those cells'.
 """
 
 from __future__ import annotations
@@ -22,84 +35,209 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from testbed.sim.device import stage_times as emulated_stage_times  # noqa: E402
-from testbed.spec.experiment import load_experiment  # noqa: E402
-from testbed.results.metrics import summarise  # noqa: E402
-from testbed.run.runner import TrainingRun  # noqa: E402
-from testbed.sim.build import PAYLOAD_FRACTION, simulate  # noqa: E402
+import validation_matrix as vm  # noqa: E402
 
-RATE_MBPS = 100.0
-ONE_WAY_MS = 2.1  # a 4.2 ms round trip: BDP 52.5 KB at 100 Mbit/s
-MESSAGES = {10: (1024, 1), 100: (2048, 5)}  # x BDP -> (seq_len, microbatch_size) at hidden 128
+BAR_MEAN, BAR_MAX = 0.03, 0.06
+CSV_NAME, MD_NAME = "validate_emulated.csv", "validate_emulated.md"
 
 
-def _files(tmp: Path, pipelines: int, times_bdp: int, tuned: bool, iterations: int) -> Path:
-    topo = tmp / f"topo-{pipelines}.yaml"
-    topo.write_text(yaml.safe_dump({
-        "name": f"v2dc-{pipelines}", "dcs": [{"name": "a", "hosts": pipelines}, {"name": "b", "hosts": pipelines}],
-        "wan": [{"a": "a", "b": "b", "delay_ms": ONE_WAY_MS, "rate_mbps": RATE_MBPS}]}))
-    seq, mb = MESSAGES[times_bdp]
-    message = mb * seq * 128 * 4
-    t = message / (RATE_MBPS * 1e6 / 8 * PAYLOAD_FRACTION)  # one message alone on the link
-    name = f"d{pipelines}-x{times_bdp}-{'tuned' if tuned else 'default'}"
-    exp = tmp / f"{name}.yaml"
-    exp.write_text(yaml.safe_dump({
-        "name": name, "topology": str(topo), "device": "emulated",
-        "model": {"layers": 2, "hidden": 128, "heads": 4, "seq_len": seq},
-        "training": {"iterations": iterations, "microbatches": 4, "microbatch_size": mb, "seed": 3},
-        "parallel": {"stages": 2, "replicas": pipelines, "schedule": "1f1b", "connections": 1,
-                     "slow_start_after_idle": not tuned},
-        "sim": {"stage_times": [{"forward_s": round(t / 3, 5), "backward_s": round(2 * t / 3, 5)}] * 2}}))
-    return exp
+def _numbers(text: str, kind: type, flag: str) -> tuple:
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"validate_emulated: {flag} {text!r}: give {kind.__name__}s separated by commas") from None
 
 
-def case(tmp: Path, pipelines: int, times_bdp: int, tuned: bool, iterations: int, reuse: bool) -> dict:
-    path = _files(tmp, pipelines, times_bdp, tuned, iterations)
-    exp = load_experiment(path)
-    run_dir = tmp / exp.name
-    if not (reuse and (run_dir / "metrics.json").exists()):
-        TrainingRun(exp, run_dir).run()
-    measured = json.loads((run_dir / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
-    times, latency = emulated_stage_times(exp)
-    predicted = summarise(simulate(exp, iterations=max(iterations, 8), stage_times=times,
-                                   message_overhead_s=latency))["summary"]["mean_iteration_time_s"]
-    row = {"pipelines": pipelines, "message_x_bdp": times_bdp, "hosts": "tuned" if tuned else "default",
-           "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
-           "error": round(predicted / measured - 1, 4)}
-    print(f"  {pipelines} pipeline(s), {times_bdp:>3}x BDP, {row['hosts']:>7} hosts: measured {measured:.3f} s, "
-          f"predicted {predicted:.3f} s ({row['error']:+.1%})", flush=True)
-    return row
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="1 and 4 pipelines, 10x BDP only")
-    ap.add_argument("--iterations", type=int, default=5)
+def _extension_options(exp, run_dir: Path | None) -> dict:
+    """What the extensions the experiment uses give the simulator: from the run kept in
+    ``run_dir`` (their ``predict`` hook) where there is one, else from the experiment alone
+    (their ``simulate`` hook)."""
+    from testbed.extension import in_use
+
+    options: dict = {}
+    for ext in in_use(exp):
+        hook = ext.predict if run_dir is not None and ext.predict is not None else ext.simulate
+        if hook is not None:
+            options.update(ext.load(hook)(exp, run_dir) if hook is ext.predict else ext.load(hook)(exp))
+    return options
+
+
+def _with_model(exp, model: str):
+    if model == "default":
+        return exp
+    sim = exp.sim.model_copy(update={"sharing": "fifo-bursts", "tcp_window_model": True})
+    return exp.model_copy(update={"sim": sim})
+
+
+def _run_dir(out: Path, cell: vm.Cell) -> Path:
+    """The cell's run folder: its own, or the earlier matrix's where that one is finished."""
+    legacy = cell.legacy_name
+    if legacy and (out / legacy / "metrics.json").exists() and not (out / cell.name / "metrics.json").exists():
+        return out / legacy
+    return out / cell.name
+
+
+def _predict(exp, run_dir: Path, iterations: int) -> float:
+    from testbed.results.metrics import summarise
+    from testbed.sim.build import simulate
+    from testbed.sim.device import stage_times
+
+    times, latency = stage_times(exp)
+    result = simulate(exp, iterations=max(iterations, 8), stage_times=times, message_overhead_s=latency,
+                      **_extension_options(exp, run_dir))
+    return summarise(result).summary.mean_iteration_time_s
+
+
+def _plan(selected: list[vm.Cell], out: Path, iterations: int) -> dict[str, float]:
+    """Each cell's estimated emulated duration (s), by name."""
+    from testbed.spec.experiment import load_experiment
+
+    specs = out / "specs"
+    estimates = {}
+    for cell in selected:
+        exp = load_experiment(vm.write_experiment(cell, specs, iterations))
+        estimates[cell.name] = vm.estimate_s(exp, iterations, _extension_options(exp, None))
+    return estimates
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.0f} s" if s < 3600 else f"{s / 3600:.1f} h"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("results/validate_emulated"))
-    ap.add_argument("--reuse", action="store_true", help="predict again from the runs already in --out")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    pipelines = (1, 4) if args.quick else (1, 4, 8)
-    sizes = (10,) if args.quick else (10, 100)
-    t0 = time.monotonic()
-    rows = [case(args.out, d, x, tuned, args.iterations, args.reuse)
-            for x in sizes for d in pipelines for tuned in (False, True)]
-    with open(args.out / "validate_emulated.csv", "w", newline="") as fh:
+    ap.add_argument("--plan", action="store_true", help="print each cell's estimated duration and the total; run nothing")
+    ap.add_argument("--reuse", action="store_true", help="run nothing: predict the finished cells in --out again")
+    ap.add_argument("--rtt", default=",".join(f"{v:g}" for v in vm.RTTS_MS), help="round trips, ms")
+    ap.add_argument("--pipelines", default=",".join(map(str, vm.PIPELINES)))
+    ap.add_argument("--message-bdp", default=",".join(f"{v:g}" for v in vm.MESSAGE_BDP))
+    ap.add_argument("--hosts", default=",".join(vm.HOSTS))
+    ap.add_argument("--sharing", default=",".join(vm.SHARING))
+    ap.add_argument("--max-cell-seconds", type=float, default=None,
+                    help="leave out cells whose estimated emulated duration exceeds this")
+    ap.add_argument("--iterations", type=int, default=5, help="per run (the first 2 are warm-up)")
+    ap.add_argument("--model", choices=("default", "fifo-window"), default="default",
+                    help="the simulator's network model for the predictions")
+    args = ap.parse_args(argv)
+    if args.plan and args.reuse:
+        raise SystemExit("validate_emulated: --plan and --reuse exclude each other")
+    if args.iterations < 3:
+        raise SystemExit("validate_emulated: --iterations must be at least 3 (2 are warm-up)")
+    try:
+        selected = vm.cells(_numbers(args.rtt, float, "--rtt"), _numbers(args.pipelines, int, "--pipelines"),
+                            _numbers(args.message_bdp, float, "--message-bdp"), _words(args.hosts),
+                            _words(args.sharing))
+    except ValueError as e:
+        raise SystemExit(f"validate_emulated: --{e}") from None
+    if not selected:
+        raise SystemExit("validate_emulated: the selection is empty")
+    if not args.plan:
+        args.out.mkdir(parents=True, exist_ok=True)
+
+    if args.plan:  # (nothing written to --out)
+        with tempfile.TemporaryDirectory() as tmp:
+            estimates = _plan(selected, Path(tmp), args.iterations)
+    else:
+        estimates = _plan(selected, args.out, args.iterations)
+    finished = {c.name for c in selected if (_run_dir(args.out, c) / "metrics.json").exists()}
+    skipped = {c.name: f"estimated {_fmt_s(estimates[c.name])} > --max-cell-seconds {args.max_cell_seconds:g}"
+               for c in selected if args.max_cell_seconds is not None and estimates[c.name] > args.max_cell_seconds
+               and c.name not in finished}
+    todo = [c for c in selected if c.name not in skipped]
+    print(f"{len(selected)} cell(s) selected, {len(finished)} finished, {len(skipped)} left out by "
+          f"--max-cell-seconds; estimated emulated time of the rest to run: "
+          f"{_fmt_s(sum(estimates[c.name] for c in todo if c.name not in finished))} "
+          f"(all selected: {_fmt_s(sum(estimates.values()))})", flush=True)
+    for name, why in skipped.items():
+        print(f"  skipped {name}: {why}")
+    if args.plan:
+        for c in sorted(selected, key=lambda c: estimates[c.name]):
+            state = "finished" if c.name in finished else ("skipped" if c.name in skipped else "to run")
+            print(f"  {c.name:<36} {c.rate_mbps:>5g} Mbit/s {c.message_bytes:>10} B  estimated "
+                  f"{_fmt_s(estimates[c.name]):>8}  {state}")
+        return 0
+
+    from testbed.spec.experiment import load_experiment
+
+    failed: dict[str, str] = {}
+    if not args.reuse:
+        from testbed.run.runner import TrainingRun
+
+        for c in sorted((c for c in todo if c.name not in finished), key=lambda c: estimates[c.name]):
+            run_dir = args.out / c.name
+            if run_dir.exists():  # a run cut short: its folder has no metrics.json
+                shutil.rmtree(run_dir)
+            print(f"  running {c.name} ({c.rate_mbps:g} Mbit/s, {c.message_bytes} B messages): estimated "
+                  f"{_fmt_s(estimates[c.name])}", flush=True)
+            exp = load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations))
+            t0 = time.monotonic()
+            try:
+                TrainingRun(exp, run_dir).run()
+            except Exception as e:  # noqa: BLE001 (one cell's failure is reported, the others run)
+                failed[c.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+                print(f"    failed: {failed[c.name]}", flush=True)
+                continue
+            finished.add(c.name)
+            print(f"    done in {time.monotonic() - t0:.0f} s", flush=True)
+
+    rows = []
+    for c in selected:
+        row = c.row() | {"estimated_s": round(estimates[c.name], 1), "status": "", "measured_s": None,
+                         "predicted_s": None, "error": None}
+        run_dir = _run_dir(args.out, c)
+        if c.name in finished:
+            exp = _with_model(load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations)), args.model)
+            measured = json.loads((run_dir / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
+            predicted = _predict(exp, run_dir, args.iterations)
+            row |= {"status": "finished", "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
+                    "error": round(predicted / measured - 1, 4)}
+            print(f"  {c.name:<36} measured {measured:.3f} s, predicted {predicted:.3f} s ({row['error']:+.1%})")
+        else:
+            row["status"] = (failed.get(c.name) and f"failed: {failed[c.name]}") or (
+                f"skipped: {skipped[c.name]}" if c.name in skipped else "not run")
+        rows.append(row)
+    _write(rows, args.out, args.model)
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    if errors:
+        mean, worst = sum(errors) / len(errors), max(errors)
+        verdict = "meets" if mean <= BAR_MEAN and worst <= BAR_MAX else "misses"
+        print(f"{len(errors)} finished cell(s): mean |error| {mean:.1%}, max |error| {worst:.1%} ({verdict} the bar: "
+              f"mean <= {BAR_MEAN:.0%}, max <= {BAR_MAX:.0%}); within 5%: {sum(e <= 0.05 for e in errors)}/"
+              f"{len(errors)}; {args.out / CSV_NAME}, {args.out / MD_NAME}")
+    else:
+        print(f"no finished cell; {args.out / CSV_NAME}, {args.out / MD_NAME}")
+    return 1 if failed else 0
+
+
+def _write(rows: list[dict], out: Path, model: str) -> None:
+    with open(out / CSV_NAME, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    worst = max(abs(r["error"]) for r in rows)
-    print(f"worst {worst:.1%}, mean {sum(abs(r['error']) for r in rows) / len(rows):.1%}, "
-          f"within 5%: {sum(abs(r['error']) <= 0.05 for r in rows)}/{len(rows)} ({time.monotonic() - t0:.0f} s)")
-    return 0
+    lines = [f"Simulator ({model} model) against emulated-device runs, {time.strftime('%Y-%m-%d')}; "
+             f"`experiments/validate_emulated.py`.", "",
+             "| RTT ms | pipelines | x BDP | hosts | sharing | rate Mbit/s | message B | estimated | measured s "
+             "| predicted s | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        figures = (f"{r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.1%}" if r["error"] is not None
+                   else f"| | {r['status']}")
+        lines.append(f"| {r['rtt_ms']:g} | {r['pipelines']} | {r['message_bdp']:g} | {r['hosts']} | {r['sharing']} | "
+                     f"{r['rate_mbps']:g} | {r['message_bytes']} | {_fmt_s(r['estimated_s'])} | {figures} |")
+    (out / MD_NAME).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

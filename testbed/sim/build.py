@@ -8,10 +8,13 @@ estimated from the model's FLOPs and a device speed), runs the engine, and retur
 ``write_outputs`` produce the same ``metrics.json`` and Chrome trace.
 
 Two opt-in models of TCP sit between a message and its flow: ``sim.tcp_window_model``
-(``TcpWindow``: each channel's window as Linux validates it -- grown only while used, decayed
-while application-limited, restarted after idle -- sets the flow's ceiling as it grows) and ``sim.tail_loss`` (``_late_if_overflowing``: a message in
-flight while its bottleneck's FIFO overflows arrives one tail-loss probe late).  Neither
-changes the engine's sharing; both only change a flow's ceiling or a message's arrival.
+(``tcpwindow.TcpWindow``: each channel's window as Linux validates it -- grown only while used,
+decayed while application-limited, restarted after idle -- sets the flow's ceiling as it grows)
+and ``sim.tail_loss`` (``_late_if_overflowing``: a message in flight while its bottleneck's FIFO
+overflows arrives one tail-loss probe late).  Neither changes the engine's sharing; both only
+change a flow's ceiling or a message's arrival.  With ``sim.sharing: fifo-bursts`` the window
+model instead sends each message a window at a time, each round a burst in the FIFO, with the
+drop-tail queue's losses (``rounds.RoundsChannel``; ``sim.tail_loss`` is not applied there).
 A third is on wherever a WAN path has random loss (``sim.loss_model``, default true:
 ``loss_cap``): each connection is held to what CUBIC sustains under that loss and round trip
 (``testbed/net/tcpmodel.py``: RFC 9438's average window, Padhye's Reno rate with timeouts as
@@ -35,204 +38,8 @@ from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
 from testbed.sim import validity
 from testbed.sim.engine import FifoBurstPolicy, Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
-
-
-INIT_SEGMENTS = 10  # Linux's initial congestion window (TCP_INIT_CWND), segments
-INITIAL_WINDOW = INIT_SEGMENTS * MSS  # the same in bytes
-
-
-class TcpWindow:
-    """One channel's congestion window per connection, as Linux runs it for messages that come
-    and go (CUBIC, no loss).  Every connection of the channel carries an equal slice of each
-    message (``testbed/train/transport.py``), so one window stands for all of them.  The window
-    is counted in segments, as the kernel counts it: a slice of s bytes is ceil(s / MSS)
-    segments plus one for its header (the transport writes the header on its own, and with
-    TCP_NODELAY it leaves as its own segment); ``cwnd`` is the window in bytes (segments x MSS).
-
-    What it models, with the kernel function that does it:
-
-    * A new connection starts at 10 segments (``tcp_init_cwnd``) with an infinite ssthresh.
-    * Growth only while the window is used (``tcp_is_cwnd_limited``, checked by
-      ``cubictcp_cong_avoid`` on every ACK): the flight filled the window (``is_cwnd_limited``,
-      set in ``tcp_write_xmit``), or, in slow start, the window is under twice the most in
-      flight in the current window (``max_packets_out``, reset once a window is all
-      acknowledged; ``tcp_cwnd_validate``).  In slow start every segment acknowledged then grows
-      the window by one (``tcp_slow_start``), so a channel whose messages fit its window holds
-      about twice its largest flight, not the path's BDP, however many messages it has sent.
-      A message larger than the window goes in rounds, the window doubling each (``grow``), up
-      to ``cap`` (the path's BDP plus its queue, past which a real flow loses packets).
-    * Application-limited decay (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``,
-      RFC 2861; Linux runs it only with ``tcp_slow_start_after_idle``): a window not used for an
-      RTO, checked as the next message is sent, becomes (cwnd + the most used, at least 10) / 2,
-      ssthresh = max(ssthresh, 3/4 cwnd) (``tcp_current_ssthresh``).
-    * Restart after idle (``tcp_slow_start_after_idle_check`` -> ``tcp_cwnd_restart``, with
-      ``restart_after_idle``: Linux's default ``tcp_slow_start_after_idle = 1``): a message that
-      finds nothing in flight and the channel idle (since its last segment left) longer than
-      the RTO (RTT + 200 ms) halves the window (``>>= 1``) once per RTO idle, down to 10 segments
-      (or the window, if smaller); ssthresh = max(ssthresh, 3/4 cwnd).  A message larger than
-      the restarted window pays a round trip per doubling it needs.
-    * Above ssthresh (only where a restart or decay lowered a window below a finite ssthresh)
-      a segment a round trip (Reno's congestion avoidance; CUBIC's cubic growth is left out: only
-      bulk transfers reach it, and they sit at ``cap``).
-
-    What it leaves out: loss and its recovery (``cap`` stands in for it; random loss is
-    ``loss_cap``'s), HyStart, delayed and stretched ACKs (growth in whole rounds, each round's
-    ACKs a round trip after it left), pacing, the queueing delay in the RTO's srtt."""
-
-    HEADER_SEGMENTS = 1  # the slice header, its own segment (transport.py, TCP_NODELAY)
-
-    def __init__(self, rtt: float, connections: int, cap: float, restart_after_idle: bool):
-        self.rtt, self.n = rtt, connections
-        self.cap_segs = max(INIT_SEGMENTS, int(cap // MSS))
-        self.restart = restart_after_idle
-        self.segs = INIT_SEGMENTS  # snd_cwnd
-        self.ssthresh = float("inf")
-        self.last_sent: float | None = None  # when the channel's last segment left (``lsndtime``)
-        self.max_out = 0  # the most in flight in the current window (``max_packets_out``)
-        self.used = 0  # the most in flight while the window was not used (``snd_cwnd_used``)
-        self.stamp: float | None = None  # when the window was last used or changed (``snd_cwnd_stamp``)
-        self.restarts = 0  # restarts after idle that cut the window (for reports and tests)
-        self._flights: list[tuple[float, int]] = []  # (acknowledged at, segments): sent, not yet acknowledged
-        self._acked = 0  # segments of the current message acknowledged in its full rounds
-        self._msg = 0  # the current message's segments a connection
-
-    @property
-    def cwnd(self) -> float:
-        """The window in bytes a connection."""
-        return float(self.segs * MSS)
-
-    @property
-    def cap(self) -> float:
-        return float(self.cap_segs * MSS)
-
-    @property
-    def rto(self) -> float:
-        return self.rtt + RTO_MIN_S
-
-    def segments(self, size: float) -> int:
-        """Segments a connection for a message of ``size`` bytes (the channel's)."""
-        return -(-int(round(size / self.n)) // MSS) + self.HEADER_SEGMENTS if size > 0 else 0
-
-    def holds(self, size: float) -> bool:
-        """Whether the window holds a whole message of ``size`` bytes (the channel's) at once."""
-        return self.segments(size) <= self.segs
-
-    def in_flight(self, now: float) -> int:
-        """Segments a connection has sent and not yet had acknowledged at ``now``; the flights
-        acknowledged by then grow the window as their ACKs come in (``_acknowledged``)."""
-        while self._flights and self._flights[0][0] <= now:
-            self._acknowledged(self._flights.pop(0)[1])
-        return sum(k for _, k in self._flights)
-
-    def room(self, now: float) -> int:
-        """Segments a connection may send at ``now``: the window less what is in flight."""
-        return max(0, self.segs - self.in_flight(now))
-
-    def _acknowledged(self, k: int) -> None:
-        """The ACKs of ``k`` segments: in slow start a segment each while the window is used
-        (``tcp_slow_start`` under ``tcp_is_cwnd_limited``); above ssthresh a segment a round."""
-        if self.segs < self.ssthresh:
-            if self._limited():
-                self.segs = min(self.cap_segs, max(self.segs, min(self.segs + k, 2 * self.max_out)))
-        elif self.segs <= self.max_out:
-            self.segs = min(self.cap_segs, self.segs + 1)
-
-    def _limited(self) -> bool:
-        """``tcp_is_cwnd_limited`` in slow start: the window is under twice the most in flight."""
-        return self.segs < self.ssthresh and self.segs < 2 * self.max_out
-
-    def begin(self, now: float, size: float = 0.0) -> None:
-        """A message of ``size`` bytes (the channel's, all connections) starts at ``now``:
-        restart the window if the channel was idle long enough, then account the message's
-        first flight as ``tcp_write_xmit`` / ``tcp_cwnd_validate`` do."""
-        if self.stamp is None:
-            self.stamp = now
-        flying = self.in_flight(now)
-        if self.restart and self.last_sent is not None and flying <= 0 and now - self.last_sent > self.rto:
-            # tcp_cwnd_restart: halve per RTO idle, down to the initial window
-            self.ssthresh = max(self.ssthresh, (self.segs >> 1) + (self.segs >> 2))
-            floor = min(INIT_SEGMENTS, self.segs)
-            cwnd, idle = self.segs, now - self.last_sent
-            while idle - self.rto > 0 and cwnd > floor:
-                idle -= self.rto
-                cwnd >>= 1
-            if max(cwnd, floor) < self.segs:
-                self.restarts += 1
-            self.segs = max(cwnd, floor)
-            self.stamp, self.used = now, 0
-        self._msg = self.segments(size)
-        self._acked = 0
-        if not size:
-            return
-        flight = min(self.segs, flying + self._msg)
-        if flying <= 0:  # the previous window is all acknowledged: a new one is tracked
-            self.max_out = flight
-        else:
-            self.max_out = max(self.max_out, flight)
-        full = flying + self._msg >= self.segs  # the message fills the window (is_cwnd_limited)
-        self._validate(now, flight, full)
-
-    def _validate(self, now: float, flight: int, full: bool) -> None:
-        """``tcp_cwnd_validate``: a used window is stamped; one unused for an RTO decays
-        (``tcp_cwnd_application_limited``, only where slow start after idle is on)."""
-        if full or self._limited():
-            self.used, self.stamp = 0, now
-            return
-        self.used = max(self.used, flight)
-        if self.restart and now - self.stamp >= self.rto:
-            used = max(self.used, INIT_SEGMENTS)
-            if used < self.segs:
-                self.ssthresh = max(self.ssthresh, (self.segs >> 1) + (self.segs >> 2))
-                self.segs = (self.segs + used) >> 1
-            self.used, self.stamp = 0, now
-
-    def rate(self) -> float:
-        return self.n * self.cwnd / self.rtt if self.rtt > 0 else float("inf")
-
-    def grow(self, acked: float | None = None) -> bool:
-        """One round of the current message acknowledged (``acked`` bytes a connection; default
-        a full window: it filled the window, so the window is used): slow start doubles it,
-        congestion avoidance adds a segment, up to ``cap``; False once the window is at its cap."""
-        k = self.segs if acked is None else max(1, min(self.segs, int(round(acked / MSS))))
-        self._acked += k
-        self.max_out = max(self.max_out, k)
-        if self.segs >= self.cap_segs:
-            return False
-        if self.segs < self.ssthresh:
-            self.segs = min(self.cap_segs, self.segs + k, max(int(min(self.ssthresh, 1 << 40)), self.segs + 1))
-        else:
-            self.segs = min(self.cap_segs, self.segs + 1)
-        return True
-
-    def end(self, now: float, size: float = 0.0) -> None:
-        """The message has left at ``now``: its last round is in flight for a round trip, and its
-        acknowledgements then grow the window while it is used (slow start: up to twice the most
-        in flight; ``tcp_is_cwnd_limited``; see ``in_flight``).  ``size`` (the channel's bytes) for a caller that did
-        not pass it to ``begin``."""
-        self.last_sent = now
-        msg = self.segments(size) if size else self._msg
-        last = msg - self._acked  # the segments of the last (partial) round
-        self._msg = 0
-        if last <= 0:
-            return
-        self._flights.append((now + self.rtt, last))  # its ACKs grow the window a round trip on
-        if self._acked:  # a new window began with the last round: its flight is what it holds
-            self.max_out = last + sum(k for _, k in self._flights[:-1])
-
-    def send_time(self, size: float, bandwidth: float) -> float:
-        """Seconds to push ``size`` bytes alone through a link of ``bandwidth`` from this window
-        (a round trip per window it does not hold, the last round at the link's rate), advancing
-        the window as it goes (``end`` then adds the last round's growth).  Call ``begin`` first."""
-        t, left, segs = 0.0, float(size), self._msg or self.segments(size)
-        while left > 0:
-            if self.n * self.cwnd >= bandwidth * self.rtt or self.rtt <= 0 or segs <= self.segs:
-                return t + left / bandwidth  # the link's rate binds, or the last round
-            sent = self.segs
-            left -= self.n * (sent - (self.HEADER_SEGMENTS if segs == self._msg else 0)) * MSS
-            segs -= sent
-            t += self.rtt
-            self.grow()
-        return t
+from testbed.sim.rounds import RoundsChannel
+from testbed.sim.tcpwindow import INIT_SEGMENTS, INITIAL_WINDOW, TcpWindow  # noqa: F401 (also this module's names)
 
 
 def _profiled(exp: Experiment) -> bool:
@@ -522,7 +329,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     D = exp.parallel.replicas
     act_bytes = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * sim_spec.dtype_bytes
     if fold_replicas is None:
-        fair = type(sim.policy) is SharingPolicy or (type(sim.policy) is FifoBurstPolicy
+        # (with the window model, fifo-bursts sends every message in rounds, each a burst: never fair)
+        fair = type(sim.policy) is SharingPolicy or (type(sim.policy) is FifoBurstPolicy and not tcp
                                                      and not bursts_possible(exp, act_bytes))
         fold_replicas = D > 8 and fair and not (_profiled(exp) and exp.emulation.slowdown)
     share = D if fold_replicas else 1
@@ -570,7 +378,11 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             routes[(a.name, b.name)] = (path, ceiling, rtt, cap)
 
     channels: dict[tuple[str, str], dict] = {}
-    counts = {"burst": 0, "bulk": 0}  # WAN messages sent whole in a window, and larger ones
+    # a message a window at a time into drop-tail FIFOs (``rounds.RoundsChannel``)
+    rounds = tcp and type(sim.policy) is FifoBurstPolicy
+    # WAN messages sent whole in a window, in several rounds (``rounds``), larger ones shared
+    # fairly; and (``rounds``) the segments the queues dropped
+    counts = {"burst": 0, "rounds": 0, "bulk": 0, "lost": 0}
     in_flight: dict[int, float] = {}  # fid -> the bytes its channel's windows hold (sim.tail_loss)
     lossy: set[int] = set()  # fids in flight while their bottleneck overflowed (sim.tail_loss)
     routes_queue = {id(links[(s, d)]): default_queue_bytes(p, topo.rtt_ms(s, d)) for s, d, p in topo.directions()}
@@ -629,6 +441,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         if channel is None:
             channel = channels[(w.name, kind)] = {"busy": False, "queue": [], "window": TcpWindow(
                 rtt, n_conn, cap, exp.parallel.slow_start_after_idle)}
+            if rounds:
+                channel["rounds"] = RoundsChannel(sim, path, routes[(peer.dc, w.dc)][0], ceiling, channel["window"],
+                                                  n_conn, lambda link: routes_queue[id(link)], counts)
 
         whole = act_bytes <= n_conn * cap  # the channel's windows hold the message: a burst
 
@@ -636,6 +451,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                whole=whole):
             channel["busy"] = True
             win = channel["window"]
+            if rounds:
+                channel["rounds"].send(act_bytes, owner, arrived, on_free=lambda: left(channel))
+                return
             if sim_spec.tail_loss:
                 arrived = _late_if_overflowing(path, rtt, n_conn * window, arrived)
             if not tcp:
@@ -687,7 +505,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     def left(channel: dict) -> None:
         channel["busy"] = False
         channel["flow"] = None
-        channel["window"].end(sim.now, act_bytes)
+        if not rounds:  # (in rounds the window has accounted each round as it went)
+            channel["window"].end(sim.now, act_bytes)
         if channel["queue"]:
             channel["queue"].pop(0)()
 
@@ -726,9 +545,12 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
     ran = exp if n_it == exp.training.iterations else exp.with_iterations(n_it)
     if type(sim.policy) is FifoBurstPolicy:
-        note += (f"; sharing fifo-bursts: {counts['burst']} WAN message(s) served first-in first-out, "
-                 f"{counts['bulk']} shared max-min fairly")
-    model = model_parts(exp, act_bytes, sim.policy, tcp, overhead, counts)
+        split = (f" ({counts['rounds']} of them a window at a time; {counts['lost']} segment(s) dropped at "
+                 f"full queues)" if rounds else "")
+        note += (f"; sharing fifo-bursts: {counts['burst'] + counts['rounds']} WAN message(s) served first-in "
+                 f"first-out{split}, {counts['bulk']} shared max-min fairly")
+    model = model_parts(exp, act_bytes, sim.policy, tcp, overhead,
+                        {"burst": counts["burst"] + counts["rounds"], "bulk": counts["bulk"]})
     return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share,
                      model=model)
 

@@ -71,6 +71,7 @@ class Flow:
     version: int = 0
     updated: float = 0.0  # when `remaining` was last brought up to date (while it has a rate)
     burst: bool = False  # its sender puts it in flight whole (size <= the channel's window): FifoBurstPolicy
+    on_start: Callable[[float], None] | None = None  # called once, when it first gets a rate (its first byte leaves)
 
 
 class SharingPolicy:
@@ -147,7 +148,9 @@ class FifoBurstPolicy(SharingPolicy):
     leaves the link at (nearly) nothing, and their share resumes after it.  What this leaves
     out: the bulk flows' packets already queued ahead of the burst when it arrives (at most
     the queue, a fraction of a round trip's delay), and overflow of the queue by the burst
-    (``sim.tail_loss`` models a late message where windows overflow it)."""
+    (``sim.tail_loss`` models a late message where windows overflow it).  With
+    ``sim.tcp_window_model`` there are no bulk flows: ``rounds.RoundsChannel`` sends every
+    message a window at a time, each round a burst, and drops what overflows the queue."""
 
     name = "fifo-bursts"
 
@@ -337,19 +340,24 @@ class Simulator:
     # -- network --------------------------------------------------------------------
     def transfer(self, links: list[Link], size: float, ceiling: float, on_arrival: Callable[[float], None],
                  owner: str = "", on_sent: Callable[[float], None] | None = None,
-                 burst: bool = False) -> Flow | None:
+                 burst: bool = False, on_start: Callable[[float], None] | None = None) -> Flow | None:
         """Send ``size`` bytes over ``links``; call ``on_arrival(time)`` when the last byte is in,
         and ``on_sent(time)`` when it has left (one propagation delay earlier).  ``burst``: the
         sender puts all of it in flight at once (a policy such as ``FifoBurstPolicy`` serves
-        it so).  Returns the flow (None when nothing crosses a link), whose ceiling
+        it so).  ``on_start(time)``: called once, when the flow first gets a rate (its first
+        byte leaves; behind a FIFO's earlier bursts, when they are through), at the latest
+        with ``on_sent``.  Returns the flow (None when nothing crosses a link), whose ceiling
         ``set_ceiling`` may change."""
         delay = sum(link.delay for link in links)
         if not links or size <= 0:
+            if on_start is not None:
+                on_start(self.now)
             if on_sent is not None:
                 on_sent(self.now)
             self.at(self.now + delay, lambda: on_arrival(self.now))
             return None
-        flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, updated=self.now, burst=burst)
+        flow = Flow(next(self._fid), links, float(size), ceiling, None, owner, updated=self.now, burst=burst,
+                    on_start=on_start)
 
         def done(t: float) -> None:
             if on_sent is not None:
@@ -365,6 +373,12 @@ class Simulator:
     def settle(self, flow: Flow) -> None:
         """Bring ``flow.remaining`` (and its links' counters) up to now."""
         self._settle(flow.links)
+
+    def backlog(self, link: Link) -> float:
+        """Bytes the flows on ``link`` have still to send through it, now: what a FIFO at the
+        link holds where every flow put its bytes in flight at once (``FifoBurstPolicy``'s bursts)."""
+        self._settle([link])
+        return sum(f.remaining for f in link.flows)
 
     def set_ceiling(self, flow: Flow, ceiling: float) -> None:
         """A flow's own cap changed (its TCP window grew): share its links again from now."""
@@ -488,6 +502,9 @@ class Simulator:
                     f.updated = now  # nothing has moved since it last had one
                     for link in f.links:
                         link._rated[f.fid] = f
+                    if f.on_start is not None:  # its first byte leaves now
+                        f.on_start, started = None, f.on_start
+                        started(now)
             elif not f.rate > 0:
                 for link in f.links:
                     del link._rated[f.fid]

@@ -149,7 +149,10 @@ class SimSpec(_Strict):
                             "connections x window, the window held to the path's BDP + queue) is served first-in "
                             "first-out ahead of the other flows, as a drop-tail FIFO serves a burst, and larger "
                             "messages share what is left max-min fairly (testbed/sim/engine.py FifoBurstPolicy; "
-                            "docs/benchmarks.md compares the two). Ignored where an extension gives the simulator a policy")
+                            "docs/benchmarks.md compares the two); with tcp_window_model every message goes a "
+                            "window at a time, each window first-in first-out, into drop-tail queues that lose "
+                            "what overflows (testbed/sim/rounds.py; tail_loss is not applied then). Ignored where "
+                            "an extension gives the simulator a policy")
     loss_model: bool = Field(
         True, description="where a WAN path drops packets at random (a link's loss), hold each connection to what "
                           "CUBIC sustains under that loss and round trip (RFC 9438's average window, Padhye et "

@@ -1,0 +1,87 @@
+"""``experiments/validate_emulated.py``'s matrix and its command, without the emulator: the
+cells (``validation_matrix``), their link rates and messages, the earlier 12 cells kept as
+they were, ``--plan`` and ``--reuse`` on a kept folder made up here."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+
+import validate_emulated  # noqa: E402
+import validation_matrix as vm  # noqa: E402
+
+
+def test_the_full_matrix_is_the_issues_144_cells():
+    cells = vm.cells()
+    assert len(cells) == 4 * 3 * 3 * 2 * 2 == 144 and len({c.name for c in cells}) == 144
+    assert {c.rtt_ms for c in cells} == {5.0, 50.0, 150.0, 250.0}
+    assert {c.sharing for c in cells} == {"fair", "temporal"}
+
+
+def test_long_round_trips_get_lower_rates_and_keep_the_bdp():
+    assert [vm.rate_mbps(r) for r in (4.2, 5, 20, 50, 150, 250)] == [100, 100, 100, 40, 13.3, 8]
+    for cell in vm.cells(rtts=(50.0, 150.0, 250.0), pipelines=(1,), hosts=("default",), sharing=("fair",)):
+        bdp = cell.rate_mbps * 1e6 / 8 * cell.rtt_ms / 1000
+        assert bdp == pytest.approx(250e3, rel=0.01)
+        assert cell.message_bytes / bdp == pytest.approx(cell.message_bdp, rel=0.12)
+
+
+def test_the_earlier_twelve_cells_are_built_as_before(tmp_path):
+    """4.2 ms, 100 Mbit/s, 0.5 / 5 MiB messages as (seq_len, microbatch_size) (1024, 1) and
+    (2048, 5), compute a third / two thirds of a message's time alone (2026-12-03's matrix)."""
+    old = vm.cells(rtts=(4.2,), message_bdp=(10.0, 100.0), sharing=("fair",))
+    assert len(old) == 12 and all(c.legacy_name for c in old)
+    cell = vm.Cell(4.2, 4, 100.0, "tuned", "fair")
+    assert cell.shape == (2048, 5) and vm.Cell(4.2, 4, 10.0, "tuned", "fair").shape == (1024, 1)
+    data = yaml.safe_load(vm.write_experiment(cell, tmp_path, 5).read_text())
+    topo = yaml.safe_load(Path(data["topology"]).read_text())
+    assert topo["wan"][0]["delay_ms"] == 2.1 and topo["wan"][0]["rate_mbps"] == 100.0
+    t = 5 * 2048 * 128 * 4 / (100e6 / 8 * 1448 / 1514)
+    assert data["sim"]["stage_times"][0] == {"forward_s": round(t / 3, 5), "backward_s": round(2 * t / 3, 5)}
+    assert data["parallel"]["slow_start_after_idle"] is False and "atlas" not in data
+    temporal = yaml.safe_load(vm.write_experiment(vm.Cell(5.0, 4, 1.0, "default", "temporal"), tmp_path, 5).read_text())
+    assert temporal["atlas"] == {"sharing": "temporal"}
+
+
+@pytest.mark.parametrize("kw, says", [({"hosts": ("fast",)}, "hosts: 'fast' is not one of default, tuned"),
+                                      ({"sharing": ("paced",)}, "sharing: 'paced' is not one of fair, temporal"),
+                                      ({"rtts": (-5.0,)}, "rtt: -5.0 is not a positive number"),
+                                      ({"pipelines": (0,)}, "pipelines: 0 is not a positive whole number")])
+def test_a_bad_selection_is_one_line(kw, says):
+    with pytest.raises(ValueError, match=says):
+        vm.cells(**kw)
+
+
+def test_plan_prints_each_cells_estimate_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert validate_emulated.main(["--plan", "--out", str(out), "--rtt", "5,250", "--pipelines", "4",
+                                   "--message-bdp", "1", "--hosts", "default", "--max-cell-seconds", "40"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("4 cell(s) selected, 0 finished, 2 left out by --max-cell-seconds")
+    assert "skipped rtt250-d4-x1-default-fair: estimated" in text and "> --max-cell-seconds 40" in text
+    assert "rtt5-d4-x1-default-temporal" in text and not out.exists()
+
+
+def test_reuse_predicts_kept_runs_and_lists_every_cell(tmp_path, capsys):
+    """A kept folder with two finished cells (one under the earlier matrix's name) and one cut
+    short: the two are predicted, the others listed as not run; nothing runs."""
+    for name, measured in (("d1-x10-default", 0.406), ("rtt4.2-d1-x10-tuned-fair", 0.405)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"summary": {"mean_iteration_time_s": measured}}))
+    (tmp_path / "rtt4.2-d4-x10-default-fair").mkdir()  # no metrics.json: not finished
+    assert validate_emulated.main(["--reuse", "--out", str(tmp_path), "--rtt", "4.2", "--pipelines", "1,4",
+                                   "--message-bdp", "10", "--sharing", "fair"]) == 0
+    text = capsys.readouterr().out
+    assert "2 finished cell(s): mean |error| 0.6%, max |error| 0.7%" in text  # the 12-03 table's -0.7% / -0.5%
+    rows = list(csv.DictReader(open(tmp_path / "validate_emulated.csv")))
+    assert [r["status"] for r in rows] == ["finished", "finished", "not run", "not run"]
+    assert all(r["rate_mbps"] == "100.0" for r in rows)
+    table = (tmp_path / "validate_emulated.md").read_text()
+    assert table.count("\n| 4.2 |") == 4 and "| -0.7% |" in table
