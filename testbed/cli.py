@@ -10,6 +10,7 @@ everything it made.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -133,7 +134,6 @@ def fidelity(
     """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down; exit 1 when a
     direction is out of tolerance.  Beside each direction's rate: the goodput its flow can
     expect (the payload rate; under random loss, what one CUBIC connection sustains there)."""
-    import contextlib
 
     from testbed.net.fidelity import measure_all
     from testbed.net.network import Network
@@ -224,18 +224,20 @@ def run(
         device = device_kind(exp.device)
         device(exp).check()  # a bad profile fails before anything is made, variants or not
         out = out_dir or Path("results") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if exp.compare and inventory is None:
-            _run_comparison(exp, out, delay_backend)
-            return
         site = None
         if inventory is not None:
             from testbed.cluster.inventory import ClusterError
             from testbed.extension import in_use
 
-            refused = ("compare:" if exp.compare else f"device: {exp.device}" if device.one_machine_only else
-                       "time_dilation" if exp.time_dilation != 1.0 else ", ".join(e.name for e in in_use(exp)))
-            if refused:
-                raise ClusterError(f"--inventory: {refused} runs on one machine only, for now")
+            for v in [exp.variant(n) for n in exp.compare] if exp.compare else [exp]:
+                refused = (f"device: {v.device}" if device_kind(v.device).one_machine_only else
+                           "time_dilation" if v.time_dilation != 1.0 else ", ".join(e.name for e in in_use(v)))
+                if refused:
+                    raise ClusterError(f"--inventory: {refused} runs on one machine only, for now"
+                                       + (f" (variant {v.name})" if exp.compare else ""))
+        if exp.compare:
+            _run_comparison(exp, out, delay_backend, inventory, machines)
+            return
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
             if inventory is not None:
@@ -285,18 +287,32 @@ def run(
         console.print(f"[bold yellow]warning:[/] {w}", highlight=False)
 
 
-def _run_comparison(exp, out: Path, delay_backend: str) -> None:
-    """``compare:`` variants back to back; ``comparison.json`` with measured and predicted times."""
+def _run_comparison(exp, out: Path, delay_backend: str, inventory: Path | None = None,
+                    machines: str | None = None) -> None:
+    """``compare:`` variants back to back (with ``inventory``: each on the cluster, opened for
+    it); ``comparison.json`` with measured and predicted times."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from testbed.run.compare import run_comparison
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
+        say = lambda m: progress.console.print(m, highlight=False)  # noqa: E731
+
+        @contextlib.contextmanager
+        def on_cluster(v):
+            from testbed.cluster.remote import ClusterSite, open_cluster
+
+            cluster = open_cluster(v.topo, inventory, machines, run=v.name, progress=say)
+            try:
+                yield ClusterSite(cluster)
+            finally:
+                cluster.close()
+
         tasks = {n: progress.add_task(f"variant {n}", total=exp.training.iterations) for n in exp.compare}
         result = run_comparison(exp, out, delay_backend,
                                 progress=lambda n, done, total: progress.update(tasks[n], completed=done),
-                                log=lambda m: progress.console.print(m, highlight=False))
+                                log=say, open_site=on_cluster if inventory is not None else None)
     names = list(exp.compare)
     speed = result.get(f"speedup_over_{names[0]}", {})
     table = Table(title=f"{exp.name} on {exp.topo.name}: {len(names)} variants")

@@ -6,8 +6,10 @@ servers take; only the machines are namespaces."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -157,7 +159,10 @@ def _start_run(cluster, out: Path, machines: str | None = None, experiment: str 
     proc = subprocess.Popen(cluster.head_argv([*TESTBED, "run", experiment, "--inventory",
                                                str(cluster.inventory_path), "--out", str(out),
                                                *(["--machines", machines] if machines else [])]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            # Ctrl-C as a terminal gives it (pytest started in the background has SIGINT ignored,
+                            # and a child would inherit that)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
     while (out / "iterations.jsonl").exists() is False or not (out / "iterations.jsonl").read_text().strip():
         assert proc.poll() is None, proc.stdout.read()[-2000:]
@@ -234,6 +239,58 @@ def test_clean_inventory_after_a_crash_ends_the_dead_run_and_leaves_a_live_one(c
     b.send_signal(signal.SIGINT)  # its user's Ctrl-C: B ends as any run does
     out, _ = b.communicate(timeout=120)
     assert b.returncode == 130, out[-3000:]
+    _nothing_left(cluster)
+
+
+_EMULATED = """name: emu-cluster
+topology: aws-us3
+device: emulated
+model: {layers: 3, hidden: 128, heads: 4, seq_len: 256}
+training: {iterations: 12, microbatches: 4, microbatch_size: 4, seed: 3}
+parallel: {stages: 3, replicas: 2, schedule: 1f1b, connections: 1, slow_start_after_idle: false}
+sim:
+  stage_times:
+  - {forward_s: 0.02, backward_s: 0.04}
+  - {forward_s: 0.02, backward_s: 0.04}
+  - {forward_s: 0.02, backward_s: 0.04}
+compare:
+  one: {connections: 1, description: one connection per transfer}
+  four: {connections: 4, description: four connections per transfer}
+"""
+
+
+def test_an_emulated_device_comparison_runs_across_machines(cluster, tmp_path):
+    """``device: emulated`` and ``compare:`` across the three fake machines (each worker's
+    device file made on its own machine; each variant on a cluster opened for it): both
+    variants train, their devices keep time there, and the figures are printed beside the
+    same comparison on this machine (run just before)."""
+    exp = tmp_path / "emu.yaml"
+    exp.write_text(_EMULATED)
+    here = subprocess.run([*TESTBED, "run", str(exp), "--out", str(tmp_path / "here")], capture_output=True,
+                          text=True, cwd=REPO, timeout=600)
+    assert here.returncode == 0, here.stderr[-3000:]
+    there = _head(cluster, ["run", str(exp), "--inventory", str(cluster.inventory_path),
+                            "--out", str(tmp_path / "there")])
+    assert there.returncode == 0, there.stderr[-3000:]
+    a = json.loads((tmp_path / "here" / "comparison.json").read_text())
+    b = json.loads((tmp_path / "there" / "comparison.json").read_text())
+    for variant in ("one", "four"):
+        times = {}
+        for where in ("here", "there"):
+            m = json.loads((tmp_path / where / variant / "metrics.json").read_text())
+            steady = set(m["summary"]["steady_state_iterations"])
+            times[where] = [it["time_s"] for it in m["iterations"] if it["iteration"] in steady]
+        mean = {w: statistics.mean(t) for w, t in times.items()}
+        noise = math.sqrt(sum(statistics.variance(t) / len(t) for t in times.values()))  # the difference's std error
+        print(f"{variant}: here {mean['here']:.3f} s, across machines {mean['there']:.3f} s "
+              f"(difference {mean['there'] - mean['here']:+.3f} s, its noise {noise:.3f} s)")
+        # Not asserted: across machines is not yet the same run within its noise. Two pairs on
+        # the 2-core VM (2026-12-06) read 1.00x/0.88x (Linux-default hosts, 8 iterations) and
+        # 1.19x/1.06x (tuned, 12), differences 3-4 of their standard errors; the cause (the
+        # VXLAN path, MTU 1450, the delay lines' CPU) is not measured (issue #32).
+        info = json.loads((tmp_path / "there" / variant / "metrics.json").read_text())
+        assert info["cluster"]["placement"] == {"virginia": "m1", "ohio": "m2", "oregon": "m3"}
+        assert info["device"]["op_timing"]["median_us_worst_worker"] <= 200  # the devices kept time there too
     _nothing_left(cluster)
 
 

@@ -175,7 +175,7 @@ class _Session:
         self.hosts = {h.name: h for h in net.hosts()}
         return {"hosts": {dc: [[h.name, h.ip] for h in net.hosts(dc)] for dc in net.local},
                 "backends": {"delay": net.backends.delay, "loss": net.backends.loss, "rate": net.backends.rate},
-                "startup_s": net.startup_s}
+                "startup_s": net.startup_s, "files": str(self.launcher.dir)}
 
     def op_cmd(self, host: str, command: str) -> str:
         return self.hosts[host].node.cmd(command)

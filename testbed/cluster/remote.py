@@ -38,9 +38,10 @@ import itertools
 import os
 import queue
 import shutil
+import signal
 import socket
-import tempfile
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -59,6 +60,13 @@ from testbed.cluster.inventory import ClusterError, Machine
 VXLAN_OVERHEAD = 50
 CLOCK_BOUND_MS = 1.0
 _VNI_BASE = 4096
+
+
+def _main_thread_takes_signals() -> None:
+    """Block Ctrl-C and SIGTERM in this helper thread: the kernel then delivers them to the
+    main thread, whose waits they interrupt at once (delivered here, they would wait until the
+    main thread's wait ended: up to a call's timeout)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 class AgentClient:
@@ -105,6 +113,7 @@ class AgentClient:
         return lines[-1].strip() if lines else "no output"
 
     def _read(self) -> None:
+        _main_thread_takes_signals()
         reader = wire.LineReader(self.chan)
         while True:
             lines = reader.read()
@@ -246,7 +255,7 @@ class _ClusterLink:
 
     def counters(self) -> Counters:
         machine = self._cluster.placement[self.src]
-        c = self._cluster.agents[machine].call("link_counters", src=self.src, dst=self.dst)
+        c = self._cluster.agents[machine].call("link_counters", wait_s=30.0, src=self.src, dst=self.dst)
         classes = {name: ClassCounters(**v) for name, v in c.pop("classes").items()}
         c["time"] -= self._cluster.offsets.get(machine, 0.0)
         return Counters(**c, classes=classes)
@@ -401,8 +410,15 @@ class ClusterLauncher:
         return proc
 
     def file(self, name: str) -> Path:
-        raise ClusterError(f"{name}: files shared by processes (emulated devices, boards) are on one machine only, "
-                           f"for now")
+        """``name`` in the agents' process folder, the same path on every machine: a process
+        that shares it makes it on its own machine (an emulated device does), and the agent's
+        teardown (or ``testbed clean`` there) removes it with the folder."""
+        where = set(self.cluster.files.values())
+        if len(where) != 1:
+            raise ClusterError(f"{name}: the machines keep their processes' files in different folders "
+                               f"({', '.join(sorted(where)) or 'none yet'}): one testbed build and state folder "
+                               f"everywhere")
+        return Path(where.pop()) / name
 
     def pids(self) -> dict[str, int]:
         return {n: p.pid for n, p in self.processes.items()}
@@ -510,6 +526,7 @@ class Cluster:
     _report: dict | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
     logs: Path | None = None  # each agent's log (its stderr over SSH): agent-<machine>.log
+    files: dict[str, str] = field(default_factory=dict)  # machine -> its agent's folder for processes' files
 
     # -- start and end ----------------------------------------------------------------
     def start(self, run: str = "") -> "Cluster":
@@ -537,6 +554,7 @@ class Cluster:
         return self
 
     def _renew(self) -> None:
+        _main_thread_takes_signals()
         while not self._stopping.wait(self.lease_s / 4):
             for agent in list(self.agents.values()):
                 try:
@@ -656,6 +674,7 @@ class Cluster:
         if errors:
             raise NetworkError(errors[0])
         for machine, r in results.items():
+            self.files[machine] = r["files"]
             for dc, hosts in r["hosts"].items():
                 net._hosts[dc] = [HostInfo(dc, j, name, ip, RemoteNode(self.agents[machine], name))
                                   for j, (name, ip) in enumerate(hosts)]

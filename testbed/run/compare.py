@@ -15,10 +15,11 @@ speedups over the first variant;
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, ContextManager
 
 from testbed.extension import in_use
 from testbed.messages import UNSET
@@ -66,7 +67,10 @@ def _settings(exp: Experiment, name: str) -> str:
 
 def run_comparison(exp: Experiment, out: Path, delay_backend: str = "auto",
                    progress: Callable[[str, int, int], None] | None = None,
-                   log: Callable[[str], None] | None = None) -> dict:
+                   log: Callable[[str], None] | None = None,
+                   open_site: Callable[[Experiment], ContextManager[Any]] | None = None) -> dict:
+    """The variants back to back; ``open_site(variant)`` gives each its site (a cluster's,
+    opened for the variant and closed after it; default: this machine)."""
     from testbed.run.runner import TrainingRun
 
     out.mkdir(parents=True, exist_ok=True)
@@ -76,9 +80,10 @@ def run_comparison(exp: Experiment, out: Path, delay_backend: str = "auto",
         run_dir = out / name
         if log:
             log(f"variant {name}: {exp.compare[name].description or ''} ({_settings(exp, name)})")
-        runner = TrainingRun(v, run_dir, delay_backend=delay_backend,
-                             progress=(lambda d, t, n=name: progress(n, d, t)) if progress else None, log=log)
-        summary = runner.run()
+        with open_site(v) if open_site else contextlib.nullcontext(None) as site:
+            runner = TrainingRun(v, run_dir, delay_backend=delay_backend, site=site,
+                                 progress=(lambda d, t, n=name: progress(n, d, t)) if progress else None, log=log)
+            summary = runner.run()
         s = summary.summary
         rows[name] = {
             "description": exp.compare[name].description,

@@ -145,7 +145,6 @@ class EmulatedDevice(DeviceKind):
     name = "emulated"
     computes_model = False
     profiled = True
-    one_machine_only = True
     dilates = True  # under time dilation k every op time and the message latency are k times longer
 
     def check(self) -> None:
@@ -158,11 +157,9 @@ class EmulatedDevice(DeviceKind):
 
     def configure(self, run: Any, worker: Any, cfg: Any, env: dict[str, str]) -> float:
         from testbed.train.config import Emulation
-        from testbed.train.device import create_device
 
         prof, exp = self.profile, self.exp
-        worker.device_file = run.launcher.file(f"{worker.name}.device")
-        create_device(worker.device_file)
+        worker.device_file = run.launcher.file(f"{worker.name}.device")  # the worker makes it, where it runs
         stage = worker.slot.stage
         slow = exp.emulation.slowdown.get(worker.slot.replica, 1.0)
         cfg.compute, cfg.device = "testbed.train.emulated:EmulatedCompute", "emulated"

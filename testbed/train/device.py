@@ -1,7 +1,8 @@
 """An emulated device: one stream that several processes may queue work on.
 
 How it fits: with ``device: emulated`` the runner gives each worker a device file (16 bytes
-on the run's tmpfs state folder, shared by every namespace).  The worker's compute
+on the run's tmpfs state folder, shared by every namespace of its machine; the first client
+to open it makes it, so across machines it is made where the worker runs).  The worker's compute
 (``emulated.py``) and any co-tenant of the same device (a BubbleTea prefill server) call
 ``run(seconds)``: the op starts when the stream is free (``free_at``, read and advanced
 under ``flock``, so clients in different processes queue in the order they issue, as on a
@@ -23,15 +24,28 @@ import mmap
 import os
 import struct
 import time
+from pathlib import Path
 
 _LAYOUT = struct.Struct("dd")  # free_at (CLOCK_MONOTONIC seconds), busy seconds so far
 _PR_SET_TIMERSLACK = 29
 
 
 def create_device(path: str | os.PathLike) -> None:
-    """A new, idle device file."""
-    with open(path, "wb") as fh:
+    """An idle device file at ``path`` unless one is there: whichever of a device's clients
+    opens it first makes it, on its own machine (written aside, then linked into place, so a
+    client never sees a file shorter than the layout)."""
+    path = Path(path)
+    if path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    with open(tmp, "wb") as fh:
         fh.write(_LAYOUT.pack(0.0, 0.0))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
 
 
 def _fine_timers() -> None:
@@ -43,6 +57,7 @@ def _fine_timers() -> None:
 
 class EmulatedDevice:
     def __init__(self, path: str | os.PathLike):
+        create_device(path)
         self._fd = os.open(path, os.O_RDWR)
         self._map = mmap.mmap(self._fd, _LAYOUT.size)
         self.errors: list[float] = []  # per op: actual end - intended end, seconds
