@@ -7,7 +7,8 @@ through Ansible and starts each machine's agent over SSH.  Checked: no process o
 testbed listens on a TCP port of any machine while its network is up (``ss -ltnp`` inside
 each); an agent of another build (a copy of the packages with one line changed, run through
 ``gtb_testbed_root``) is refused with both builds named, and the other machines are left
-clean; an agent whose clock runs 500 ppm fast (libfaketime's rate, ``gtb_agent_wrap``) shows
+clean; a second orchestrator on machines that serve a run is told whose run it is, and the
+first run's agents go on; an agent whose clock runs 500 ppm fast (libfaketime's rate, ``gtb_agent_wrap``) shows
 that drift, and a timestamp taken mid-run on it maps onto the orchestrator's clock within
 the samples' uncertainty once the drift is corrected, where the start offset alone is off by
 drift x elapsed.
@@ -104,6 +105,21 @@ def test_an_agent_of_another_build_is_refused_naming_both(cluster, tmp_path):
     msg = str(err.value)
     assert len(msg.splitlines()) == 1 and "m2" in msg and theirs in msg and mine in msg, msg
     _nothing_left_soon(cluster)  # m1 and m3's agents, started, were ended with the run
+
+
+def test_a_second_orchestrator_on_a_busy_machine_is_told_whose_run_it_is(cluster):
+    from testbed.cluster.inventory import ClusterError
+
+    first = _open(cluster, cluster.inventory_path)
+    try:
+        with pytest.raises(ClusterError) as err:
+            _open(cluster, cluster.inventory_path)
+        msg = str(err.value)
+        assert len(msg.splitlines()) == 1 and "is running a run of" in msg and "machine agent pid" in msg, msg
+        assert all(not a.closed for a in first.agents.values())  # the first run's agents are untouched
+    finally:
+        first.close()
+    _nothing_left_soon(cluster)
 
 
 @pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (apt-get install faketime)")

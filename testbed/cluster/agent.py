@@ -295,7 +295,7 @@ def live_agent() -> dict | None:
 def serve_stdio(lease_s: float = 15.0, hello_s: float = 60.0,
                 log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> int:
     """Serve the orchestrator on stdin/stdout (an SSH session); 0 when it ended cleanly, 2
-    when it runs another build."""
+    when it runs another build, 3 when another orchestrator's agent is live on this machine."""
     # the wire keeps the session's two pipes; anything else this process or its children
     # print goes to stderr (the log), never into the wire
     chan = wire.Channel(os.dup(0), os.dup(1))
@@ -318,6 +318,12 @@ def serve_stdio(lease_s: float = 15.0, hello_s: float = 60.0,
         chan.close()
         return 2
     who = first.args.get("orchestrator", "?")
+    busy = live_agent()
+    if busy is not None:
+        chan.send(m.Answer(id=first.id, error=f"machine {machine_name()} is running a run of "
+                                              f"{busy.get('orchestrator', '?')} (machine agent pid {busy['pid']})"))
+        chan.close()
+        return 3
     PID_FILE.write_text(json.dumps({"pid": os.getpid(), "orchestrator": who, "run": first.args.get("run", "")}))
     log(f"machine agent {machine_name()} (build {mine}) serving {who}, lease {lease_s:g} s")
     session = _Session(chan, lease_s, log)
@@ -326,9 +332,9 @@ def serve_stdio(lease_s: float = 15.0, hello_s: float = 60.0,
     finally:
         chan.close()
         try:
-            if live_agent() and json.loads(PID_FILE.read_text())["pid"] == os.getpid():
+            if json.loads(PID_FILE.read_text()).get("pid") == os.getpid():  # ours, not a later agent's
                 PID_FILE.unlink()
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, AttributeError):
             pass
     log("machine agent done: everything it made is removed")
     return 0
