@@ -613,18 +613,18 @@ def test_peaks_lp_optimum_matches_the_lp_written_out_by_definition(solver, head_
 
 
 @pytest.mark.slow
-def test_a_days_lp_at_21_dcs_solves_within_a_bound():
+def test_a_days_lp_at_21_dcs_solves_within_60_s():
     """Scale (issue #33): Titan-Next's LP for one weekday on its forecast, every region in the
     matrix as users (54) and the 21 default DCs, the shipped defaults (hourly slots, 200
     configurations planned one by one, configurations by media, IPM, headroom tie-break),
-    plans well below the nearest-DC policy on the same forecast, within a bound on its time.
+    plans well below the nearest-DC policy on the same forecast, within 60 s of CPU (the
+    issue's bar).  HiGHS runs single-threaded here (``threads=1``), so its CPU time is the
+    LP's wall time on an idle machine; wall time on the 2-core shared development VM also
+    counts other people's work, so it is printed and guarded at 150 s only.
 
-    The issue asks for 60 s.  Measured on the 2-core shared development VM (2026-12-06,
-    nice 19, load average 1.5-7 from other work): 92.3, 81.3 and 82.7 s wall, 62.7 and
-    76.4 s of CPU (peaks LP 66-77 s, 98,620 columns; 24 slot LPs 9-16 s); the peaks LP alone, read
-    back from MPS, 50-80 s of CPU in four runs (61 IPM iterations each).  So 60 s is not met
-    here (this test with the 60 s bar failed both times it ran): the bar is
-    150 s, a guard against a regression (a slower formulation or solver), not the issue's."""
+    Measured (2026-12-06, nice 19): on the quiet VM (load average 1.6, one other job of ours)
+    41.5 s wall, 40.0 s CPU (peaks LP 35.0 s over 98,620 columns, 24 slot LPs 6.3 s); with
+    other experiments beside it (load average 1.5-7) 81-92 s wall, 62.7 and 76.4 s CPU."""
     from agents.titan.spec import DEFAULT_DCS
 
     spec = load_spec(StudySpec, None, {"days": 1})
@@ -648,4 +648,5 @@ def test_a_days_lp_at_21_dcs_solves_within_a_bound():
           f"{plan.stats['variables']:,} variables, rounds {plan.stats['rounds']}")
     nearest = plan_loads(world, opts, rule_plan("n", opts, forecast.config, 0.0), forecast).max(axis=1).sum()
     assert plan.stats["planned_sum_of_peaks_kbps"] < 0.8 * nearest
+    assert cpu < 60.0, f"a day's LP at 21 DCs took {cpu:.1f} s of CPU (the issue's bar: 60 s)"
     assert plan.solve_s < 150.0
