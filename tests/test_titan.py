@@ -423,6 +423,31 @@ def test_guarded_realisation_keeps_the_internet_caps(small, forecast_plans):
         assert inet <= world.inet_cap[u, d] * n + 1e-9
 
 
+def test_quantile_forecast_plans_a_busier_day_with_the_means_mix(small):
+    """``predict(quantile=q)``: each (slot, region)'s traffic is the q-quantile of the past
+    days' (not their mean), the configurations' mix within it the mean's; None is the mean."""
+    world, calls, configs, cfg, prov, opts = small
+    days = [wl.demand(calls, cfg, d * wl.DAY_S, 3600.0, 24) for d in range(2)]
+    mean = wl.predict(days, 2 * wl.DAY_S)
+    high = wl.predict(days, 2 * wl.DAY_S, 0.9)
+    R = len(world.users)
+
+    def totals(dem):
+        return np.bincount(dem.slot * R + dem.region, weights=dem.up_kbps + dem.down_kbps, minlength=24 * R)
+
+    want = np.quantile(np.stack([totals(d) for d in days]), 0.9, axis=0)
+    assert np.allclose(totals(high), want, rtol=1e-9, atol=1e-6)
+    assert totals(high).sum() > 1.05 * totals(mean).sum()  # the two days differ: a busier plan
+    ratio = np.divide(high.up_kbps, mean.up_kbps, out=np.ones(len(mean.up_kbps)), where=mean.up_kbps > 0)
+    per_cell = mean.slot * R + mean.region  # one factor per (slot, region): the mix is the mean's
+    for cell in np.unique(per_cell)[:200]:
+        r = ratio[(per_cell == cell) & (mean.up_kbps > 0)]
+        assert np.ptp(r) <= 1e-9 * max(r.max(initial=1.0), 1.0)
+    assert np.array_equal(wl.predict(days, 2 * wl.DAY_S, None).up_kbps, mean.up_kbps)
+    with pytest.raises(ValueError, match="quantile"):
+        wl.predict(days, 2 * wl.DAY_S, 1.5)
+
+
 def test_billing_period_counts_only_the_excess_over_peaks_already_paid(small):
     """With the period's peaks so far, a day's LP pays only for what it adds above them: none
     when the day fits under them, all of it when nothing is paid yet; and its plan may fill

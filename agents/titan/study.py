@@ -3,7 +3,8 @@
 How it fits: ``run_study`` builds the world (``regions.py``), synthesises ``history_days``
 plus ``days`` days of calls (``workload.py``), and for each evaluated day forecasts its
 demand as the mean of the same kind of day (weekday/weekend) in the preceding
-``history_days``.  Per day it solves Titan-Next's LP on the forecast and on the day's
+``history_days`` (with ``forecast_quantile`` q, the LPs plan on each (slot, region)'s
+q-quantile of those days' traffic instead: ``workload.predict``).  Per day it solves Titan-Next's LP on the forecast and on the day's
 actual demand (the oracle), and the WAN-only LP (Switchboard-like) on the forecast
 (``lp.py``); the rule baselines need no solving.  The LPs plan configurations told apart
 by media (``configs_by_media``).  With ``billing: period`` (the default) the evaluated days
@@ -95,10 +96,12 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
         day_mask = (ev_calls.start_s >= t0) & (ev_calls.start_s < t0 + wl.DAY_S)
         day = ev_calls.select(day_mask)
         dcfg, dprov = ev_cfg[day_mask], ev_prov[day_mask]
-        forecast = wl.predict([daily[d] for d in wl.same_kind_days(e, range(e - H, e))], t0)
-        for name, demand, routes in (("titan-next", forecast, (WAN, INTERNET)),
+        past = [daily[d] for d in wl.same_kind_days(e, range(e - H, e))]
+        forecast = wl.predict(past, t0)  # the rules' planned figure is on the mean
+        plan_on = forecast if spec.forecast_quantile is None else wl.predict(past, t0, spec.forecast_quantile)
+        for name, demand, routes in (("titan-next", plan_on, (WAN, INTERNET)),
                                      ("titan-next-oracle", daily[e], (WAN, INTERNET)),
-                                     ("wan-lp", forecast, (WAN,))):
+                                     ("wan-lp", plan_on, (WAN,))):
             paid = billed[name][:, : (e - H) * T].max(axis=1) if spec.billing == "period" and e > H else None
             problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity, paid)
             plan = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver=solver,
