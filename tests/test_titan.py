@@ -499,6 +499,14 @@ def test_small_study_end_to_end(tmp_path):
         assert (p["planned_sum_of_peaks_per_day_kbps"] is None) == (name == "greedy-internet")
         assert name == "greedy-internet" or len(p["planned_sum_of_peaks_per_day_kbps"]) == 2
     assert len(js["solves"]["titan-next"]) == 2 and all(r["solve_s"] < 30 for r in js["solves"]["titan-next"])
+    import csv
+
+    with open(tmp_path / "days.csv", newline="") as fh:  # planned beside realised, per policy and day
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        plan = pol[r["policy"]]["planned_sum_of_peaks_per_day_kbps"]
+        assert r["planned_sum_of_peaks_kbps"] == ("" if plan is None else f"{plan[int(r['day'])]:.1f}")
+    assert {r["policy"] for r in rows} == set(pol) and len(rows) == 2 * len(pol)
 
 
 def _cli():

@@ -199,7 +199,8 @@ def _percentiles(ev: Evaluation, route: int) -> dict | None:
 
 
 def write_outputs(summary: dict, out: Path) -> list[Path]:
-    """summary.json, days.csv, peaks.csv, link_load_top.csv and the plots."""
+    """summary.json, days.csv (each policy's realised and planned sum of peaks per day), peaks.csv,
+    link_load_top.csv and the plots."""
     out.mkdir(parents=True, exist_ok=True)
     arrays = summary["_arrays"]
     evals: dict[str, Evaluation] = arrays["evals"]
@@ -211,10 +212,11 @@ def write_outputs(summary: dict, out: Path) -> list[Path]:
     written.append(out / "summary.json")
     with open(out / "days.csv", "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["policy", "day", "sum_of_peaks_kbps"])
+        w.writerow(["policy", "day", "sum_of_peaks_kbps", "planned_sum_of_peaks_kbps"])
         for name, p in js["policies"].items():
+            plan = p["planned_sum_of_peaks_per_day_kbps"]  # greedy has none: empty
             for d, v in enumerate(p["sum_of_peaks_per_day_kbps"]):
-                w.writerow([name, d, f"{v:.1f}"])
+                w.writerow([name, d, f"{v:.1f}", "" if plan is None else f"{plan[d]:.1f}"])
     written.append(out / "days.csv")
     with open(out / "peaks.csv", "w", newline="") as fh:
         w = csv.writer(fh)
