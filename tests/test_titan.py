@@ -423,6 +423,51 @@ def test_guarded_realisation_keeps_the_internet_caps(small, forecast_plans):
         assert inet <= world.inet_cap[u, d] * n + 1e-9
 
 
+def test_slot_boundary_moves_free_the_wan_within_the_caps(small, forecast_plans):
+    """Re-realising at slot boundaries (``move_at``): WAN calls in progress on links near
+    their limit move to the Internet at their DC, within the caps counted from the calls in
+    progress and the latency rule; the day's sum of peaks falls, each move is a migration,
+    and the moved calls are measured on each placement for the part of the call it held."""
+    world, calls, configs, cfg, prov, opts = small
+    plans, day, dcfg, dprov = forecast_plans
+    plan = plans[(WAN, INTERNET)]
+    t0 = wl.DAY_S
+    got = {}
+    for move_at in (None, 0.5):
+        guard = PeakGuard(world)
+        guard.set_limits(plan.stats["planned_peaks"])
+        real = realise_guarded(plan, opts, day, dcfg, dprov, t0, 3600.0, guard, move_at=move_at)
+        got[move_at] = (real, evaluate(world, opts, day, dcfg, real, t0, 3600.0, 24), guard)
+    (still, ev0, _), (moved, ev, guard) = got[None], got[0.5]
+    assert len(still.moves) == 0 and len(moved.moves) == guard.moved > 0
+    assert ev.peaks().sum() < ev0.peaks().sum()
+    assert ev.migrations == pytest.approx((moved.migrated.sum() + len(moved.moves)) / len(day))
+    greedy = evaluate(world, opts, day, dcfg, realise_greedy(opts, day, dcfg, dprov, t0, 3600.0), t0, 3600.0, 24)
+    assert ev.cap_excess < 0.01 and ev.cap_excess <= greedy.cap_excess and ev.over_bound == 0
+    for i, at, d, r in moved.moves:  # a WAN call, moved to the Internet at its DC, at a boundary while in progress
+        i, d = int(i), int(d)
+        assert moved.route[i] == WAN and moved.dc[i] == d and r == INTERNET
+        assert at % 3600.0 == 0 and day.start_s[i] < at < day.end_s[i]
+        assert opts.option_index(int(dcfg[i]), d, INTERNET) is not None
+    # the moved calls measured on both placements: their WAN traffic stops at the move
+    i = int(moved.moves[0, 0])
+    one = np.zeros(len(day), dtype=bool)
+    one[i] = True
+    sub = day.select(one)
+    whole = evaluate(world, opts, sub, dcfg[one], _placement_of(moved, one, None), t0, 3600.0, 24)
+    split = evaluate(world, opts, sub, dcfg[one], _placement_of(moved, one, moved.moves[:1]), t0, 3600.0, 24)
+    on_wan_s = moved.moves[0, 1] - day.start_s[i]
+    assert split.link_load.sum() == pytest.approx(whole.link_load.sum() * on_wan_s / day.duration_s[i], rel=1e-6)
+
+
+def _placement_of(real, mask, moves):
+    """The realisation of the calls in ``mask`` (renumbered), with ``moves`` (already for them)."""
+    from agents.titan.placement import Realisation
+
+    mv = np.zeros((0, 4)) if moves is None else np.array([[0, *m[1:]] for m in moves])
+    return Realisation(real.dc[mask], real.route[mask], real.migrated[mask], real.planned[mask], mv)
+
+
 def test_quantile_forecast_plans_a_busier_day_with_the_means_mix(small):
     """``predict(quantile=q)``: each (slot, region)'s traffic is the q-quantile of the past
     days' (not their mean), the configurations' mix within it the mean's; None is the mean."""

@@ -15,7 +15,9 @@ Every plan is realised call by call with quota counters (greedy by its own share
 counters); the LPs' plans, by default, through ``placement.realise_guarded``
 (``realisation: guarded``): each call at the first placement, the quota counters' choice
 first, that keeps the Internet share caps (as greedy counts them) and every WAN link within
-the plan's peaks; ``capped`` keeps the caps alone, ``quota`` neither.  A plan on the
+the plan's peaks; ``capped`` keeps the caps alone, ``quota`` neither.  With ``move_at`` the
+guarded realisation also re-realises at every slot boundary: WAN calls in progress that
+cross a link near its limit move to the Internet where the caps allow (a migration each).  A plan on the
 forecast realised by quota counters alone is overrun on any day busier than the mean.
 Each policy's planned sum of peaks (on the demand it planned for: the forecast, or the
 day's for the oracle) is reported beside the realised one.  The realisations of all days
@@ -117,7 +119,8 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
                 got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
             elif spec.realisation == "guarded":
                 guards[name].set_limits(plan.stats["planned_peaks"] if paid is None else plan.stats["peak_limits"])
-                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
+                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes,
+                                      spec.move_at)
             else:
                 got = realise(plan, options, day, dcfg, dprov, t0, slot_s)
             real[name].append(got)
@@ -130,14 +133,17 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     evals: dict[str, Evaluation] = {}
     for name in POLICIES:
         parts = real[name]
+        offsets = np.cumsum([0] + [len(r.dc) for r in parts[:-1]])
+        moves = np.concatenate([r.moves + np.array([off, 0, 0, 0]) for r, off in zip(parts, offsets)])
         joined = Realisation(*(np.concatenate([getattr(r, f) for r in parts]) for f in
-                               ("dc", "route", "migrated", "planned")))
+                               ("dc", "route", "migrated", "planned")), moves=moves)
         evals[name] = evaluate(world, options, ev_calls, ev_cfg, joined, t_eval, slot_s, T * N, incid)
     summary = _summarise(spec, world, evals, solves, planned, capacity, len(ev_calls), len(configs), T)
     for name, g in guards.items():
         guarded = spec.realisation != "quota"
         summary["policies"][name]["guard_raised_calls"] = g.raised if guarded else None
         summary["policies"][name]["guard_over_cap_calls"] = g.over_cap if guarded else None
+        summary["policies"][name]["moved_calls"] = g.moved if guarded else None
     summary["wall_s"] = time.perf_counter() - t_all
     summary["_arrays"] = {"evals": evals, "world": world, "slots_per_day": T, "slot_minutes": spec.slot_minutes}
     return summary

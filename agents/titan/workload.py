@@ -80,7 +80,11 @@ class Calls:
         return np.repeat(np.arange(len(self)), np.diff(self.ptr))
 
     def select(self, mask: np.ndarray) -> "Calls":
-        idx = np.flatnonzero(mask)
+        return self.take(np.flatnonzero(mask))
+
+    def take(self, idx: np.ndarray) -> "Calls":
+        """The calls at ``idx``, in that order (an index may repeat)."""
+        idx = np.asarray(idx, dtype=np.int64)
         lens = np.diff(self.ptr)[idx]
         starts = self.ptr[idx]
         ent = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) + np.arange(lens.sum())
