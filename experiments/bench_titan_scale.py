@@ -12,7 +12,9 @@ a mix per allowed-placement class) the weekday's Titan-Next LP on its forecast i
 ``lp.solve_day`` exactly as ``study.run_study`` solves it (IPM, headroom tie-break, the
 shipped spec otherwise), and its wall and CPU time, the peaks LP's and the slot LPs' times,
 the peaks LP's columns and the planned sum of peaks are recorded.  Writes ``scale.csv`` and
-``scale.png`` (time against peaks-LP columns) to ``--out``; prints one line per point.
+``scale.png`` (time against peaks-LP columns) to ``--out`` (``scale.csv`` after every
+point, so an interrupted run keeps what it measured; ``--replot scale.csv`` draws the plot
+from it); prints one line per point.
 Timings are the machine's: say which machine, and its load, with them.
 """
 
@@ -123,7 +125,19 @@ def main() -> None:
     ap.add_argument("--calls-per-day", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("results/bench-titan-scale"))
+    ap.add_argument("--replot", type=Path, metavar="SCALE_CSV", help="draw scale.png again from a scale.csv (no runs)")
     a = ap.parse_args()
+    if a.replot:
+        try:
+            with open(a.replot, newline="") as fh:
+                rows = [{k: (float(v) if k in ("peaks_lp_columns", "wall_s") else int(v) if k in ("regions", "slot_minutes") else v)
+                         for k, v in r.items()}
+                        for r in csv.DictReader(fh)]
+        except (OSError, ValueError) as exc:
+            sys.exit(f"error: --replot {a.replot}: {exc}")
+        a.out.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {_plot(rows, a.out)}")
+        return
     regions, slots, heads = (_ints(a.regions, "--regions"), _ints(a.slot_minutes, "--slot-minutes"),
                              _ints(a.max_configs, "--max-configs"))
     a.out.mkdir(parents=True, exist_ok=True)
