@@ -130,8 +130,8 @@ def main() -> None:
     if a.replot:
         try:
             with open(a.replot, newline="") as fh:
-                rows = [{k: (float(v) if k in ("peaks_lp_columns", "wall_s") else int(v) if k in ("regions", "slot_minutes") else v)
-                         for k, v in r.items()}
+                rows = [{k: float(v) if k in ("peaks_lp_columns", "wall_s")
+                         else int(v) if k in ("regions", "slot_minutes") else v for k, v in r.items()}
                         for r in csv.DictReader(fh)]
         except (OSError, ValueError) as exc:
             sys.exit(f"error: --replot {a.replot}: {exc}")
