@@ -661,6 +661,7 @@ def _evaluate(world: World, options: Options, calls: Calls, config_ids: np.ndarr
         internet_share_traffic=float(inet / tot) if tot > 0 else 0.0,
         migrations=float(real.migrated.sum() / n), unplanned=float((~real.planned).sum() / n),
         latency=lat, latency_route=er, latency_weight=calls.count.astype(np.float64),
-        over_bound=int(over.sum() if origin is None else len(np.unique(origin[over]))), cap_excess=float(excess / inet_p.sum()) if inet_p.sum() > 0 else 0.0,
+        over_bound=int(over.sum() if origin is None else len(np.unique(origin[over]))),
+        cap_excess=float(excess / inet_p.sum()) if inet_p.sum() > 0 else 0.0,
         cross_kbps=cross_kbps, internet_kbps=inet_kbps,
     )
