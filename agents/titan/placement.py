@@ -13,7 +13,10 @@ when its settled configuration is placed elsewhere).  ``realise_guarded`` keeps 
 promise on a day that is not its forecast: each call goes, in start order, to the first
 placement (the quota counters' choice first) that keeps the Internet share caps (counted
 as greedy counts them) and every WAN link's load within the plan's peak (``PeakGuard``,
-carried from day to day).  ``evaluate`` measures a realisation:
+carried from day to day); with ``move_at`` it also re-realises at slot boundaries, moving
+WAN calls in progress on links near their limit to the Internet where the caps allow
+(``PeakGuard.reslot``; each move a migration, in ``Realisation.moves``).  ``evaluate``
+measures a realisation (a moved call segment by segment):
 per-slot load of every WAN link (kbps, from the calls' actual overlaps with the slots), each
 link's peak and their sum, DC load against capacity, per-participant RTT against the bound,
 and the share offloaded to the Internet.
