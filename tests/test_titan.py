@@ -121,6 +121,10 @@ def test_bad_spec_field_is_one_line():
     assert str(e.value).startswith("<defaults>: latency.delta_ms:")
     with pytest.raises(TitanError, match="titan_fraction"):
         load_spec(StudySpec, None, {"internet_cap": 0.3, "titan_fraction": 0.5})
+    for flag, value, field in (("--move-at", "1.5", "move_at"), ("--forecast-quantile", "1", "forecast_quantile")):
+        got = CliRunner().invoke(_cli(), ["titan", "study", "--days", "1", "--users", "uksouth,eastus", "--dcs",
+                                          "westeurope", flag, value])
+        assert got.exit_code == 2 and f"{field}:" in got.output and len(got.output.strip().splitlines()) == 1
 
 
 
