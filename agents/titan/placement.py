@@ -289,7 +289,7 @@ class PeakGuard:
         DC where the latency rule allows it and every path of theirs stays within its cap.
         Each move frees the call's WAN load now and is recorded in ``moves`` (a migration)."""
         world = self.world
-        for token_, _, members, d, r, _ in self.live.values():
+        for _, _, members, d, r, _ in self.live.values():
             for u, c in members:
                 if not world.local[u, d]:
                     a = self.on_path.setdefault((slot, u, d), [0, 0])
