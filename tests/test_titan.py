@@ -121,6 +121,10 @@ def test_bad_spec_field_is_one_line():
     assert str(e.value).startswith("<defaults>: latency.delta_ms:")
     with pytest.raises(TitanError, match="titan_fraction"):
         load_spec(StudySpec, None, {"internet_cap": 0.3, "titan_fraction": 0.5})
+    for flag, value, field in (("--move-at", "1.5", "move_at"), ("--forecast-quantile", "1", "forecast_quantile")):
+        got = CliRunner().invoke(_cli(), ["titan", "study", "--days", "1", "--users", "uksouth,eastus", "--dcs",
+                                          "westeurope", flag, value])
+        assert got.exit_code == 2 and f"{field}:" in got.output and len(got.output.strip().splitlines()) == 1
 
 
 
@@ -423,6 +427,76 @@ def test_guarded_realisation_keeps_the_internet_caps(small, forecast_plans):
         assert inet <= world.inet_cap[u, d] * n + 1e-9
 
 
+def test_slot_boundary_moves_free_the_wan_within_the_caps(small, forecast_plans):
+    """Re-realising at slot boundaries (``move_at``): WAN calls in progress on links near
+    their limit move to the Internet at their DC, within the caps counted from the calls in
+    progress and the latency rule; the day's sum of peaks falls, each move is a migration,
+    and the moved calls are measured on each placement for the part of the call it held."""
+    world, calls, configs, cfg, prov, opts = small
+    plans, day, dcfg, dprov = forecast_plans
+    plan = plans[(WAN, INTERNET)]
+    t0 = wl.DAY_S
+    got = {}
+    for move_at in (None, 0.5):
+        guard = PeakGuard(world)
+        guard.set_limits(plan.stats["planned_peaks"])
+        real = realise_guarded(plan, opts, day, dcfg, dprov, t0, 3600.0, guard, move_at=move_at)
+        got[move_at] = (real, evaluate(world, opts, day, dcfg, real, t0, 3600.0, 24), guard)
+    (still, ev0, _), (moved, ev, guard) = got[None], got[0.5]
+    assert len(still.moves) == 0 and len(moved.moves) == guard.moved > 0
+    assert ev.peaks().sum() < ev0.peaks().sum()
+    assert ev.migrations == pytest.approx((moved.migrated.sum() + len(moved.moves)) / len(day))
+    greedy = evaluate(world, opts, day, dcfg, realise_greedy(opts, day, dcfg, dprov, t0, 3600.0), t0, 3600.0, 24)
+    assert ev.cap_excess < 0.01 and ev.cap_excess <= greedy.cap_excess and ev.over_bound == 0
+    for i, at, d, r in moved.moves:  # a WAN call, moved to the Internet at its DC, at a boundary while in progress
+        i, d = int(i), int(d)
+        assert moved.route[i] == WAN and moved.dc[i] == d and r == INTERNET
+        assert at % 3600.0 == 0 and day.start_s[i] < at < day.end_s[i]
+        assert opts.option_index(int(dcfg[i]), d, INTERNET) is not None
+    # the moved calls measured on both placements: their WAN traffic stops at the move
+    i = int(moved.moves[0, 0])
+    one = np.zeros(len(day), dtype=bool)
+    one[i] = True
+    sub = day.select(one)
+    whole = evaluate(world, opts, sub, dcfg[one], _placement_of(moved, one, None), t0, 3600.0, 24)
+    split = evaluate(world, opts, sub, dcfg[one], _placement_of(moved, one, moved.moves[:1]), t0, 3600.0, 24)
+    on_wan_s = moved.moves[0, 1] - day.start_s[i]
+    assert split.link_load.sum() == pytest.approx(whole.link_load.sum() * on_wan_s / day.duration_s[i], rel=1e-6)
+
+
+def _placement_of(real, mask, moves):
+    """The realisation of the calls in ``mask`` (renumbered), with ``moves`` (already for them)."""
+    from agents.titan.placement import Realisation
+
+    mv = np.zeros((0, 4)) if moves is None else np.array([[0, *m[1:]] for m in moves])
+    return Realisation(real.dc[mask], real.route[mask], real.migrated[mask], real.planned[mask], mv)
+
+
+def test_quantile_forecast_plans_a_busier_day_with_the_means_mix(small):
+    """``predict(quantile=q)``: each (slot, region)'s traffic is the q-quantile of the past
+    days' (not their mean), the configurations' mix within it the mean's; None is the mean."""
+    world, calls, configs, cfg, prov, opts = small
+    days = [wl.demand(calls, cfg, d * wl.DAY_S, 3600.0, 24) for d in range(2)]
+    mean = wl.predict(days, 2 * wl.DAY_S)
+    high = wl.predict(days, 2 * wl.DAY_S, 0.9)
+    R = len(world.users)
+
+    def totals(dem):
+        return np.bincount(dem.slot * R + dem.region, weights=dem.up_kbps + dem.down_kbps, minlength=24 * R)
+
+    want = np.quantile(np.stack([totals(d) for d in days]), 0.9, axis=0)
+    assert np.allclose(totals(high), want, rtol=1e-9, atol=1e-6)
+    assert totals(high).sum() > 1.05 * totals(mean).sum()  # the two days differ: a busier plan
+    ratio = np.divide(high.up_kbps, mean.up_kbps, out=np.ones(len(mean.up_kbps)), where=mean.up_kbps > 0)
+    per_cell = mean.slot * R + mean.region  # one factor per (slot, region): the mix is the mean's
+    for cell in np.unique(per_cell)[:200]:
+        r = ratio[(per_cell == cell) & (mean.up_kbps > 0)]
+        assert np.ptp(r) <= 1e-9 * max(r.max(initial=1.0), 1.0)
+    assert np.array_equal(wl.predict(days, 2 * wl.DAY_S, None).up_kbps, mean.up_kbps)
+    with pytest.raises(ValueError, match="quantile"):
+        wl.predict(days, 2 * wl.DAY_S, 1.5)
+
+
 def test_billing_period_counts_only_the_excess_over_peaks_already_paid(small):
     """With the period's peaks so far, a day's LP pays only for what it adds above them: none
     when the day fits under them, all of it when nothing is paid yet; and its plan may fill
@@ -474,6 +548,14 @@ def test_small_study_end_to_end(tmp_path):
         assert (p["planned_sum_of_peaks_per_day_kbps"] is None) == (name == "greedy-internet")
         assert name == "greedy-internet" or len(p["planned_sum_of_peaks_per_day_kbps"]) == 2
     assert len(js["solves"]["titan-next"]) == 2 and all(r["solve_s"] < 30 for r in js["solves"]["titan-next"])
+    import csv
+
+    with open(tmp_path / "days.csv", newline="") as fh:  # planned beside realised, per policy and day
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        plan = pol[r["policy"]]["planned_sum_of_peaks_per_day_kbps"]
+        assert r["planned_sum_of_peaks_kbps"] == ("" if plan is None else f"{plan[int(r['day'])]:.1f}")
+    assert {r["policy"] for r in rows} == set(pol) and len(rows) == 2 * len(pol)
 
 
 def _cli():
@@ -613,18 +695,19 @@ def test_peaks_lp_optimum_matches_the_lp_written_out_by_definition(solver, head_
 
 
 @pytest.mark.slow
-def test_a_days_lp_at_21_dcs_solves_within_a_bound():
+def test_a_days_lp_at_21_dcs_solves_within_60_s():
     """Scale (issue #33): Titan-Next's LP for one weekday on its forecast, every region in the
     matrix as users (54) and the 21 default DCs, the shipped defaults (hourly slots, 200
     configurations planned one by one, configurations by media, IPM, headroom tie-break),
-    plans well below the nearest-DC policy on the same forecast, within a bound on its time.
+    plans well below the nearest-DC policy on the same forecast, within 60 s of CPU (the
+    issue's bar).  HiGHS runs single-threaded here (``threads=1``), so its CPU time is the
+    LP's wall time on an idle machine; wall time on the 2-core shared development VM also
+    counts other people's work, so it is printed and guarded at 150 s only.
 
-    The issue asks for 60 s.  Measured on the 2-core shared development VM (2026-12-06,
-    nice 19, load average 1.5-7 from other work): 92.3, 81.3 and 82.7 s wall, 62.7 and
-    76.4 s of CPU (peaks LP 66-77 s, 98,620 columns; 24 slot LPs 9-16 s); the peaks LP alone, read
-    back from MPS, 50-80 s of CPU in four runs (61 IPM iterations each).  So 60 s is not met
-    here (this test with the 60 s bar failed both times it ran): the bar is
-    150 s, a guard against a regression (a slower formulation or solver), not the issue's."""
+    Measured (2026-12-06, nice 19): on the quiet VM (load average 1.6, one other job of ours)
+    41.5 s wall, 40.0 s CPU (peaks LP 35.0 s over 98,620 columns, 24 slot LPs 6.3 s); at load
+    average 6, 130.3 s wall, 50.2 s CPU; in earlier runs with other experiments beside it
+    (load average 1.5-7) 81-92 s wall, 62.7 and 76.4 s CPU (those would fail the 60 s)."""
     from agents.titan.spec import DEFAULT_DCS
 
     spec = load_spec(StudySpec, None, {"days": 1})
@@ -648,4 +731,5 @@ def test_a_days_lp_at_21_dcs_solves_within_a_bound():
           f"{plan.stats['variables']:,} variables, rounds {plan.stats['rounds']}")
     nearest = plan_loads(world, opts, rule_plan("n", opts, forecast.config, 0.0), forecast).max(axis=1).sum()
     assert plan.stats["planned_sum_of_peaks_kbps"] < 0.8 * nearest
+    assert cpu < 60.0, f"a day's LP at 21 DCs took {cpu:.1f} s of CPU (the issue's bar: 60 s)"
     assert plan.solve_s < 150.0

@@ -55,6 +55,10 @@ def study(
     max_rtt_ms: Optional[float] = typer.Option(None, help="absolute bound on a call's worst participant RTT"),
     internet_cap: Optional[float] = typer.Option(None, help="largest Internet share per (region, DC) path"),
     max_configs: Optional[int] = typer.Option(None, help="configurations planned one by one"),
+    forecast_quantile: Optional[float] = typer.Option(None, help="plan on this quantile of the past days' "
+                                                      "traffic per (slot, region), not their mean"),
+    move_at: Optional[float] = typer.Option(None, help="re-realise at slot boundaries: move WAN calls in progress "
+                                            "on links at or above this share of their limit to the Internet"),
     seed: Optional[int] = typer.Option(None, help="workload seed"),
     solver: str = typer.Option("ipm", help="HiGHS solver: ipm or simplex"),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="results folder (default results/NAME)"),
@@ -68,7 +72,8 @@ def study(
         s = load_spec(StudySpec, spec, {"days": days, "users": _split(users), "dcs": _split(dcs),
                                         "workload.calls_per_day": calls_per_day, "latency.delta_ms": delta_ms,
                                         "latency.max_rtt_ms": max_rtt_ms, "internet_cap": internet_cap,
-                                        "max_configs": max_configs, "workload.seed": seed})
+                                        "max_configs": max_configs, "workload.seed": seed,
+                                        "forecast_quantile": forecast_quantile, "move_at": move_at})
         if solver not in ("ipm", "simplex"):
             raise _user_errors()[0](f"solver: {solver!r} is not ipm or simplex")
         with console.status("running the study") as status:

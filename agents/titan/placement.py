@@ -13,7 +13,10 @@ when its settled configuration is placed elsewhere).  ``realise_guarded`` keeps 
 promise on a day that is not its forecast: each call goes, in start order, to the first
 placement (the quota counters' choice first) that keeps the Internet share caps (counted
 as greedy counts them) and every WAN link's load within the plan's peak (``PeakGuard``,
-carried from day to day).  ``evaluate`` measures a realisation:
+carried from day to day); with ``move_at`` it also re-realises at slot boundaries, moving
+WAN calls in progress on links near their limit to the Internet where the caps allow
+(``PeakGuard.reslot``; each move a migration, in ``Realisation.moves``).  ``evaluate``
+measures a realisation (a moved call segment by segment):
 per-slot load of every WAN link (kbps, from the calls' actual overlaps with the slots), each
 link's peak and their sum, DC load against capacity, per-participant RTT against the bound,
 and the share offloaded to the Internet.
@@ -179,6 +182,9 @@ class Realisation:
     route: np.ndarray
     migrated: np.ndarray  # bool per call
     planned: np.ndarray  # bool: the call's configuration had a plan cell or rule (else fallback)
+    # calls moved while in progress (``realise_guarded(move_at=...)``): rows (call, at_s, dc, route),
+    # the call on (dc, route) from at_s on; dc/route above are where each call started
+    moves: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
 
 
 def _placement_arrays(calls: Calls, t0: float, slot_s: float) -> tuple:
@@ -256,6 +262,8 @@ class PeakGuard:
         self.on_path: dict[tuple[int, int, int], list[int]] = {}  # (slot, user, dc) -> [participants, on the Internet]
         self.raised = 0  # calls that had to raise a link's limit
         self.over_cap = 0  # calls put on the Internet over a cap (no placement within the caps allowed)
+        self.moved = 0  # calls moved to the Internet at a slot boundary (``reslot``)
+        self.live: dict[int, list] = {}  # seq -> [token, call, members, dc, route, config] of calls in progress
         self._cap = world.inet_cap.tolist()
         self._seq = 0
 
@@ -267,9 +275,49 @@ class PeakGuard:
 
     def _advance(self, now: float) -> None:
         while self.active and self.active[0][0] <= now:
-            _, _, contrib = heapq.heappop(self.active)
+            _, seq, contrib = heapq.heappop(self.active)
+            self.live.pop(seq, None)
             for link, v in contrib.items():
                 self.load[link] -= v
+
+    def reslot(self, at_s: float, slot: int, move_at: float, token: int, options: "Options",
+               moves: list[tuple[int, float, int, int]]) -> None:
+        """A slot boundary: the new slot's cap counters start from the calls in progress (each
+        path's participants, and those on the Internet); then the calls in progress of this
+        realisation (``token``) that are on the WAN and cross a link loaded at or above
+        ``move_at`` x its limit move, largest WAN traffic first, to the Internet at the same
+        DC where the latency rule allows it and every path of theirs stays within its cap.
+        Each move frees the call's WAN load now and is recorded in ``moves`` (a migration)."""
+        world = self.world
+        for _, _, members, d, r, _ in self.live.values():
+            for u, c in members:
+                if not world.local[u, d]:
+                    a = self.on_path.setdefault((slot, u, d), [0, 0])
+                    a[0] += c
+                    a[1] += c if r == INTERNET else 0
+        contribs = {seq: contrib for _, seq, contrib in self.active}
+        hot = [(seq, sum(contribs[seq].values())) for seq, info in self.live.items()
+               if info[0] == token and info[4] == WAN and contribs[seq]]
+        for seq, _ in sorted(hot, key=lambda x: (-x[1], x[0])):
+            _, i, members, d, _, k = self.live[seq]
+            contrib = contribs[seq]
+            if not any(self.load[l] >= move_at * self.limit[l] for l in contrib):
+                continue
+            if options.option_index(k, d, INTERNET) is None:
+                continue
+            if self.keep_caps and any(
+                    self.on_path[(slot, u, d)][1] + c > self._cap[u][d] * self.on_path[(slot, u, d)][0] + 1e-9
+                    for u, c in members if not world.local[u, d]):
+                continue
+            for u, c in members:
+                if not world.local[u, d]:
+                    self.on_path[(slot, u, d)][1] += c
+            for link, v in contrib.items():
+                self.load[link] -= v
+            contrib.clear()  # the heap entry now carries no load
+            self.live[seq][4] = INTERNET
+            self.moved += 1
+            moves.append((i, at_s, d, INTERNET))
 
     def _within_caps(self, members: list[tuple[int, int]], d: int, slot: int) -> bool:
         """Would an Internet placement at ``d`` keep every crossing path within its cap?"""
@@ -285,7 +333,7 @@ class PeakGuard:
         return sum(max(self.load[l] + v - self.limit[l] * (1 + 1e-9) - 1e-6, 0.0) for l, v in contrib.items())
 
     def _commit(self, end: float, contrib: dict[int, float], members: list[tuple[int, int]], d: int,
-                r: int, slot: int) -> None:
+                r: int, slot: int, info: tuple | None = None) -> None:
         for u, c in members:
             if not self.world.local[u, d]:
                 a = self.on_path.setdefault((slot, u, d), [0, 0])
@@ -299,6 +347,8 @@ class PeakGuard:
                 over = True
         self.raised += over
         self._seq += 1
+        if info is not None:  # (token, call, config): a call that a slot boundary may move
+            self.live[self._seq] = [info[0], info[1], members, d, r, info[2]]
         heapq.heappush(self.active, (end, self._seq, contrib))
 
 
@@ -316,7 +366,7 @@ def _wan_contrib(world: World, members: list[tuple[int, int]], d: int, up: float
 
 def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray,
                     provisional_ids: np.ndarray, t0: float, slot_s: float, guard: PeakGuard,
-                    routes: tuple[int, ...] = (WAN, INTERNET)) -> Realisation:
+                    routes: tuple[int, ...] = (WAN, INTERNET), move_at: float | None = None) -> Realisation:
     """One placement per call, in start order, that keeps the plan's peaks where it can.
 
     Each call's candidates: its plan mix's placements, furthest below their quota first (the
@@ -326,7 +376,13 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
     dropped (unless no candidate is left).  The first candidate that keeps every WAN link's
     load now within ``guard.limit`` is taken; if none does, the one that exceeds the limits least
     (summed over links) is, and the links it overloads have their limits raised (that peak
-    is paid).  Migrations are counted as in ``realise``."""
+    is paid).  Migrations are counted as in ``realise``.
+
+    With ``move_at`` (and the Internet among ``routes``), at every slot boundary from ``t0`` up
+    to the last call's start the guard re-realises the calls in progress (``PeakGuard.reslot``):
+    the new slot's cap counters start from them, and the WAN calls that cross a link at or
+    above ``move_at`` x its limit move to the Internet at their DC where the rule and the caps
+    allow; the moves are in ``Realisation.moves``."""
     world = options.world
     n = len(calls)
     dc, route, migrated, planned, slots, weights = _placement_arrays(calls, t0, slot_s)
@@ -357,7 +413,16 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
         return pref + [o for o in allowed if o not in pref], state, mix, True
 
     cfg, prov = config_ids.tolist(), provisional_ids.tolist()
+    moves: list[tuple[int, float, int, int]] = []
+    reslot = move_at is not None and INTERNET in routes
+    guard._seq += 1
+    token = guard._seq  # this realisation's calls (a boundary moves only those)
+    boundary = np.ceil(t0 / slot_s) * slot_s
     for i in range(n):
+        while reslot and boundary <= starts[i]:
+            guard._advance(boundary)
+            guard.reslot(boundary, int(round(boundary / slot_s)), move_at, token, options, moves)
+            boundary += slot_s
         guard._advance(starts[i])
         abs_slot = int(starts[i] // slot_s)
         members = list(zip(regions[ptr[i]:ptr[i + 1]], counts[ptr[i]:ptr[i + 1]]))
@@ -377,14 +442,14 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
             if excess <= 0:
                 break
         d, r = best
-        guard._commit(ends[i], best_contrib, members, d, r, abs_slot)
+        guard._commit(ends[i], best_contrib, members, d, r, abs_slot, (token, i, cfg[i]) if reslot else None)
         if state is not None and (d, r) in mix:
             state[1][mix.index((d, r))] += weights[i]
         dc[i], route[i], planned[i] = d, r, ok
         if prov[i] != cfg[i]:
             pd, pr, _ = _quota_place(plan, options, counters, prov[i], slots[i], "provisional", 1.0)
             migrated[i] = (pd, pr) != (d, r)
-    return Realisation(dc, route, migrated, planned)
+    return Realisation(dc, route, migrated, planned, np.array(moves, dtype=np.float64).reshape(-1, 4))
 
 
 def realise_greedy(options: Options, calls: Calls, config_ids: np.ndarray, provisional_ids: np.ndarray,
@@ -496,8 +561,49 @@ def incidence(world: World) -> tuple[np.ndarray, np.ndarray]:
     return up, dn
 
 
+def _split_moves(calls: Calls, config_ids: np.ndarray, real: Realisation) -> tuple:
+    """Calls moved while in progress as segments: (segment calls, their configurations, their
+    realisation, each segment's call).  A call with m moves is m + 1 segments, each on the
+    placement it had then; the first keeps the call's migration flag."""
+    n = len(calls)
+    mv = real.moves
+    call = np.concatenate((np.arange(n), mv[:, 0].astype(np.int64)))
+    start = np.concatenate((calls.start_s, mv[:, 1]))
+    dc = np.concatenate((real.dc, mv[:, 2].astype(np.int64)))
+    route = np.concatenate((real.route, mv[:, 3].astype(np.int64)))
+    order = np.lexsort((start, call))
+    call, start, dc, route = call[order], start[order], dc[order], route[order]
+    last = np.ones(len(call), dtype=bool)
+    last[:-1] = call[1:] != call[:-1]
+    end = np.where(last, calls.end_s[call], np.roll(start, -1))
+    first = np.ones(len(call), dtype=bool)
+    first[1:] = call[1:] != call[:-1]
+    seg = calls.take(call)
+    seg.start_s, seg.duration_s = start, end - start
+    return (seg, config_ids[call], Realisation(dc, route, real.migrated[call] & first, real.planned[call]), call)
+
+
 def evaluate(world: World, options: Options, calls: Calls, config_ids: np.ndarray, real: Realisation,
              t0: float, slot_s: float, slots: int, incid: tuple[np.ndarray, np.ndarray] | None = None) -> Evaluation:
+    """Measure a realisation (see ``Evaluation``); calls moved while in progress are measured
+    segment by segment, and each move counts as a migration of its call."""
+    if len(real.moves):
+        seg, seg_cfg, seg_real, call = _split_moves(calls, config_ids, real)
+        ev = _evaluate(world, options, seg, seg_cfg, seg_real, t0, slot_s, slots, incid, call)
+        n = max(len(calls), 1)
+        on_inet = np.zeros(len(calls), dtype=bool)
+        on_inet[call[seg_real.route == INTERNET]] = True
+        ev.internet_share_calls = float(on_inet.sum() / n)  # a call on the Internet for any part of it
+        ev.migrations = float((real.migrated.sum() + len(real.moves)) / n)
+        ev.unplanned = float((~real.planned).sum() / n)
+        return ev
+    return _evaluate(world, options, calls, config_ids, real, t0, slot_s, slots, incid, None)
+
+
+def _evaluate(world: World, options: Options, calls: Calls, config_ids: np.ndarray, real: Realisation,
+              t0: float, slot_s: float, slots: int, incid, origin: np.ndarray | None) -> Evaluation:
+    """``evaluate`` on whole calls, or on segments (``origin``: each segment's call, so a call
+    over its bound in any segment counts once)."""
     U, D = len(world.users), len(world.dcs)
     lens = np.diff(calls.ptr)
     ecall = np.repeat(np.arange(len(calls)), lens)
@@ -558,6 +664,7 @@ def evaluate(world: World, options: Options, calls: Calls, config_ids: np.ndarra
         internet_share_traffic=float(inet / tot) if tot > 0 else 0.0,
         migrations=float(real.migrated.sum() / n), unplanned=float((~real.planned).sum() / n),
         latency=lat, latency_route=er, latency_weight=calls.count.astype(np.float64),
-        over_bound=int(over.sum()), cap_excess=float(excess / inet_p.sum()) if inet_p.sum() > 0 else 0.0,
+        over_bound=int(over.sum() if origin is None else len(np.unique(origin[over]))),
+        cap_excess=float(excess / inet_p.sum()) if inet_p.sum() > 0 else 0.0,
         cross_kbps=cross_kbps, internet_kbps=inet_kbps,
     )

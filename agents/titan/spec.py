@@ -103,6 +103,8 @@ class StudySpec(_CapMixin, _Strict):
     tie_break: Literal["latency", "headroom"] = Field("headroom", description="each slot's placement under the peaks found: the lowest RTT (fills every link up to its peak), or the least WAN traffic (leaves headroom for a day above its forecast; RTT second)")
     realisation: Literal["quota", "capped", "guarded"] = Field("guarded", description="how the LP policies' plans become calls: quota counters alone; capped (the quota counters' order, an Internet placement only within the caps); guarded (capped, and each call at the first such placement that keeps every WAN link within the plan's peaks)")
     billing: Literal["day", "period"] = Field("period", description="what a link's peak is billed over: each day alone, or the study's evaluated days as one period (each day's LP then counts only the excess over the period's realised peak so far)")
+    forecast_quantile: float | None = Field(None, gt=0, lt=1, description="plan the forecast LPs on this quantile of the past same-kind days' traffic per (slot, region) instead of their mean (the mix of configurations stays the mean's); None: the mean")
+    move_at: float | None = Field(None, gt=0, le=1, description="guarded realisation: at every slot boundary, WAN calls in progress that cross a link loaded at or above move_at x its limit move to the Internet at their DC where the latency rule and the caps (counted from the calls in progress) allow; each move is a migration. None: calls stay where they started")
     guard_keeps_caps: bool = Field(True, description="the guarded realisation puts a call on the Internet only within every path's share cap (counted over the calls in progress)")
     targets: Targets = Targets()
 

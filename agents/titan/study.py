@@ -3,7 +3,8 @@
 How it fits: ``run_study`` builds the world (``regions.py``), synthesises ``history_days``
 plus ``days`` days of calls (``workload.py``), and for each evaluated day forecasts its
 demand as the mean of the same kind of day (weekday/weekend) in the preceding
-``history_days``.  Per day it solves Titan-Next's LP on the forecast and on the day's
+``history_days`` (with ``forecast_quantile`` q, the LPs plan on each (slot, region)'s
+q-quantile of those days' traffic instead: ``workload.predict``).  Per day it solves Titan-Next's LP on the forecast and on the day's
 actual demand (the oracle), and the WAN-only LP (Switchboard-like) on the forecast
 (``lp.py``); the rule baselines need no solving.  The LPs plan configurations told apart
 by media (``configs_by_media``).  With ``billing: period`` (the default) the evaluated days
@@ -14,7 +15,9 @@ Every plan is realised call by call with quota counters (greedy by its own share
 counters); the LPs' plans, by default, through ``placement.realise_guarded``
 (``realisation: guarded``): each call at the first placement, the quota counters' choice
 first, that keeps the Internet share caps (as greedy counts them) and every WAN link within
-the plan's peaks; ``capped`` keeps the caps alone, ``quota`` neither.  A plan on the
+the plan's peaks; ``capped`` keeps the caps alone, ``quota`` neither.  With ``move_at`` the
+guarded realisation also re-realises at every slot boundary: WAN calls in progress that
+cross a link near its limit move to the Internet where the caps allow (a migration each).  A plan on the
 forecast realised by quota counters alone is overrun on any day busier than the mean.
 Each policy's planned sum of peaks (on the demand it planned for: the forecast, or the
 day's for the oracle) is reported beside the realised one.  The realisations of all days
@@ -95,10 +98,12 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
         day_mask = (ev_calls.start_s >= t0) & (ev_calls.start_s < t0 + wl.DAY_S)
         day = ev_calls.select(day_mask)
         dcfg, dprov = ev_cfg[day_mask], ev_prov[day_mask]
-        forecast = wl.predict([daily[d] for d in wl.same_kind_days(e, range(e - H, e))], t0)
-        for name, demand, routes in (("titan-next", forecast, (WAN, INTERNET)),
+        past = [daily[d] for d in wl.same_kind_days(e, range(e - H, e))]
+        forecast = wl.predict(past, t0)  # the rules' planned figure is on the mean
+        plan_on = forecast if spec.forecast_quantile is None else wl.predict(past, t0, spec.forecast_quantile)
+        for name, demand, routes in (("titan-next", plan_on, (WAN, INTERNET)),
                                      ("titan-next-oracle", daily[e], (WAN, INTERNET)),
-                                     ("wan-lp", forecast, (WAN,))):
+                                     ("wan-lp", plan_on, (WAN,))):
             paid = billed[name][:, : (e - H) * T].max(axis=1) if spec.billing == "period" and e > H else None
             problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity, paid)
             plan = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver=solver,
@@ -114,7 +119,8 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
                 got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
             elif spec.realisation == "guarded":
                 guards[name].set_limits(plan.stats["planned_peaks"] if paid is None else plan.stats["peak_limits"])
-                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
+                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes,
+                                      spec.move_at)
             else:
                 got = realise(plan, options, day, dcfg, dprov, t0, slot_s)
             real[name].append(got)
@@ -127,14 +133,17 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
     evals: dict[str, Evaluation] = {}
     for name in POLICIES:
         parts = real[name]
+        offsets = np.cumsum([0] + [len(r.dc) for r in parts[:-1]])
+        moves = np.concatenate([r.moves + np.array([off, 0, 0, 0]) for r, off in zip(parts, offsets)])
         joined = Realisation(*(np.concatenate([getattr(r, f) for r in parts]) for f in
-                               ("dc", "route", "migrated", "planned")))
+                               ("dc", "route", "migrated", "planned")), moves=moves)
         evals[name] = evaluate(world, options, ev_calls, ev_cfg, joined, t_eval, slot_s, T * N, incid)
     summary = _summarise(spec, world, evals, solves, planned, capacity, len(ev_calls), len(configs), T)
     for name, g in guards.items():
         guarded = spec.realisation != "quota"
         summary["policies"][name]["guard_raised_calls"] = g.raised if guarded else None
         summary["policies"][name]["guard_over_cap_calls"] = g.over_cap if guarded else None
+        summary["policies"][name]["moved_calls"] = g.moved if guarded else None
     summary["wall_s"] = time.perf_counter() - t_all
     summary["_arrays"] = {"evals": evals, "world": world, "slots_per_day": T, "slot_minutes": spec.slot_minutes}
     return summary
@@ -196,7 +205,8 @@ def _percentiles(ev: Evaluation, route: int) -> dict | None:
 
 
 def write_outputs(summary: dict, out: Path) -> list[Path]:
-    """summary.json, days.csv, peaks.csv, link_load_top.csv and the plots."""
+    """summary.json, days.csv (each policy's realised and planned sum of peaks per day), peaks.csv,
+    link_load_top.csv and the plots."""
     out.mkdir(parents=True, exist_ok=True)
     arrays = summary["_arrays"]
     evals: dict[str, Evaluation] = arrays["evals"]
@@ -208,10 +218,11 @@ def write_outputs(summary: dict, out: Path) -> list[Path]:
     written.append(out / "summary.json")
     with open(out / "days.csv", "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["policy", "day", "sum_of_peaks_kbps"])
+        w.writerow(["policy", "day", "sum_of_peaks_kbps", "planned_sum_of_peaks_kbps"])
         for name, p in js["policies"].items():
+            plan = p["planned_sum_of_peaks_per_day_kbps"]  # greedy has none: empty
             for d, v in enumerate(p["sum_of_peaks_per_day_kbps"]):
-                w.writerow([name, d, f"{v:.1f}"])
+                w.writerow([name, d, f"{v:.1f}", "" if plan is None else f"{plan[d]:.1f}"])
     written.append(out / "days.csv")
     with open(out / "peaks.csv", "w", newline="") as fh:
         w = csv.writer(fh)

@@ -23,7 +23,7 @@ per (call, participant region)); ``Configs`` maps each call to its configuration
 regions its participants are in: the LP places configurations, and the latency rule depends
 only on where participants are; optionally the call's media too, ``Configs(by_media=True)``);
 ``demand`` turns calls into per-slot ``Demand`` (concurrent
-participants and kbps per config, slot and region), ``predict`` averages past days' demand.
+participants and kbps per config, slot and region), ``predict`` averages past days' demand (or plans on a high quantile of it).
 """
 
 from __future__ import annotations
@@ -80,7 +80,11 @@ class Calls:
         return np.repeat(np.arange(len(self)), np.diff(self.ptr))
 
     def select(self, mask: np.ndarray) -> "Calls":
-        idx = np.flatnonzero(mask)
+        return self.take(np.flatnonzero(mask))
+
+    def take(self, idx: np.ndarray) -> "Calls":
+        """The calls at ``idx``, in that order (an index may repeat)."""
+        idx = np.asarray(idx, dtype=np.int64)
         lens = np.diff(self.ptr)[idx]
         starts = self.ptr[idx]
         ent = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) + np.arange(lens.sum())
@@ -266,14 +270,38 @@ def _aggregate(t0, slot_s, slots, config, slot, region, part, up, down, scale: f
     return Demand(t0, slot_s, slots, (uniq // R) % K, uniq // (R * K), uniq % R, *sums)
 
 
-def predict(history: list[Demand], t0: float) -> Demand:
-    """The mean of past days' demand, slot by slot of the day, as the forecast for a day at ``t0``."""
+def predict(history: list[Demand], t0: float, quantile: float | None = None) -> Demand:
+    """The mean of past days' demand, slot by slot of the day, as the forecast for a day at ``t0``.
+
+    With ``quantile`` q, each (slot, region)'s rows are scaled so that the region's traffic in
+    the slot (kbps up + down) is the q-quantile of the past days' instead of their mean (a
+    forecast a busier day than the mean still fits; the mix of configurations within the
+    slot and region stays the mean's).  Scaling per row instead would inflate the long tail
+    of configurations seen on one day in five far more than the total."""
     if not history:
         raise ValueError("predict: no history")
     slots = history[0].slots
     parts = [np.concatenate([getattr(h, name) for h in history]) for name in
              ("config", "slot", "region", "participants", "up_kbps", "down_kbps")]
-    return _aggregate(t0, history[0].slot_s, slots, *parts, scale=1.0 / len(history))
+    mean = _aggregate(t0, history[0].slot_s, slots, *parts, scale=1.0 / len(history))
+    if quantile is None:
+        return mean
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"predict: quantile {quantile} is not in (0, 1)")
+    return _scale_to_quantile(mean, history, quantile)
+
+
+def _scale_to_quantile(mean: Demand, history: list[Demand], q: float) -> Demand:
+    """``mean`` with each (slot, region)'s rows scaled to the q-quantile of the days' totals."""
+    R = int(max([int(h.region.max()) + 1 for h in history if len(h.region)] + [1]))
+    n = mean.slots * R
+    totals = np.stack([np.bincount(h.slot * R + h.region, weights=h.up_kbps + h.down_kbps, minlength=n)
+                       for h in history])  # [day, slot * R + region]
+    avg = totals.mean(axis=0)
+    factor = np.divide(np.quantile(totals, q, axis=0), avg, out=np.ones(n), where=avg > 0)
+    f = factor[mean.slot * R + mean.region]
+    return Demand(mean.t0, mean.slot_s, mean.slots, mean.config, mean.slot, mean.region,
+                  mean.participants * f, mean.up_kbps * f, mean.down_kbps * f)
 
 
 def is_weekend(day: int) -> bool:
