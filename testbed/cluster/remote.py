@@ -5,8 +5,9 @@ Ansible (``plays.py``, ``build.py``), starts one machine agent per machine over 
 build and speaks to it on the session's stdin/stdout (``AgentClient``: requests and
 answers, events in one queue; nothing listens on a port), measures each machine's clock
 against the orchestrator's (``measure_clock``), measures the underlay, and builds each
-machine's DCs with a VXLAN per WAN link that crosses machines.  ``ClusterNetwork`` is the ``net.surface.NetworkSurface`` that
-``runner.TrainingRun`` and ``fidelity`` use, as ``network.Network`` is on one machine:
+machine's DCs with a VXLAN per WAN link that crosses machines.  ``ClusterNetwork`` is the
+``net.surface.NetworkSurface`` that ``runner.TrainingRun`` and ``fidelity`` use, as
+``network.Network`` is on one machine:
 hosts whose ``node.cmd`` and ``popen`` run on their machine, links (their counters read by
 the sending gateway's agent), TCP counters, link state, ``check``.  ``ClusterSite`` is the
 ``run.site.Site`` across machines: it gives a run its hub (telemetry relayed by the agents,
