@@ -430,6 +430,11 @@ def clean(force: bool = typer.Option(False, help="also when a run still holds th
         out.print(f"left alone: a live run of {info.get('orchestrator', '?')} (machine agent pid {info.get('pid')}); "
                   f"--force ends it", soft_wrap=True)
         return
+    from testbed.cluster.remote import remove_stale_logs
+
+    stale = remove_stale_logs()
+    if stale:
+        out.print(f"removed {stale} agent log folder(s) of orchestrators that are gone")
     if fake_cluster:
         from testbed.cluster import fake
 

@@ -157,3 +157,23 @@ def test_a_drifting_clock_is_measured_and_mapped_within_its_uncertainty(cluster,
           f"with the start offset, {error_ms:.4f} ms corrected (bound {bound_ms:.4f} ms)")
     assert error_ms <= bound_ms, (error_ms, bound_ms)
     _nothing_left_soon(cluster)
+
+
+def test_clean_removes_the_agent_logs_of_orchestrators_that_are_gone(tmp_path, monkeypatch):
+    """A SIGKILLed orchestrator never closes its cluster: its agents' log folder stays in the
+    temp folder until ``testbed clean`` sees its PID gone; a live one's stays."""
+    import os
+    import tempfile
+
+    from testbed.cluster.remote import LOGS_PREFIX, remove_stale_logs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = tmp_path / f"{LOGS_PREFIX}{dead.pid}-x1"
+    live = tmp_path / f"{LOGS_PREFIX}{os.getpid()}-x2"
+    for d in (gone, live):
+        d.mkdir()
+        (d / "agent-m1.log").write_text("said something\n")
+    assert remove_stale_logs() == 1
+    assert not gone.exists() and live.exists()

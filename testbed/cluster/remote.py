@@ -59,6 +59,7 @@ from testbed.cluster.build import version
 from testbed.cluster.inventory import ClusterError, Machine
 
 VXLAN_OVERHEAD = 50
+LOGS_PREFIX = "gtb-agent-logs-"  # + the orchestrator's PID: the agents' logs while it runs (tempfile's folder)
 CLOCK_BOUND_MS = 1.0
 _VNI_BASE = 4096
 
@@ -539,7 +540,7 @@ class Cluster:
         self.progress(f"installing build {version()} on {', '.join(installing) or 'no machine'} (Ansible)")
         build_dir = install_build(self.inventory, installing, progress=self.progress)
         self.progress(f"starting machine agents on {', '.join(used)} (SSH)")
-        self.logs = Path(tempfile.mkdtemp(prefix="gtb-agent-logs-"))
+        self.logs = Path(tempfile.mkdtemp(prefix=f"{LOGS_PREFIX}{os.getpid()}-"))
         try:
             for name in used:  # all started first: their Pythons import side by side
                 self.agents[name] = AgentClient(by_name[name], agent_command(by_name[name], self.lease_s, build_dir),
@@ -806,6 +807,18 @@ class ClusterSite:
         return {"machines": sorted(set(self.cluster.placement.values())), "placement": self.cluster.placement,
                 "clock": clock, "underlay": self.cluster.underlay,
                 "mtu": getattr(self.net, "mtu", None)}
+
+
+def remove_stale_logs() -> int:
+    """Remove the agents' log folders of orchestrators that are gone (killed before their
+    ``close``); how many."""
+    removed = 0
+    for d in Path(tempfile.gettempdir()).glob(f"{LOGS_PREFIX}*"):
+        pid = d.name[len(LOGS_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(d, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def open_cluster(topo: Topology, inventory: Path, machines_flag: str | None = None,
