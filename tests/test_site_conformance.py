@@ -1,10 +1,11 @@
 """One machine and several, held to one written interface (``testbed/run/site.py``,
 ``testbed/net/surface.py``): the same test body runs against ``runner.LocalSite`` and against
 ``cluster.remote.ClusterSite`` on the fake cluster (``tests/test_cluster.py``'s fixture:
-machines of namespaces with sshd, Ansible, the real machine agents, VXLAN, clocks 5 s ahead
-and 3 s behind).  The orchestrator's side runs in this process: opening the cluster (Ansible,
-the agents' connections) happens with this thread in the fake cluster's head network
-namespace, where the underlay is; everything after goes over the connections made there.
+machines of namespaces with sshd, the real machine agents, VXLAN, clocks 5 s ahead and 3 s
+behind; the machines run this checkout, ``gtb_testbed_root``, since the probe is a module of
+``tests/``).  The orchestrator's side runs in this process: opening the cluster (the agents
+started over SSH) happens with this thread in the fake cluster's head network namespace,
+where the underlay is; everything after goes over the SSH sessions made there.
 
 For each site: every part satisfies its protocol; the host index (names, addresses, each
 address on its host); one WAN direction's counters move with the traffic sent across it,
@@ -38,6 +39,7 @@ from testbed.spec.experiment import parse_experiment
 
 pytestmark = pytest.mark.network
 
+REPO = Path(__file__).resolve().parent.parent
 DELAY_MS = 10.0  # one-way, each direction
 _TOPOLOGY = f"""name: conform
 dcs:
@@ -88,13 +90,19 @@ def site(request, experiment):
     from testbed.cluster.remote import ClusterSite, open_cluster
 
     fake = request.getfixturevalue("cluster")
+    # the machines run this checkout (they share its disk), not an installed build: the probe
+    # process is a module of tests/, which a build (testbed and agents only) does not carry;
+    # the agents still check that it is the orchestrator's build (it is: the same files)
+    inventory = request.getfixturevalue("tmp_path") / "checkout.ini"
+    inventory.write_text("\n".join(ln + f" gtb_testbed_root={REPO}" if "gtb_underlay=" in ln else ln
+                                   for ln in fake.inventory_text().splitlines()) + "\n")
     # reading the inventory imports Ansible, which patches sys.intern for the whole process;
     # torch's dynamo (torch.optim imports it) then refuses to load in later tests of this
     # session (tests/test_cluster.py's reference losses): this process gets its own back
     intern = sys.intern
     try:
         with _in_netns(fake.head_pid):
-            opened = open_cluster(experiment.topo, fake.inventory_path)
+            opened = open_cluster(experiment.topo, inventory)
     finally:
         sys.intern = intern
     try:
