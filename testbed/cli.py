@@ -423,10 +423,8 @@ def clean(force: bool = typer.Option(False, help="also when a run still holds th
         if result["failures"]:
             raise typer.Exit(1)
         return
-    if not _end_agent(force):
-        from testbed.cluster.agent import live_agent
-
-        info = live_agent() or {}
+    info = _end_agent(force)
+    if info is not None:
         out.print(f"left alone: a live run of {info.get('orchestrator', '?')} (machine agent pid {info.get('pid')}); "
                   f"--force ends it", soft_wrap=True)
         return
@@ -535,18 +533,18 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
-def _end_agent(force: bool) -> bool:
+def _end_agent(force: bool) -> dict | None:
     """The machine agent of this machine, if one runs: ended (it removes its own network on
-    SIGTERM) when ``force``; else left alone, and False returned (another orchestrator's live run)."""
+    SIGTERM) when ``force``; else left alone and returned (another orchestrator's live run)."""
     import time
 
     from testbed.cluster.agent import live_agent
 
     info = live_agent()
     if info is None:
-        return True
+        return None
     if not force:
-        return False
+        return info
     pid = int(info["pid"])
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
@@ -554,7 +552,7 @@ def _end_agent(force: bool) -> bool:
         time.sleep(0.05)
     if os.path.exists(f"/proc/{pid}"):
         os.kill(pid, signal.SIGKILL)
-    return True
+    return None
 
 
 @app.command("machine-agent")

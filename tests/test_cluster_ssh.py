@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cluster import _missing, _nothing_left, cluster  # noqa: F401  (cluster: the fake cluster fixture)
+from test_cluster import _missing, _nothing_left_soon, cluster  # noqa: F401  (cluster: the fake cluster fixture)
 from test_site_conformance import _in_netns
 from testbed.spec.topology import load_topology, resolve_topology
 
@@ -43,18 +43,6 @@ def _open(fake, inventory: Path, topology: str = "aws-us3"):
             return open_cluster(load_topology(resolve_topology(topology)), inventory)
     finally:
         sys.intern = intern
-
-
-def _nothing_left_soon(fake, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:  # an agent exits a moment after its session ends
-        try:
-            _nothing_left(fake)
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def _inventory(fake, path: Path, extra: dict[str, str]) -> Path:

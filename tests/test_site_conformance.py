@@ -30,7 +30,7 @@ import pytest
 
 from testbed import messages as m
 
-from test_cluster import _missing, _nothing_left, cluster  # noqa: F401  (cluster: the fake cluster fixture)
+from test_cluster import _missing, _nothing_left_soon, cluster  # noqa: F401  (cluster: the fake cluster fixture)
 from testbed.net.fidelity import check_wan
 from testbed.net.surface import HostProcess, Link, NetworkError, NetworkSurface, Node
 from testbed.run.runner import LocalSite, TrainingRun
@@ -109,15 +109,7 @@ def site(request, experiment):
         yield ClusterSite(opened), fake
     finally:
         opened.close()
-        deadline = time.monotonic() + 10
-        while True:  # an agent exits a moment after it answered its teardown
-            try:
-                _nothing_left(fake)
-                break
-            except AssertionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        _nothing_left_soon(fake, timeout=10)
 
 
 def test_site_conforms(site, experiment, tmp_path):

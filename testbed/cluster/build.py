@@ -43,8 +43,10 @@ def _files(root: Path = _ROOT) -> list[Path]:
     return out
 
 
+@functools.cache
 def digest(root: Path = _ROOT) -> str:
-    """A digest of the packages' files under ``root`` (paths and contents), 16 hex digits."""
+    """A digest of the packages' files under ``root`` (paths and contents), 16 hex digits;
+    read once a process (this process's own: what it imported when it started running)."""
     h = hashlib.sha256()
     for rel in _files(root):
         h.update(str(rel).encode() + b"\0" + (root / rel).read_bytes() + b"\0")

@@ -18,7 +18,7 @@ from typing import Callable
 from testbed.spec.shipped import shipped
 from testbed.tools.provision import ProvisionError, provision
 from testbed.cluster import build
-from testbed.cluster.inventory import ClusterError
+from testbed.cluster.inventory import ClusterError, Machine
 
 PLAYBOOK = shipped("playbooks") / "cluster.yml"
 ARCHIVES = Path("/var/cache/geo-testbed/builds")  # on the orchestrator
@@ -33,15 +33,19 @@ def _play(inventory: Path, tags: str, extravars: dict, limit: list[str] | None =
         raise ClusterError(f"Ansible ({tags}): {exc}") from None
 
 
+def _build_vars() -> dict:
+    """What cluster-install.yml takes: this build's archive here and its folder there."""
+    return {"gtb_archive": str(build.archive(ARCHIVES)), "gtb_build_dir": str(build.BUILDS / build.digest())}
+
+
 def install_build(inventory: Path, machines: list[str], progress: Callable[[str], None] | None = None) -> str:
     """The orchestrator's build on ``machines``; its folder there."""
-    dest = str(build.BUILDS / build.digest())
+    where = _build_vars()
     if machines:
-        result = _play(inventory, "install", {"gtb_archive": str(build.archive(ARCHIVES)), "gtb_build_dir": dest},
-                       machines, progress)  # hosts with gtb_testbed_root skip it (the play says so)
+        result = _play(inventory, "install", where, machines, progress)  # hosts with gtb_testbed_root skip it
         if result.failures:
             raise ClusterError(f"Ansible could not install the build: {result.failures[0]}")
-    return dest
+    return where["gtb_build_dir"]
 
 
 def clean_machines(inventory: Path, force: bool = False, progress: Callable[[str], None] | None = None) -> dict:
@@ -50,9 +54,7 @@ def clean_machines(inventory: Path, force: bool = False, progress: Callable[[str
     from testbed.cluster.inventory import load_inventory
 
     machines = load_inventory(inventory)  # its errors, one line each, before Ansible's
-    result = _play(inventory, "clean", {"gtb_archive": str(build.archive(ARCHIVES)),
-                                        "gtb_build_dir": str(build.BUILDS / build.digest()),
-                                        "gtb_clean_args": "--force" if force else "",
+    result = _play(inventory, "clean", {**_build_vars(), "gtb_clean_args": "--force" if force else "",
                                         "gtb_pythons": {m.name: m.python for m in machines}},
                    [m.name for m in machines], progress)
     said = {host: tasks.get("End the agent, remove what the testbed made", "")
@@ -60,7 +62,7 @@ def clean_machines(inventory: Path, force: bool = False, progress: Callable[[str
     return {"hosts": result.hosts, "failures": result.failures, "said": said}
 
 
-def agent_command(machine, lease_s: float, build_dir: str) -> list[str]:
+def agent_command(machine: Machine, lease_s: float, build_dir: str) -> list[str]:
     """The argv (ssh ... or local) that starts ``machine``'s agent from the build."""
     root = machine.testbed_root or build_dir
     remote = (f"cd / && exec env PYTHONPATH={shlex.quote(root)} {machine.agent_wrap} {shlex.quote(machine.python)} "
