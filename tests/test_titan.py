@@ -17,7 +17,7 @@ from agents.titan import workload as wl
 from agents.titan.placement import (INTERNET, WAN, Options, PeakGuard, Plan, _mix, evaluate, plan_loads, realise,
                                     realise_greedy, realise_guarded, rule_plan)
 from agents.titan.regions import Backbone, build_world, load_wan
-from agents.titan.spec import LatencyRule, StudySpec, TitanError, WorkloadSpec, load_spec
+from agents.titan.spec import EmulationSpec, LatencyRule, StudySpec, TitanError, WorkloadSpec, load_spec
 from testbed.spec.topology import parse_topology
 
 EU_US = ["uksouth", "westeurope", "northeurope", "francecentral", "eastus", "centralus", "westus2"]
@@ -57,30 +57,61 @@ def test_backbone_routes_like_the_testbed_topology():
         assert bb.path(a, b) == topo.path(a, b)
 
 
-def test_backbone_command_shows_the_links_the_study_routes_over():
-    """``titan backbone --regions`` lists the links of the study's backbone (every region in
-    the matrix) that the listed regions' traffic crosses, relays included: exactly the links
-    in the study world's paths; ``--emulated`` the backbone pruned among them alone."""
-    regions = ["eastus", "centralus", "westus2", "brazilsouth", "westeurope", "uksouth", "centralindia", "japaneast"]
-    run = CliRunner().invoke(_cli(), ["titan", "backbone", "--regions", ",".join(regions), "--json"])
+def test_backbone_command_shows_the_backbone_the_study_builds(tmp_path):
+    """``titan backbone`` takes the study's spec and ``--users``/``--dcs`` and shows the backbone
+    of the world the study builds (``study.study_world``): every link of it, however few
+    regions are listed (issue #33: it used to prune among the listed regions only); the
+    links marked crossed are exactly those in the world's user-DC paths, relays included.
+    ``--emulated`` takes an emulation spec and shows the backbone pruned among its regions."""
+    from agents.titan.emulate import emulated_world
+    from agents.titan.study import study_world
+
+    users = ["eastus", "centralus", "westus2", "brazilsouth", "westeurope", "uksouth", "centralindia", "japaneast"]
+    dcs = ["eastus", "westeurope", "japaneast"]
+    run = CliRunner().invoke(_cli(), ["titan", "backbone", "--users", ",".join(users), "--dcs", ",".join(dcs),
+                                      "--json"])
     assert run.exit_code == 0, run.output
     got = json.loads(run.stdout)
-    world = build_world(regions, regions)  # the study's world over these regions
-    crossed = {frozenset(world.backbone.links[link]) for u in range(len(regions)) for d in range(len(regions))
+    world = build_world(users, dcs)  # the study's world over these regions, as run_study builds it
+    assert [(a, b) for a, b, _ in study_world(load_spec(StudySpec, None, {"users": users, "dcs": dcs}))
+            .backbone.edges] == [(a, b) for a, b, _ in world.backbone.edges]
+    shown = [(e["a"], e["b"]) for e in got["edges"]]
+    assert shown == [(a, b) for a, b, _ in world.backbone.edges]
+    assert got["backbone_links"] == len(shown) == len(world.backbone.edges) > 200 and got["backbone_regions"] == 54
+    crossed = {frozenset(world.backbone.links[link]) for u in range(len(users)) for d in range(len(dcs))
                for link in world.up_links[u][d] + world.down_links[u][d]}
-    shown = {frozenset((e["a"], e["b"])) for e in got["edges"]}
-    assert shown == crossed
-    assert got["backbone_links"] == len(world.backbone.edges) > 200 and got["backbone_regions"] == 54
-    assert set(got["relays"]) == set().union(*shown) - set(regions) != set()
-    emu = json.loads(CliRunner().invoke(_cli(), ["titan", "backbone", "--regions", ",".join(regions), "--emulated",
-                                                 "--json"]).stdout)
-    small = build_world(regions, regions, full_backbone=False)
-    assert {frozenset((e["a"], e["b"])) for e in emu["edges"]} == {frozenset(e[:2]) for e in small.backbone.edges}
-    assert emu["backbone_links"] == len(small.backbone.edges) < len(shown)
-    whole = json.loads(CliRunner().invoke(_cli(), ["titan", "backbone", "--json"]).stdout)
-    assert len(whole["edges"]) == whole["backbone_links"] == got["backbone_links"]
-    bad = CliRunner().invoke(_cli(), ["titan", "backbone", "--emulated"])
-    assert bad.exit_code == 2 and "--emulated: name the emulated regions" in bad.output
+    assert {frozenset((e["a"], e["b"])) for e in got["edges"] if e["crossed"]} == crossed
+    assert got["crossed_links"] == len(crossed)
+    assert set(got["relays"]) == set().union(*crossed) - set(users) - set(dcs) != set()
+    only = json.loads(CliRunner().invoke(_cli(), ["titan", "backbone", "--users", ",".join(users), "--dcs",
+                                                  ",".join(dcs), "--crossed", "--json"]).stdout)
+    assert {frozenset((e["a"], e["b"])) for e in only["edges"]} == crossed and only["edges_shown"] == "crossed"
+    # the spec (YAML) as `titan study` reads it: its relay factor, users and DCs
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"users: [{', '.join(users)}]\ndcs: [{', '.join(dcs)}]\nrelay_factor: 1.05\n")
+    wide = json.loads(CliRunner().invoke(_cli(), ["titan", "backbone", str(spec), "--json"]).stdout)
+    assert [(e["a"], e["b"]) for e in wide["edges"]] == [(a, b) for a, b, _ in build_world(users, dcs, 1.05)
+                                                         .backbone.edges]
+    assert wide["backbone_links"] != got["backbone_links"]
+    # the world run_study itself routes over (a tiny study, same users and DCs): the same links
+    from agents.titan.study import run_study
+
+    tiny = run_study(load_spec(StudySpec, None, {"users": users, "dcs": dcs, "days": 1, "history_days": 1,
+                                                 "workload.calls_per_day": 200}))
+    assert [e[:2] for e in tiny["_arrays"]["world"].backbone.edges] == shown
+    assert tiny["backbone_links"] == got["backbone_links"]
+    text = CliRunner().invoke(_cli(), ["titan", "backbone", "--users", ",".join(users), "--dcs", ",".join(dcs)])
+    assert "the study's backbone (every region in the matrix" in text.output
+    assert f"{len(world.backbone.edges)} links over 54 regions" in text.output
+    emu = CliRunner().invoke(_cli(), ["titan", "backbone", "--emulated", "--users", ",".join(users), "--dcs",
+                                      ",".join(dcs), "--json"])
+    assert emu.exit_code == 0, emu.output
+    small = emulated_world(load_spec(EmulationSpec, None, {"users": users, "dcs": dcs}))
+    assert small.backbone.nodes == users  # the DCs are among the users
+    assert [(e["a"], e["b"]) for e in json.loads(emu.stdout)["edges"]] == [e[:2] for e in small.backbone.edges]
+    assert len(small.backbone.edges) < len(crossed)
+    emu_text = CliRunner().invoke(_cli(), ["titan", "backbone", "--emulated"]).output
+    assert "pruned among the 5 listed regions only" in emu_text and "not the study's" in emu_text
 
 
 def test_internet_is_comparable_in_europe_and_worse_across_to_apac():
@@ -712,7 +743,9 @@ def test_a_days_lp_at_21_dcs_solves_within_60_s():
 
     spec = load_spec(StudySpec, None, {"days": 1})
     assert len(spec.dcs) == len(DEFAULT_DCS) >= 21
-    world = build_world(spec.users, spec.dcs, spec.relay_factor, spec.targets, internet_cap=spec.internet_cap)
+    from agents.titan.study import study_world
+
+    world = study_world(spec)
     H, T = spec.history_days, 1440 // spec.slot_minutes
     calls = wl.generate(world, spec.workload, H + 1)
     configs = wl.Configs(by_media=spec.configs_by_media)

@@ -1,8 +1,9 @@
 """``testbed titan ...``: the offline study, the emulated run, the backbone.
 
 How it fits: ``testbed/cli.py`` mounts ``app`` as its ``titan`` sub-command.  Each command is
-a thin layer over ``study.run_study``, ``emulate.run`` and ``regions.Backbone`` (``backbone``
-shows the study's backbone, or with ``--emulated`` the one the emulator builds); errors a
+a thin layer over ``study.run_study``, ``emulate.run`` and the worlds they build (``backbone``
+takes the study's spec and options and shows the backbone of ``study.study_world``, the
+world ``run_study`` builds; with ``--emulated`` that of ``emulate.emulated_world``); errors a
 user can fix (unknown region, infeasible latency bound, a bad spec, a busy machine) print one
 line and exit 2; Ctrl-C and SIGTERM unwind through the network's clean-up.
 """
@@ -160,44 +161,72 @@ def emulate(
 
 @app.command("backbone")
 def backbone(
-    regions: Optional[str] = typer.Option(None, help="comma-separated regions: the backbone links their traffic crosses "
-                                                     "(default: the whole backbone)"),
-    relay_factor: float = typer.Option(1.1, help="drop a-b if a relay c has RTT(a,c)+RTT(c,b) <= factor x RTT(a,b)"),
-    emulated: bool = typer.Option(False, "--emulated", help="the emulator's network: the backbone pruned among "
-                                                            "--regions only (as `titan emulate` builds it)"),
+    spec: Optional[Path] = typer.Argument(None, help="the study spec (YAML) as `titan study` takes it; with --emulated "
+                                                     "the emulation spec as `titan emulate` takes it; default: the "
+                                                     "built-in one"),
+    users: Optional[str] = typer.Option(None, help="comma-separated user regions, as `titan study --users` "
+                                                   "(default: the spec's)"),
+    dcs: Optional[str] = typer.Option(None, help="comma-separated media-server DCs, as `titan study --dcs` "
+                                                 "(default: the spec's)"),
+    relay_factor: Optional[float] = typer.Option(None, help="the spec's relay_factor: drop a-b if a relay c has "
+                                                            "RTT(a,c)+RTT(c,b) <= factor x RTT(a,b) (default 1.1)"),
+    emulated: bool = typer.Option(False, "--emulated", help="the emulator's backbone instead of the study's: pruned "
+                                                            "among the listed users and DCs only, as `titan "
+                                                            "emulate` builds it"),
+    crossed: bool = typer.Option(False, "--crossed", help="list only the links that traffic between the users and "
+                                                          "the DCs crosses"),
     as_json: bool = typer.Option(False, "--json", help="print the edges as JSON"),
 ) -> None:
-    """The WAN backbone pruned from Azure's P95 RTT matrix.
+    """The WAN backbone a study (or with ``--emulated`` an emulation) routes over.
 
-    The study routes over the backbone of every region in the matrix; with ``--regions`` this
-    shows the links of that backbone the listed regions' traffic crosses (through relay
-    regions where the pruning dropped a direct edge).  ``--emulated`` shows instead the
-    backbone pruned among the listed regions alone, which the emulator builds."""
-    from agents.titan.regions import Backbone, load_wan
-
+    Takes the spec and the ``--users``/``--dcs`` options ``titan study`` takes and shows the
+    backbone of the very world the study builds (``study.study_world``: every region in the
+    matrix, pruned by the relay rule), whatever the users and DCs; it also says which of
+    those links the users' traffic to and from the DCs crosses (``--crossed`` lists only
+    those).  ``--emulated`` reads an emulation spec instead and shows the backbone pruned
+    among its users and DCs alone (``emulate.emulated_world``), which ``titan emulate``
+    builds."""
+    overrides = {"users": _split(users), "dcs": _split(dcs), "relay_factor": relay_factor}
     try:
-        wan = load_wan()
-        keys = [wan.key(r, "regions") for r in _split(regions)] if regions else None
-        if emulated and not keys:
-            raise _user_errors()[0]("--emulated: name the emulated regions with --regions")
-        bb = Backbone(wan, keys if emulated else None, relay_factor)
-        edges = bb.edges if keys is None or emulated else bb.edges_between(keys)
+        from agents.titan.spec import load_spec
+
+        if emulated:
+            from agents.titan.emulate import emulated_world
+            from agents.titan.spec import EmulationSpec
+
+            world = emulated_world(load_spec(EmulationSpec, spec, overrides))
+        else:
+            from agents.titan.spec import StudySpec
+            from agents.titan.study import study_world
+
+            world = study_world(load_spec(StudySpec, spec, overrides))
     except _user_errors() as exc:
         _fail(str(exc))
-    via = sorted({r for a, b, _ in edges for r in (a, b)} - set(keys or []))
+    bb = world.backbone
+    used = world.crossed_edges()
+    listed = set(world.users) | set(world.dcs)
+    via = sorted({r for a, b, _ in used for r in (a, b)} - listed)
+    edges = used if crossed else bb.edges
+    kind = "emulated" if emulated else "study"
     if as_json:
-        out.print_json(json.dumps({"backbone": "emulated" if emulated else "study", "relay_factor": relay_factor,
+        used_set = {e[:2] for e in used}
+        out.print_json(json.dumps({"backbone": kind, "relay_factor": bb.relay_factor,
                                    "backbone_regions": len(bb.nodes), "backbone_links": len(bb.edges),
-                                   "regions": keys, "relays": via,
-                                   "edges": [{"a": a, "b": b, "rtt_ms": r} for a, b, r in edges]}))
+                                   "users": world.users, "dcs": world.dcs, "crossed_links": len(used),
+                                   "relays": via, "edges_shown": "crossed" if crossed else "all",
+                                   "edges": [{"a": a, "b": b, "rtt_ms": r, "crossed": (a, b) in used_set}
+                                             for a, b, r in edges]}))
         return
     n = len(bb.nodes)
-    what = "the emulated backbone" if emulated else "the study's backbone"
+    what = (f"the emulator's backbone (pruned among the {n} listed regions only, as `titan emulate` builds it; "
+            "not the study's)" if emulated else
+            "the study's backbone (every region in the matrix, as `titan study` routes over it)")
     console.print(f"{what}: {len(bb.edges)} links over {n} regions (of {n * (n - 1) // 2} pairs), "
-                  f"relay factor {relay_factor:g}")
-    if keys is not None and not emulated:
-        console.print(f"traffic among the {len(keys)} listed regions crosses {len(edges)} of them"
-                      + (f", through {', '.join(via)}" if via else ""))
+                  f"relay factor {bb.relay_factor:g}")
+    nu, nd = len(world.users), len(world.dcs)
+    console.print(f"traffic between the {nu} user region{'s' * (nu != 1)} and {nd} DC{'s' * (nd != 1)} crosses "
+                  f"{len(used)} of them" + (f", through {', '.join(via)}" if via else "")
+                  + ("; listed below" if crossed else ""))
     for a, b, r in edges[:40]:
         out.print(f"{a:>22} - {b:<22} {r:6.1f} ms")
     if len(edges) > 40:

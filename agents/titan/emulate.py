@@ -81,6 +81,14 @@ def internet_model(spec: EmulationSpec):
     return model
 
 
+def emulated_world(spec: EmulationSpec) -> World:
+    """The emulator's world: ``spec``'s users and DCs on the backbone pruned among those
+    regions alone (the network ``run`` builds), with the emulated Internet paths.  ``prepare``
+    builds it here, and ``testbed titan backbone --emulated`` shows its backbone from here."""
+    return build_world(spec.users, spec.dcs, spec.relay_factor, spec.targets, full_backbone=False,
+                       internet_cap=spec.internet_cap, internet_model=internet_model(spec))
+
+
 def wire_kbps(ip_kbps: float, pps: float) -> float:
     """What a stream puts on a link, as interface counters count it (Ethernet frames)."""
     return (ip_bytes_per_packet(ip_kbps, pps) + ETH_BYTES) * 8 * pps / 1000.0
@@ -109,8 +117,7 @@ def prepare(spec: EmulationSpec) -> Prepared:
     unknown = [p for p in spec.policies if p not in ALL_POLICIES]
     if unknown:
         raise TitanError(f"policies: unknown policy {unknown[0]!r} (known: {', '.join(ALL_POLICIES)})")
-    world = build_world(spec.users, spec.dcs, spec.relay_factor, spec.targets, full_backbone=False,
-                        internet_cap=spec.internet_cap, internet_model=internet_model(spec))
+    world = emulated_world(spec)
     calls = wl.generate(world, spec.workload, spec.history_days + 1)
     ip_up = calls.up_kbps * spec.bitrate_scale
     ip_down = calls.down_kbps * spec.bitrate_scale

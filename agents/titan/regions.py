@@ -6,11 +6,11 @@ over Azure's backbone, each region's tab group and time zone, Teams' bitrates an
 gives RTT(a,c) + RTT(c,b) <= ``relay_factor`` x RTT(a,b) (then the traffic would ride the
 relay anyway); traffic between two regions follows the backbone hop by hop, over the direct
 edge where one exists, else along the shortest-RTT path (the same rule the testbed's
-``Topology.next_hops`` routes by, so the emulator's packets take the paths planned here);
-``Backbone.edges_between`` is the part of it a set of regions' traffic crosses.
+``Topology.next_hops`` routes by, so the emulator's packets take the paths planned here).
 ``World`` is one problem instance: user regions, media-server DCs, and for every (user, DC)
 the WAN RTT (sum of the backbone edges' RTTs), the Internet RTT, whether the Internet path
-meets the quality targets, and the WAN links the traffic crosses in each direction.
+meets the quality targets, and the WAN links the traffic crosses in each direction
+(``World.crossed_edges``: the part of the backbone its traffic can use).
 
 The Internet model, stated: a pair's Internet RTT is its direct WAN RTT plus the measured
 median (Internet - WAN) for its pair of region groups (``data/internet_vs_wan_offsets.csv``;
@@ -249,17 +249,6 @@ class Backbone:
         p = self.path(src, dst)
         return [self.link_index[(a, b)] for a, b in zip(p, p[1:])]
 
-    def edges_between(self, keys: list[str]) -> list[tuple[str, str, float]]:
-        """The backbone edges that traffic between any two of ``keys`` crosses (either way),
-        in ``edges`` order: the part of this backbone a set of regions routes over."""
-        used: set[frozenset[str]] = set()
-        for a in keys:
-            for b in keys:
-                if a != b:
-                    p = self.path(a, b)
-                    used.update(frozenset(hop) for hop in zip(p, p[1:]))
-        return [e for e in self.edges if frozenset(e[:2]) in used]
-
 
 @dataclass
 class World:
@@ -317,6 +306,13 @@ class World:
 
     def rtt(self, route: int) -> np.ndarray:
         return self.wan_rtt if route == 0 else self.inet_rtt
+
+    def crossed_edges(self) -> list[tuple[str, str, float]]:
+        """The backbone edges that some user region's traffic to or from some DC crosses
+        (``up_links``/``down_links``), in ``backbone.edges`` order."""
+        used = {frozenset(self.backbone.links[link]) for row_up, row_down in zip(self.up_links, self.down_links)
+                for up, down in zip(row_up, row_down) for link in up + down}
+        return [e for e in self.backbone.edges if frozenset(e[:2]) in used]
 
 
 def build_world(users: list[str] | None, dcs: list[str], relay_factor: float = 1.1,

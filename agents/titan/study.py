@@ -1,6 +1,7 @@
 """The offline study: a week of synthetic calls over Azure regions, every policy, day by day.
 
-How it fits: ``run_study`` builds the world (``regions.py``), synthesises ``history_days``
+How it fits: ``run_study`` builds the world (``study_world``, the one place it is built:
+``regions.py``; ``testbed titan backbone`` shows its backbone), synthesises ``history_days``
 plus ``days`` days of calls (``workload.py``), and for each evaluated day forecasts its
 demand as the mean of the same kind of day (weekday/weekend) in the preceding
 ``history_days`` (with ``forecast_quantile`` q, the LPs plan on each (slot, region)'s
@@ -52,7 +53,7 @@ from agents.titan import lp
 from agents.titan import workload as wl
 from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, PeakGuard, Realisation, evaluate, incidence,
                                     plan_loads, realise, realise_greedy, realise_guarded, rule_plan)
-from agents.titan.regions import build_world
+from agents.titan.regions import World, build_world
 from agents.titan.spec import StudySpec
 
 POLICIES = ("nearest-wan", "wan-lp", "titan", "greedy-internet", "titan-next", "titan-next-oracle")
@@ -60,11 +61,18 @@ BASELINES = ("nearest-wan", "wan-lp", "titan", "greedy-internet")
 PAPER_REDUCTION = 0.61
 
 
+def study_world(spec: StudySpec) -> World:
+    """The world the study plans and routes over: ``spec``'s users and DCs on the backbone of
+    every region in the matrix (``spec.relay_factor``).  ``run_study`` builds it here, and
+    ``testbed titan backbone`` shows its backbone from here too."""
+    return build_world(spec.users, spec.dcs, spec.relay_factor, spec.targets, internet_cap=spec.internet_cap)
+
+
 def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver: str = "ipm") -> dict:
     """Run the study; returns a JSON-able summary (plus arrays under ``_arrays`` for plots)."""
     log = log or (lambda m: None)
     t_all = time.perf_counter()
-    world = build_world(spec.users, spec.dcs, spec.relay_factor, spec.targets, internet_cap=spec.internet_cap)
+    world = study_world(spec)
     H, N = spec.history_days, spec.days
     T = 1440 // spec.slot_minutes
     slot_s = spec.slot_minutes * 60.0
