@@ -3,7 +3,7 @@
     .venv/bin/python experiments/validate_emulated.py [--out DIR] [--plan | --reuse]
         [--rtt 5,50,150,250] [--pipelines 1,4,8] [--message-bdp 1,10,100]
         [--hosts default,tuned] [--sharing fair,temporal] [--max-cell-seconds S]
-        [--iterations N] [--model default|fifo-window]
+        [--iterations N] [--model default|fair-window|fifo-window]
 
 How it fits: ``validation_matrix.py`` says what each cell is (the matrix, its link rates and
 messages, its experiment file) and what it will cost; this command plans, runs and reports.
@@ -25,6 +25,9 @@ run's Atlas controller published, through the extension's ``predict`` hook).
   none).
 * ``--model fifo-window`` predicts with ``sim.sharing: fifo-bursts`` and the window model
   instead of the experiment's own (fair sharing); temporal cells keep Atlas's policy.
+  ``--model fair-window`` keeps the experiment's sharing and turns the window model on
+  (``sim.tcp_window_model``: slow start, cwnd validation, the restart after idle of hosts
+  with ``tcp_slow_start_after_idle = 1``; on WAN-tuned hosts it changes nothing here).
 
 The earlier 12-cell matrix (4.2 ms, 100 Mbit/s, fair) is ``--rtt 4.2 --message-bdp 10,100
 --sharing fair``: the same experiments, its old run folders read as those cells'.
@@ -78,6 +81,8 @@ def _extension_options(exp, run_dir: Path | None) -> dict:
 def _with_model(exp, model: str):
     if model == "default":
         return exp
+    if model == "fair-window":
+        return exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_window_model": True})})
     sim = exp.sim.model_copy(update={"sharing": "fifo-bursts", "tcp_window_model": True})
     return exp.model_copy(update={"sim": sim})
 
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-cell-seconds", type=float, default=None,
                     help="leave out cells whose estimated emulated duration exceeds this")
     ap.add_argument("--iterations", type=int, default=5, help="per run (the first 2 are warm-up)")
-    ap.add_argument("--model", choices=("default", "fifo-window"), default="default",
+    ap.add_argument("--model", choices=("default", "fair-window", "fifo-window"), default="default",
                     help="the simulator's network model for the predictions")
     args = ap.parse_args(argv)
     if args.plan and args.reuse:

@@ -85,3 +85,15 @@ def test_reuse_predicts_kept_runs_and_lists_every_cell(tmp_path, capsys):
     assert all(r["rate_mbps"] == "100.0" for r in rows)
     table = (tmp_path / "validate_emulated.md").read_text()
     assert table.count("\n| 4.2 |") == 4 and "| -0.7% |" in table
+
+
+def test_fair_window_keeps_the_experiments_sharing_and_turns_the_window_model_on(tmp_path):
+    from testbed.spec.experiment import load_experiment
+
+    cell = vm.Cell(150.0, 4, 1.0, "default", "fair")
+    exp = load_experiment(vm.write_experiment(cell, tmp_path, 5))
+    fair = validate_emulated._with_model(exp, "fair-window")
+    fifo = validate_emulated._with_model(exp, "fifo-window")
+    assert (exp.sim.sharing, exp.sim.tcp_window_model) == ("fair", False)
+    assert (fair.sim.sharing, fair.sim.tcp_window_model) == ("fair", True)
+    assert (fifo.sim.sharing, fifo.sim.tcp_window_model) == ("fifo-bursts", True)
