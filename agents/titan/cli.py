@@ -154,8 +154,16 @@ def emulate(
     console.print(table)
     ctl = result.get("controller")
     if ctl:
-        console.print(f"controller: fault on {ctl['fault_path']} at {ctl['fault_at_s']}; "
-                      f"Internet share of calls {ctl['internet_share_calls']:.0%}")
+        console.print(f"controller ({ctl['policy']} placing): Internet share of calls "
+                      f"{ctl['internet_share_calls']:.0%}, {len(ctl['moves'])} calls moved to the WAN")
+        for f in ctl["faults"]:
+            ttm = f["time_to_mitigate_s"]
+            console.print(f"  fault on {f['path']} at {f['at_s']:.1f} s: calls off it after "
+                          + (f"{ttm:.1f} s" if ttm is not None else "never")
+                          + f" (bound {f['mitigate_bound_s']:.1f} s, {f['calls_moved']} moved)"
+                          + (f"; cleared at {f['cleared_at_s']:.1f} s, calls back at "
+                             + (f"{f['used_again_at_s']:.1f} s" if f["used_again_at_s"] is not None else "never")
+                             if f["cleared_at_s"] is not None else ""))
     console.print(f"results: {folder}")
 
 

@@ -24,11 +24,24 @@ The model plans in the same units the counters measure: each stream's rate is it
 rate on the wire (IP packet + 14-byte Ethernet header, ``packets_per_s`` a second), so
 planned, modelled and measured loads compare directly.
 
-``run_controller`` plays the day again under Titan's controller (``controller.py``), live:
-each call's route is decided when it starts from the current offload fraction of its
-(home region, DC) path, the fractions are updated every window from what the receivers
-measured on that path (calls and a probe stream per path), and a fault (loss, delay) is
-injected on one Internet path part way through.
+``run_controller`` plays the day again under Titan's controller (``controller.py``), live.
+Every window the controller updates each (region, DC) Internet path's offload fraction
+from what the receivers measured on it (its calls and a probe stream each way).  Calls are
+placed as ``controller_policy`` says: ``titan``, each at its nearest DC, on the Internet at
+its home path's current fraction (counters); ``titan-next``, where Titan-Next's realisation
+put it, on the Internet only while every path of it stays within the path's current
+fraction of the participants in progress (the live fractions are Titan-Next's caps), else
+on the WAN.  When a path's fraction falls below what it carries, calls in progress move
+to the WAN (latest end first) until it is within: each of their senders changes the
+streams' DSCP (``Reroute``), so the routers send the next packets over the backbone.
+``faults`` (loss, delay, jitter; ``FaultSpec``) are injected on their paths and cleared.  A
+thread samples the packets entering both lanes of each faulted path in the Internet hub
+(``_LaneWatch``), so the time to mitigate is read from the network: the first 0.2 s bin
+after the fault from which no call stream is left on the path until it clears; and the
+path's reuse, the first bin after it clears that carries calls again.  The bound the
+controller gives: every bad window backs off, so the fraction is 0 after at most
+``max_backoff_steps`` windows counted from the first whole window after the fault, plus
+one bin.
 """
 
 from __future__ import annotations
@@ -147,7 +160,10 @@ def prepare(spec: EmulationSpec) -> Prepared:
     capacity = lp.capacities(world, options, horizon, spec.capacity_headroom)
     all_cfg = np.concatenate((cfg_day, prov_day))
     plans: dict[str, Plan] = {}
-    for name in spec.policies:
+    names = list(spec.policies)
+    if spec.controller_seconds > 0 and spec.controller_policy == "titan-next" and "titan-next" not in names:
+        names.append("titan-next")  # the live controller places Titan-Next's calls
+    for name in names:
         if name == "nearest-wan":
             plans[name] = rule_plan(name, options, all_cfg, 0.0)
         elif name == "titan":
@@ -184,6 +200,7 @@ class Stream:
     dc: int
     start: float  # emulated seconds from the run's t0
     end: float
+    pps: float | None = None  # packets a second (None: the spec's packets_per_s)
 
 
 @dataclass
@@ -298,7 +315,8 @@ class Emulation:
         by_host: dict[str, list] = {}
         for s in streams:
             tos = INTERNET_TOS if s.route == INTERNET else 0
-            by_host.setdefault(s.src_host, []).append(tm.StreamSpec(s.sid, s.dst_ip, s.ip_kbps, pps, tos, s.start, s.end))
+            by_host.setdefault(s.src_host, []).append(tm.StreamSpec(s.sid, s.dst_ip, s.ip_kbps, s.pps or pps, tos,
+                                                                    s.start, s.end))
         for host, items in by_host.items():
             for k in range(0, len(items), chunk):
                 self.agents[host].request(tm.StartStreams(streams=items[k:k + chunk]))
@@ -330,12 +348,14 @@ class Emulation:
         th.join()
         rx: dict[int, dict] = {}
         sent: dict[int, int] = {}
+        stalls: list[list[int]] = []
         for name, client in self.agents.items():
             path = self.workdir / f"dump-{policy}-{name}.json"
             client.request(tm.Dump(path=str(path)))
             data = json.loads(path.read_text())
             rx.update({int(k): v for k, v in data["rx"].items()})
             sent.update({int(k): v for k, v in data["sent"].items()})
+            stalls += data.get("stalls", [])
         seen: dict[str, dict[int, int]] = {}
         for name, client in self.sniffers.items():
             path = self.workdir / f"routes-{policy}-{name}.json"
@@ -343,7 +363,89 @@ class Emulation:
             for ifname, table in json.loads(path.read_text()).items():
                 seen[ifname] = {int(k): v for k, v in table.items()}
         load = self._slot_loads(samples, t0, links)
-        return self._judge(policy, streams, rx, sent, seen, load, links)
+        pr = self._judge(policy, streams, rx, sent, seen, load, links)
+        pr.details["stalled_slots"], pr.details["stall_bytes_moved"] = stalled_slots(
+            stalls, t0, spec.day_seconds / spec.slots, spec.slots)
+        pr.details["expected_slot_load_kbps"] = self._expected_slot_loads(streams, t0)
+        return pr
+
+    def _expected_slot_loads(self, streams: list[Stream], t0: float) -> np.ndarray:
+        """[world link, slot] kbps the WAN links' counters should read if every sender kept its
+        schedule: each packet (frame bytes, as the counters count them) at the instant it
+        falls due (``media``: start, then every 1/pps, while before the end), on every
+        backbone link of its route, later by the one-way delays of the links before it."""
+        prep = self.prep
+        w = prep.world
+        slots = prep.spec.slots
+        slot_emu = prep.spec.day_seconds / slots
+        edges = t0 + slot_emu * np.arange(slots + 1)
+        out = np.zeros((w.n_links, slots))
+        pps = prep.spec.packets_per_s
+        interval = int(1e9 / pps) / 1e9
+        for s in streams:
+            if s.route != WAN:
+                continue
+            u, d = w.users[s.region], w.dcs[s.dc]
+            src, dst = (u, d) if s.up else (d, u)
+            if src == dst:
+                continue
+            n = int(np.ceil((s.end - s.start) / interval - 1e-9))
+            times = s.start + interval * np.arange(max(n, 0))
+            frame = (ip_bytes_per_packet(s.ip_kbps, pps) + ETH_BYTES) * 8 / 1000.0 / slot_emu
+            path = w.backbone.path(src, dst)
+            offset = 0.0
+            for a, b in zip(path, path[1:]):
+                counts, _ = np.histogram(times + offset, edges)
+                out[w.backbone.link_index[(a, b)]] += counts * frame
+                offset += self.lab.net.link(a, b).params.delay_ms / 1000.0
+        return out
+
+    def _expected_slot_loads(self, streams: list[Stream], t0: float) -> np.ndarray:
+        """[world link, slot] kbps the WAN links' counters should read if every sender kept its
+        schedule: each packet (frame bytes, as the counters count them) at the instant it
+        falls due (``media``: start, then every 1/pps, while before the end), on every
+        backbone link of its route, later by the one-way delays of the links before it."""
+        prep = self.prep
+        w = prep.world
+        slots = prep.spec.slots
+        slot_emu = prep.spec.day_seconds / slots
+        edges = t0 + slot_emu * np.arange(slots + 1)
+        out = np.zeros((w.n_links, slots))
+        pps = prep.spec.packets_per_s
+        interval = int(1e9 / pps) / 1e9
+        for s in streams:
+            if s.route != WAN:
+                continue
+            u, d = w.users[s.region], w.dcs[s.dc]
+            src, dst = (u, d) if s.up else (d, u)
+            if src == dst:
+                continue
+            n = int(np.ceil((s.end - s.start) / interval - 1e-9))
+            times = s.start + interval * np.arange(max(n, 0))
+            frame = (ip_bytes_per_packet(s.ip_kbps, pps) + ETH_BYTES) * 8 / 1000.0 / slot_emu
+            path = w.backbone.path(src, dst)
+            offset = 0.0
+            for a, b in zip(path, path[1:]):
+                counts, _ = np.histogram(times + offset, edges)
+                out[w.backbone.link_index[(a, b)]] += counts * frame
+                offset += self.lab.net.link(a, b).params.delay_ms / 1000.0
+        return out
+
+    def _stalled_slots(self, stalls: list[list[int]], t0: float) -> tuple[list[int], int]:
+        """Slots whose bytes a sender's stall moved: a catch-up (``media.STALL_MS`` late or more)
+        whose packets fell due in one slot and left in a later one marks both and those
+        between; with the bytes so moved."""
+        slot_emu = self.prep.spec.day_seconds / self.prep.spec.slots
+        marked: set[int] = set()
+        moved = 0
+        for due_ns, sent_ns, _, nbytes in stalls:
+            a = int((due_ns / 1e9 - t0) // slot_emu)
+            b = int((sent_ns / 1e9 - t0) // slot_emu)
+            a, b = max(a, 0), min(b, self.prep.spec.slots - 1)
+            if b > a:
+                marked.update(range(a, b + 1))
+                moved += int(nbytes)
+        return sorted(marked), moved
 
     def _slot_loads(self, samples, t0: float, links) -> np.ndarray:
         """[world link, slot] kbps from the sampled counters (linear between samples)."""
@@ -445,18 +547,23 @@ class Emulation:
 
     # -- Titan's controller, live ----------------------------------------------------------
     def run_controller(self, seconds: float, window_s: float, controller: TitanController,
-                       fault=None, probe_pps: float = 50.0) -> dict:
-        """Play the day compressed into ``seconds`` with routes decided live by ``controller``."""
+                       faults: list | tuple = (), policy: str = "titan-next") -> dict:
+        """Play the day compressed into ``seconds`` with routes decided live under ``controller``
+        (module docstring): calls admitted on the Internet within each path's current fraction,
+        moved back to the WAN when a path's fraction falls below its calls in progress, and
+        ``faults`` (``FaultSpec``) injected and cleared on their paths."""
         prep = self.prep
         w = prep.world
         opts = prep.options
         calls = prep.calls
-        pps = prep.spec.packets_per_s
+        if policy == "titan-next" and "titan-next" not in prep.realised:
+            raise TitanError("controller_policy titan-next: Titan-Next has no plan here (add it to policies)")
+        real = prep.realised.get("titan-next") if policy == "titan-next" else None
         for c in list(self.agents.values()) + list(self.sniffers.values()):
             c.request(tm.Reset())
         scale = seconds / wl.DAY_S
         t0 = time.monotonic() + _LEAD_S
-        # one probe stream each way per Internet path (home region -> DC) the calls could use
+        # one probe stream each way per Internet path (region -> DC) the calls could use
         paths = sorted({(w.users[u], w.dcs[d]) for u in range(len(w.users)) for d in range(len(w.dcs))
                         if not w.local[u, d] and w.inet_ok[u, d]})
         stream_path: dict[int, tuple[str, str]] = {}
@@ -472,16 +579,27 @@ class Emulation:
                 stream_dir[sid] = up
                 src, dst = (host, server) if up else (server, host)
                 probes.append(Stream(sid, -1, w.users.index(u), up, src.name, dst.ip, 64.0, INTERNET,
-                                     w.dcs.index(d), t0, t0 + seconds))
+                                     w.dcs.index(d), t0, t0 + seconds, pps=_PROBE_PPS))
         self._send_streams(probes)
-        # calls, decided at their start from the current fraction of (home region, nearest DC)
+        lane_probes = {}
+        for (u, d) in paths:
+            for lane in ((u, d), (d, u)):
+                lane_probes[lane] = lane_probes.get(lane, 0) + 1
+        faults = list(faults)
+        lanes = [lane for f in faults for lane in ((f.user, f.dc), (f.dc, f.user))]
+        watch = _LaneWatch([self.paths.lanes[ln].name for ln in lanes]).start()
+        state = [{"fault": f, "at": t0 + seconds * f.at_fraction,
+                  "clear": t0 + seconds * f.clear_at_fraction if f.clear_at_fraction else None,
+                  "before": (self.paths.lanes[(f.user, f.dc)].delay_ms, self.paths.lanes[(f.user, f.dc)].jitter_ms,
+                             self.paths.lanes[(f.user, f.dc)].loss), "on": False, "cleared": False}
+                 for f in faults]
         order = np.argsort(calls.start_s, kind="stable")
         counters: dict[tuple[str, str], list[int]] = {}
-        fault_at = t0 + seconds * fault.at_fraction if fault is not None else None
-        clear_at = t0 + seconds * fault.clear_at_fraction if fault is not None and fault.clear_at_fraction else None
-        fault_done = cleared = False
-        lane = self.paths.lanes[(fault.user, fault.dc)] if fault is not None else None
-        before = (lane.delay_ms, lane.jitter_ms, lane.loss) if lane is not None else None
+        live: dict[int, _LiveCall] = {}  # in progress
+        live_calls: dict[int, _LiveCall] = {}  # every call started
+        moves: list[dict] = []
+        planned: list[tuple[float, tuple[str, str], int]] = []  # Titan-Next's Internet participants, as they start
+        unmovable = 0
         next_window = t0 + window_s
         timeline = []
         routes = np.zeros(len(calls), dtype=np.int64)
@@ -489,75 +607,198 @@ class Emulation:
         end = t0 + seconds
         for c in self.agents.values():
             c.request(tm.Window())  # start the first window clean
-        while time.monotonic() < end:
-            now = time.monotonic()
-            while i < len(order) and t0 + calls.start_s[order[i]] * scale <= now + 0.05:
-                ci = int(order[i])
-                i += 1
-                k = int(prep.config[ci])
-                co = opts[k]
-                home = w.users[int(calls.first[ci])]
-                d = co.nearest
-                path = (home, w.dcs[d])
-                route = WAN
-                if opts.option_index(k, d, INTERNET) is not None:
-                    f = controller.fraction(path)
-                    cnt = counters.setdefault(path, [0, 0])
-                    cnt[0] += 1
-                    if f * cnt[0] - cnt[1] >= 0.5 or (f >= 1.0):
-                        cnt[1] += 1
-                        route = INTERNET
-                routes[ci] = route
-                start = max(t0 + calls.start_s[ci] * scale, time.monotonic() + 0.02)
-                stop_t = start + max(calls.duration_s[ci] * scale, 2.0 / pps)
-                streams = []
-                server = self.server(w.dcs[d])
-                for e in range(calls.ptr[ci], calls.ptr[ci + 1]):
-                    u = int(calls.region[e])
-                    host = self.participants(w.users[u])[0]
-                    for _ in range(int(calls.count[e])):
-                        streams.append(Stream(self._sid, ci, u, True, host.name, server.ip, float(prep.ip_up[ci]),
-                                              route, d, start, stop_t))
-                        streams.append(Stream(self._sid + 1, ci, u, False, server.name, host.ip,
-                                              float(prep.ip_down[ci]), route, d, start, stop_t))
-                        if route == INTERNET and not w.local[u, d]:
-                            stream_path[self._sid] = (w.users[u], w.dcs[d])
-                            stream_path[self._sid + 1] = (w.users[u], w.dcs[d])
-                            stream_dir[self._sid], stream_dir[self._sid + 1] = True, False
-                        self._sid += 2
-                self._send_streams(streams)
-            if fault_at is not None and not fault_done and now >= fault_at:
-                self.paths.set_internet(fault.user, fault.dc, loss=fault.loss, delay_ms=before[0] + fault.extra_delay_ms,
-                                        jitter_ms=before[1] + fault.extra_jitter_ms)
-                fault_done = True
-                self.log(f"fault injected on {fault.user}<->{fault.dc}: loss {fault.loss}, "
-                         f"+{fault.extra_delay_ms:g} ms delay, +{fault.extra_jitter_ms:g} ms jitter")
-            if clear_at is not None and fault_done and not cleared and now >= clear_at:
-                self.paths.set_internet(fault.user, fault.dc, delay_ms=before[0], jitter_ms=before[1], loss=before[2])
-                cleared = True
-                self.log(f"fault cleared on {fault.user}<->{fault.dc}")
-            if now >= next_window:
-                stats = {}
-                for c in self.agents.values():
-                    stats.update({int(k): v for k, v in c.request(tm.Window()).window.items()})
-                qual = _path_quality(stats, stream_path, stream_dir)
-                for path in paths:
-                    f = controller.update(path, qual.get(path), now - t0)
-                    q = qual.get(path)
-                    timeline.append({"t": now - t0, "path": f"{path[0]}->{path[1]}", "fraction": f,
-                                     "rtt_ms": q.rtt_ms if q else None, "loss": q.loss if q else None,
-                                     "jitter_ms": q.jitter_ms if q else None,
-                                     "verdict": controller.history(path)[-1][1]})
-                next_window += window_s
-            time.sleep(0.005)
-        time.sleep(0.5)
-        if fault_done and not cleared:  # leave the path as it was
-            self.paths.set_internet(fault.user, fault.dc, delay_ms=before[0], jitter_ms=before[1], loss=before[2])
-        return {"timeline": timeline, "fault_at_s": (fault_at - t0) if fault_at else None,
-                "fault_cleared_at_s": (clear_at - t0) if cleared else None,
-                "fault_path": f"{fault.user}->{fault.dc}" if fault else None,
+        try:
+            while time.monotonic() < end:
+                now = time.monotonic()
+                while i < len(order) and t0 + calls.start_s[order[i]] * scale <= now + 0.05:
+                    ci = int(order[i])
+                    i += 1
+                    k = int(prep.config[ci])
+                    start = max(t0 + calls.start_s[ci] * scale, time.monotonic() + 0.02)
+                    stop_t = start + max(calls.duration_s[ci] * scale, 2.0 / prep.spec.packets_per_s)
+                    if real is None:  # Titan: the nearest DC, the home path's fraction by counters
+                        d = opts[k].nearest
+                        route = WAN
+                        if opts.option_index(k, d, INTERNET) is not None:
+                            path = (w.users[int(calls.first[ci])], w.dcs[d])
+                            f = controller.fraction(path)
+                            cnt = counters.setdefault(path, [0, 0])
+                            cnt[0] += 1
+                            if f * cnt[0] - cnt[1] >= 0.5 or f >= 1.0:
+                                cnt[1] += 1
+                                route = INTERNET
+                    else:  # Titan-Next's placement, on the Internet only within the live fractions
+                        d, route = int(real.dc[ci]), int(real.route[ci])
+                        if route == INTERNET:
+                            inet, every = _in_progress(live, now)
+                            for p, n in self._call_paths(ci, d).items():
+                                planned.append((now - t0, p, n))
+                            if not all(_within(inet[p], every[p], n, controller.fraction(p))
+                                       for p, n in self._call_paths(ci, d).items()):
+                                route = WAN
+                                if opts.option_index(k, d, WAN) is None:
+                                    d = opts[k].nearest
+                    routes[ci] = route
+                    live[ci] = live_calls[ci] = self._start_live_call(ci, d, route, start, stop_t, stream_path,
+                                                                      stream_dir)
+                for st in state:
+                    f = st["fault"]
+                    if not st["on"] and now >= st["at"]:
+                        b0 = st["before"]
+                        self.paths.set_internet(f.user, f.dc, loss=f.loss, delay_ms=b0[0] + f.extra_delay_ms,
+                                                jitter_ms=b0[1] + f.extra_jitter_ms)
+                        st["on"], st["at"] = True, now
+                        self.log(f"fault injected on {f.user}<->{f.dc}: loss {f.loss}, "
+                                 f"+{f.extra_delay_ms:g} ms delay, +{f.extra_jitter_ms:g} ms jitter")
+                    if st["clear"] is not None and st["on"] and not st["cleared"] and now >= st["clear"]:
+                        b0 = st["before"]
+                        self.paths.set_internet(f.user, f.dc, delay_ms=b0[0], jitter_ms=b0[1], loss=b0[2])
+                        st["cleared"], st["clear"] = True, now
+                        self.log(f"fault cleared on {f.user}<->{f.dc}")
+                if now >= next_window:
+                    stats = {}
+                    for c in self.agents.values():
+                        stats.update({int(k): v for k, v in c.request(tm.Window()).window.items()})
+                    qual = _path_quality(stats, stream_path, stream_dir)
+                    for path in paths:
+                        controller.update(path, qual.get(path), now - t0)
+                    # calls in progress above a path's new fraction go back to the WAN, latest end first
+                    inet, every = _in_progress(live, now)
+                    for path in paths:
+                        f = controller.fraction(path)
+                        on = sorted((c for c in live.values() if c.route == INTERNET and path in c.paths),
+                                    key=lambda c: -c.end)
+                        for c in on:
+                            if inet[path] <= f * every[path] + 0.5:
+                                break
+                            if opts.option_index(int(prep.config[c.call]), c.dc, WAN) is None:
+                                unmovable += 1
+                                continue
+                            self._move_to_wan(c, stream_path)
+                            for p, n in c.paths.items():
+                                inet[p] -= n
+                            moves.append({"t": now - t0, "at": time.monotonic(), "call": c.call,
+                                          "path": f"{path[0]}->{path[1]}", "participants": sum(c.paths.values())})
+                    for path in paths:
+                        q = qual.get(path)
+                        timeline.append({"t": now - t0, "path": f"{path[0]}->{path[1]}",
+                                         "fraction": controller.fraction(path),
+                                         "rtt_ms": q.rtt_ms if q else None, "loss": q.loss if q else None,
+                                         "jitter_ms": q.jitter_ms if q else None,
+                                         "verdict": controller.history(path)[-1][1],
+                                         "internet_participants": inet[path], "participants": every[path]})
+                    next_window += window_s
+                time.sleep(0.005)
+            time.sleep(0.5)
+            moved = self._moved_streams_seen(moves, live_calls)
+        finally:
+            samples = watch.stop()
+            for st in state:  # leave every path as it was
+                if st["on"] and not st["cleared"]:
+                    f, b0 = st["fault"], st["before"]
+                    self.paths.set_internet(f.user, f.dc, delay_ms=b0[0], jitter_ms=b0[1], loss=b0[2])
+        bound = (controller.max_backoff_steps + 1) * window_s + _LANE_BIN_S
+        out_faults = []
+        for st in state:
+            f = st["fault"]
+            idx = [lanes.index((f.user, f.dc)), lanes.index((f.dc, f.user))]
+            probes_here = [lane_probes.get((f.user, f.dc), 0), lane_probes.get((f.dc, f.user), 0)]
+            series = _lane_streams(samples, idx, sum(probes_here) * _PROBE_PPS, prep.spec.packets_per_s, t0)
+            at = st["at"] - t0 if st["on"] else None
+            clear = st["clear"] - t0 if st["cleared"] else None
+            mitigated = _mitigated_at(series, at, clear) if at is not None else None
+            used = _used_again_at(series, clear) if clear is not None else None
+            name = f"{f.user}->{f.dc}"
+            raised = next((r["t"] for r in timeline if r["path"] == name and clear is not None and r["t"] >= clear
+                           and r["fraction"] > 0), None)
+            # Titan-Next's Internet participants over the path that started once it was raised again
+            wanted = sum(n for t, p, n in planned if raised is not None and t >= raised and p in
+                         ((f.user, f.dc), (f.dc, f.user)))
+            out_faults.append({
+                "path": f"{f.user}->{f.dc}", "loss": f.loss, "extra_delay_ms": f.extra_delay_ms,
+                "extra_jitter_ms": f.extra_jitter_ms, "at_s": at, "cleared_at_s": clear,
+                "call_streams_at_fault": _streams_at(series, at, at + window_s) if at is not None else None,
+                "mitigated_at_s": mitigated, "time_to_mitigate_s": None if mitigated is None else mitigated - at,
+                "mitigate_bound_s": bound, "raised_again_at_s": raised, "planned_internet_after_raise": wanted,
+                "used_again_at_s": used,
+                "calls_moved": sum(1 for mv in moves if mv["path"] in (f"{f.user}->{f.dc}", f"{f.dc}->{f.user}")),
+                "lane_call_streams": series})
+        for mv in moves:
+            mv.pop("at", None)
+        return {"policy": policy, "timeline": timeline, "faults": out_faults, "moves": moves,
+                "moved_streams": moved,
+                "unmovable": unmovable, "window_s": window_s, "lane_bin_s": _LANE_BIN_S,
                 "internet_share_calls": float((routes == INTERNET).mean()) if len(routes) else 0.0,
-                "max_backoff_steps": controller.max_backoff_steps, "window_s": window_s}
+                "max_backoff_steps": controller.max_backoff_steps}
+
+    def _moved_streams_seen(self, moves: list[dict], calls: dict[int, "_LiveCall"]) -> dict:
+        """The route counters' word on the calls moved: of the moved streams that still had
+        0.1 s to run and had left on the Internet (before the move), how many left on a
+        backbone link too (after it); counted by every router's and the hub's ``routecheck``."""
+        time.sleep(0.3)  # what is in flight reaches the counters
+        seen: dict[str, dict[int, int]] = {}
+        for name, client in self.sniffers.items():
+            path = self.workdir / f"routes-controller-{name}.json"
+            client.request(tm.Dump(path=str(path)))
+            for ifname, table in json.loads(path.read_text()).items():
+                seen[ifname] = {int(k): v for k, v in table.items()}
+        wan_ifs = {ln.ifname for ln in self.lab.net.links()}
+        inet_ifs = set(seen) - wan_ifs
+        checked = on_wan = 0
+        for mv in moves:
+            c = calls[mv["call"]]
+            if c.end - mv["at"] < 0.1:
+                continue
+            for sids in c.senders.values():
+                for sid in sids:
+                    if all(seen[i].get(sid, 0) == 0 for i in inet_ifs):
+                        continue  # a local participant's stream: on neither route
+                    checked += 1
+                    on_wan += any(seen[i].get(sid, 0) > 0 for i in wan_ifs if i in seen)
+        return {"checked": checked, "on_internet_then_wan": on_wan}
+
+    def _call_paths(self, ci: int, d: int) -> dict[tuple[str, str], int]:
+        """Participants of call ``ci`` per Internet path (their region -> DC ``d``; local ones have none)."""
+        w, calls = self.prep.world, self.prep.calls
+        out: dict[tuple[str, str], int] = {}
+        for e in range(calls.ptr[ci], calls.ptr[ci + 1]):
+            u = int(calls.region[e])
+            if not w.local[u, d]:
+                p = (w.users[u], w.dcs[d])
+                out[p] = out.get(p, 0) + int(calls.count[e])
+        return out
+
+    def _start_live_call(self, ci: int, d: int, route: int, start: float, stop_t: float,
+                         stream_path: dict, stream_dir: dict) -> "_LiveCall":
+        prep, w, calls = self.prep, self.prep.world, self.prep.calls
+        streams = []
+        server = self.server(w.dcs[d])
+        for e in range(calls.ptr[ci], calls.ptr[ci + 1]):
+            u = int(calls.region[e])
+            host = self.participants(w.users[u])[0]
+            for _ in range(int(calls.count[e])):
+                streams.append(Stream(self._sid, ci, u, True, host.name, server.ip, float(prep.ip_up[ci]),
+                                      route, d, start, stop_t))
+                streams.append(Stream(self._sid + 1, ci, u, False, server.name, host.ip,
+                                      float(prep.ip_down[ci]), route, d, start, stop_t))
+                if route == INTERNET and not w.local[u, d]:
+                    stream_path[self._sid] = stream_path[self._sid + 1] = (w.users[u], w.dcs[d])
+                    stream_dir[self._sid], stream_dir[self._sid + 1] = True, False
+                self._sid += 2
+        self._send_streams(streams)
+        senders: dict[str, list[int]] = {}
+        for s in streams:
+            senders.setdefault(s.src_host, []).append(s.sid)
+        return _LiveCall(ci, d, route, stop_t, self._call_paths(ci, d), senders)
+
+    def _move_to_wan(self, call: "_LiveCall", stream_path: dict) -> None:
+        """Every stream of ``call`` takes the WAN from its next packet; the path's quality is
+        measured without them from now on."""
+        for host, sids in call.senders.items():
+            self.agents[host].request(tm.Reroute(sids=sids, tos=0))
+            for sid in sids:
+                stream_path.pop(sid, None)
+        call.route = WAN
 
     def close(self) -> None:
         for c in list(self.agents.values()) + list(self.sniffers.values()):
@@ -592,6 +833,126 @@ def _path_quality(stats: dict[int, tm.StreamWindow], stream_path: dict,
     return out
 
 
+# A probe stream's packets a second: a window of probes alone (both directions, 1 s) holds 200
+# packets, so one lost packet reads 0.5%, half the 1% loss target (at the calls' 25 packets/s
+# one loss read 2%, "severe": on a path with 0.2% loss, 8 of 23 windows in one run).
+_PROBE_PPS = 100.0
+_LANE_SAMPLE_S = 0.05
+_LANE_BIN_S = 0.2
+
+
+@dataclass
+class _LiveCall:
+    call: int
+    dc: int
+    route: int
+    end: float  # CLOCK_MONOTONIC
+    paths: dict  # (region, DC) -> participants on that Internet path
+    senders: dict  # host -> the stream ids it sends
+
+
+def _in_progress(live: dict[int, _LiveCall], now: float):
+    """Per path: participants on the Internet, participants in all (calls in progress); ended calls leave."""
+    inet: dict = {}
+    every: dict = {}
+    for ci in [ci for ci, c in live.items() if c.end <= now]:
+        del live[ci]
+    for c in live.values():
+        for p, n in c.paths.items():
+            every[p] = every.get(p, 0) + n
+            if c.route == INTERNET:
+                inet[p] = inet.get(p, 0) + n
+    return _Zero(inet), _Zero(every)
+
+
+class _Zero(dict):
+    def __missing__(self, key):
+        return 0
+
+
+def _within(inet: int, every: int, n: int, fraction: float) -> bool:
+    """``n`` more participants on a path's Internet keep its share within ``fraction`` (to the
+    nearest participant, as Titan's counters round)."""
+    return inet + n <= fraction * (every + n) + 0.5
+
+
+class _LaneWatch:
+    """Samples the packets entering Internet lanes (the hub's TUN devices) every 50 ms: what the
+    senders put on a path, whatever the fault then does to it."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._th: threading.Thread | None = None
+
+    def start(self) -> "_LaneWatch":
+        if self.names:
+            self._th = threading.Thread(target=self._run, daemon=True)
+            self._th.start()
+        return self
+
+    def _run(self) -> None:
+        from pyroute2 import IPRoute
+
+        with IPRoute(netns=f"/run/netns/{HUB_NS}", flags=0) as ipr:
+            index = {n: ipr.link_lookup(ifname=n)[0] for n in self.names}
+            while not self._stop.is_set():
+                counts = []
+                for n in self.names:
+                    counts.append(ipr.get_links(index[n])[0].get_attr("IFLA_STATS64")["tx_packets"])
+                self.samples.append((time.monotonic(), counts))
+                self._stop.wait(_LANE_SAMPLE_S)
+
+    def stop(self) -> list[tuple[float, list[int]]]:
+        self._stop.set()
+        if self._th is not None:
+            self._th.join(timeout=5)
+        return self.samples
+
+
+def _lane_streams(samples, idx: list[int], probe_pps: float, pps: float, t0: float) -> list[list[float]]:
+    """[[t, call streams]] per ``_LANE_BIN_S`` bin: the packets entering both lanes of a path over
+    the bin, less the probes' (``probe_pps`` in all), in streams (every call stream sends ``pps``)."""
+    if len(samples) < 2:
+        return []
+    times = np.array([s[0] for s in samples]) - t0
+    counts = np.array([[s[1][j] for j in idx] for s in samples], dtype=np.float64).sum(axis=1)
+    edges = np.arange(max(0.0, times[0]), times[-1], _LANE_BIN_S)
+    at = np.interp(edges, times, counts)
+    rate = (np.diff(at) / _LANE_BIN_S - probe_pps) / pps
+    return [[float(t), float(r)] for t, r in zip(edges[:-1], rate)]
+
+
+def _smoothed(series) -> list[tuple[float, float]]:
+    """Each bin's call streams as the median of the 5 bins around it (1 s): a sender that the
+    shared machine stalls sends less in one bin and what fell due in the next (a dip and a
+    spike of several streams side by side), which the median leaves out."""
+    vals = [r for _, r in series]
+    return [(t, float(np.median(vals[max(0, j - 2):j + 3]))) for j, (t, _) in enumerate(series)]
+
+
+def _streams_at(series, t_from: float, t_to: float) -> float | None:
+    """The most call streams the path carried (smoothed) between two instants."""
+    vals = [r for t, r in _smoothed(series) if t_from <= t < t_to]
+    return float(max(vals)) if vals else None
+
+
+def _mitigated_at(series, at: float, clear: float | None) -> float | None:
+    """The first bin from which, until the fault clears, no call stream is left on the path
+    (under half a stream, smoothed)."""
+    window = [(t, r) for t, r in _smoothed(series) if t >= at and (clear is None or t + _LANE_BIN_S <= clear)]
+    for j, (t, _) in enumerate(window):
+        if all(r < 0.5 for _, r in window[j:]):
+            return t
+    return None
+
+
+def _used_again_at(series, clear: float) -> float | None:
+    """The first bin after the fault cleared that carries a call stream again (smoothed)."""
+    return next((t for t, r in _smoothed(series) if t >= clear and r >= 0.8), None)
+
+
 def run(spec: EmulationSpec, out: Path | None = None, caps=None,
         log: Callable[[str], None] | None = None) -> dict:
     """Prepare, build the network, play every policy (and the live controller), tear down."""
@@ -618,7 +979,7 @@ def run(spec: EmulationSpec, out: Path | None = None, caps=None,
                 log(f"Titan's controller, live ({spec.controller_seconds:g} s)")
                 ctl = TitanController(spec.targets, step=0.2, max_fraction=spec.internet_cap)
                 result["controller"] = emu.run_controller(spec.controller_seconds, spec.controller_window_s, ctl,
-                                                          spec.fault)
+                                                          spec.faults, spec.controller_policy)
         finally:
             emu.close()
             paths.close()
@@ -641,8 +1002,39 @@ def _policy_json(pr: PolicyRun, prep: Prepared) -> dict:
         "solve_s": prep.plans[pr.policy].solve_s,
         "rtt_error_ms_p50": float(np.median([r["rtt_ms"] - r["model_rtt_ms"] for r in rtts])) if rtts else None,
         "slot_load_kbps": pr.slot_load_kbps.tolist(),
+        "stalled_slots": pr.details.get("stalled_slots", []),
+        "stall_bytes_moved": pr.details.get("stall_bytes_moved", 0),
+        "expected_slot_load_kbps": pr.details["expected_slot_load_kbps"].tolist()
+        if "expected_slot_load_kbps" in pr.details else None,
+        "expected_clean_sum_of_peaks_kbps": _clean_peaks(pr.details["expected_slot_load_kbps"],
+                                                         pr.details.get("stalled_slots", []))
+        if "expected_slot_load_kbps" in pr.details else None,
+        "clean_sum_of_peaks_kbps": _clean_peaks(pr.slot_load_kbps, pr.details.get("stalled_slots", [])),
+        "model_clean_sum_of_peaks_kbps": _clean_peaks(model.link_load, pr.details.get("stalled_slots", [])),
         "model_slot_load_kbps": model.link_load.tolist(),
         "participant_rtt": rtts,
         "over_bound": pr.details.get("over_bound", []),
         "participants_over_bound_min_rtt": pr.details.get("over_bound_min", 0),
     }
+
+
+def stalled_slots(stalls: list[list[int]], t0: float, slot_s: float, slots: int) -> tuple[list[int], int]:
+    """Slots whose bytes a sender's stall moved, and the bytes so moved: a catch-up (``media``:
+    [first due ns, sent ns, packets, bytes], ``STALL_MS`` late or more) whose packets fell due
+    in one slot and left in a later one marks both and those between."""
+    marked: set[int] = set()
+    moved = 0
+    for due_ns, sent_ns, _, nbytes in stalls:
+        a = max(int((due_ns / 1e9 - t0) // slot_s), 0)
+        b = min(int((sent_ns / 1e9 - t0) // slot_s), slots - 1)
+        if b > a:
+            marked.update(range(a, b + 1))
+            moved += int(nbytes)
+    return sorted(marked), moved
+
+
+def _clean_peaks(load, stalled: list[int]) -> float:
+    """Sum over links of each link's peak over the slots no sender's stall touched."""
+    load = np.asarray(load, dtype=np.float64)
+    keep = [j for j in range(load.shape[1]) if j not in set(stalled)]
+    return float(load[:, keep].max(axis=1).sum()) if keep else float("nan")

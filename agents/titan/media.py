@@ -13,13 +13,17 @@ namespace shares); the receiver takes the arrival time from the kernel (SO_TIMES
 the same clock), so an agent that is scheduled late does not inflate the delays it
 measures.  The receiving agent keeps
 per stream: packets received, the highest and lowest sequence seen, every one-way delay
-(ms), and RFC 3550 inter-arrival jitter; ``window`` reports what arrived since the last
+(ms), and RFC 3550 inter-arrival jitter.  The sender notes its own stalls: whenever it sends
+packets more than ``STALL_MS`` after they fell due (the shared machine did not schedule it),
+one row (first due, sent, packets, bytes; CLOCK_MONOTONIC ns), so the orchestrator can tell
+a link's load that a stall moved into the next slot from the policy's; ``window`` reports what arrived since the last
 window (the Titan controller's measurements), ``dump`` writes everything (receiver side
 and the sender's counts) to a JSON file.
 
 Control messages (typed: ``messages.py``): ``StartStreams`` (a list of ``StreamSpec``: sid, dst,
-ip_kbps, pps, tos, t_start, t_end; answered ``Started``), ``Window`` (answered
-``WindowReply``), ``Dump`` (path), ``Reset``, ``Quit`` (answered ``Ok``); a bad one is
+ip_kbps, pps, tos, t_start, t_end; answered ``Started``), ``Reroute`` (streams in progress
+take another DSCP, so another route, from their next packet: a call moved off a degraded
+path; answered ``Rerouted``), ``Window`` (answered ``WindowReply``), ``Dump`` (path), ``Reset``, ``Quit`` (answered ``Ok``); a bad one is
 answered ``Refused``.
 
 Run as ``python -m agents.titan.media CONFIG.json`` (``{"control": path, "port": n}``); it
@@ -49,6 +53,7 @@ _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _TIMESPEC = struct.Struct("qq")
 IP_UDP_BYTES = 28
 MIN_IP_BYTES = IP_UDP_BYTES + HEADER.size
+STALL_MS = 10.0
 
 
 def ip_bytes_per_packet(ip_kbps: float, pps: float) -> int:
@@ -91,6 +96,8 @@ class MediaAgent:
         self.heap: list[tuple[int, int]] = []  # (due ns, stream index)
         self.streams: list[list] = []  # [id, (ip, port), bytes, interval ns, tos, end ns, seq]
         self.sent: dict[int, int] = {}
+        self.by_sid: dict[int, int] = {}  # stream id -> index in self.streams
+        self.stalls: list[list[int]] = []  # [first due ns, sent ns, packets, bytes] (module docstring)
         self.rx: dict[int, _Rx] = {}
         self.running = True
         self._payload = bytearray(65536)
@@ -130,8 +137,17 @@ class MediaAgent:
                 self.streams.append([st.sid, (st.dst, self.port), size, int(1e9 / st.pps), st.tos,
                                      int(st.t_end * 1e9), 0])
                 self.sent.setdefault(st.sid, 0)
+                self.by_sid[st.sid] = idx
                 heapq.heappush(self.heap, (int(st.t_start * 1e9), idx))
             return tm.Started(streams=len(self.streams))
+        if isinstance(msg, tm.Reroute):
+            moved = 0
+            for sid in msg.sids:
+                idx = self.by_sid.get(sid)
+                if idx is not None:
+                    self.streams[idx][4] = msg.tos
+                    moved += 1
+            return tm.Rerouted(streams=moved)
         if isinstance(msg, tm.Window):
             out = {}
             for sid, r in self.rx.items():
@@ -148,12 +164,14 @@ class MediaAgent:
                            "owd_p50_ms": w[len(w) // 2] if w else None, "owd_min_ms": w[0] if w else None,
                            "owd_p95_ms": w[min(len(w) - 1, int(0.95 * len(w)))] if w else None}
             with open(msg.path, "w") as fh:
-                json.dump({"rx": rx, "sent": self.sent}, fh)
+                json.dump({"rx": rx, "sent": self.sent, "stalls": self.stalls}, fh)
             return m.Ok()
         if isinstance(msg, tm.Reset):
             self.heap.clear()
             self.streams.clear()
             self.sent.clear()
+            self.by_sid.clear()
+            self.stalls.clear()
             self.rx.clear()
             return m.Ok()
         if isinstance(msg, tm.Quit):
@@ -198,6 +216,8 @@ class MediaAgent:
 
     def _send_due(self) -> None:
         now = time.monotonic_ns()
+        late_before = now - int(STALL_MS * 1e6)
+        stall = None  # [first due, sent, packets, bytes] of this catch-up, if it is one
         while self.heap and self.heap[0][0] <= now:
             due, idx = heapq.heappop(self.heap)
             st = self.streams[idx]
@@ -210,10 +230,18 @@ class MediaAgent:
                 self.sent[sid] += 1
             except OSError:
                 pass  # a full buffer or no route: counted as lost by the receiver
+            if due < late_before:
+                if stall is None:
+                    stall = [due, now, 0, 0]
+                stall[0] = min(stall[0], due)
+                stall[2] += 1
+                stall[3] += size + IP_UDP_BYTES
             st[6] = seq + 1
             nxt = due + interval
             if nxt < end:
                 heapq.heappush(self.heap, (nxt, idx))
+        if stall is not None:
+            self.stalls.append(stall)
 
     def run(self) -> None:
         print("ready", flush=True)

@@ -3,7 +3,8 @@
 How it fits: the emulation (``emulate.py``) drives every media agent (``media.py``) and route
 counter (``routecheck.py``) over Unix datagrams: ``StartStreams`` (media agents only),
 ``Window`` (answered ``WindowReply``: per stream, what arrived since the last window),
-``Dump`` (everything, to a JSON file), ``Reset`` and ``Quit``; the other answers are the
+``Reroute`` (media agents only: streams in progress change their DSCP, so their route, from
+the next packet on), ``Dump`` (everything, to a JSON file), ``Reset`` and ``Quit``; the other answers are the
 core's ``Ok`` and ``Refused``.  The Internet hub's delay line takes the core's ``LaneSet``.
 """
 
@@ -40,6 +41,24 @@ class Started(Message):
     """How many streams the agent now holds."""
 
     kind: ClassVar[str] = "titan.started"
+    streams: int
+
+
+@dataclass
+class Reroute(Message):
+    """Streams ``sids`` this agent sends take ``tos`` (their route) from the next packet on;
+    answered ``Rerouted``."""
+
+    kind: ClassVar[str] = "titan.reroute"
+    sids: list[int]
+    tos: int
+
+
+@dataclass
+class Rerouted(Message):
+    """How many of the named streams the agent holds (and so moved)."""
+
+    kind: ClassVar[str] = "titan.rerouted"
     streams: int
 
 

@@ -148,17 +148,35 @@ def emulation_plots(result: dict, out: Path) -> list[Path]:
         written.append(_save(fig, out / "emu_latency_cdf.png", plt))
     ctl = result.get("controller")
     if ctl:
-        fig, ax = plt.subplots(figsize=(11, 3.8))
-        paths = sorted({r["path"] for r in ctl["timeline"]})
-        for path in paths:
+        faults = ctl.get("faults", [])
+        fig, axes = plt.subplots(1 + len(faults), 1, figsize=(11, 3.2 + 2.2 * len(faults)), sharex=True,
+                                 squeeze=False)
+        ax = axes[0][0]
+        faulted = {f["path"] for f in faults}
+        for path in sorted({r["path"] for r in ctl["timeline"]}):
             rows = [r for r in ctl["timeline"] if r["path"] == path]
             ax.step([r["t"] for r in rows], [r["fraction"] for r in rows], where="post", label=path,
-                    lw=2 if path == ctl.get("fault_path") else 1)
-        if ctl.get("fault_at_s") is not None:
-            ax.axvline(ctl["fault_at_s"], color="red", ls=":", label=f"fault on {ctl['fault_path']}")
-        ax.set_xlabel("s")
-        ax.set_ylabel("offload fraction (home region -> DC)")
+                    lw=2 if path in faulted else 1)
+        ax.set_ylabel("offload fraction")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        for f, row in zip(faults, axes[1:]):
+            fa = row[0]
+            series = f.get("lane_call_streams", [])
+            fa.step([t for t, _ in series], [r for _, r in series], where="post", color="black", lw=1)
+            what = ", ".join(x for x in (f"loss {f['loss']:g}" if f["loss"] else "",
+                                         f"+{f['extra_delay_ms']:g} ms" if f["extra_delay_ms"] else "",
+                                         f"+{f['extra_jitter_ms']:g} ms jitter" if f["extra_jitter_ms"] else "") if x)
+            for a in (ax, fa):
+                if f["at_s"] is not None:
+                    a.axvline(f["at_s"], color="red", ls=":")
+                if f["cleared_at_s"] is not None:
+                    a.axvline(f["cleared_at_s"], color="green", ls=":")
+            if f.get("mitigated_at_s") is not None:
+                fa.axvline(f["mitigated_at_s"], color="orange", ls="--", label="no call left")
+                fa.legend(fontsize=7, loc="upper right")
+            fa.set_ylabel("call streams")
+            fa.set_title(f"{f['path']} ({what}): streams on the path, from the hub's lane counters", fontsize=8)
+        axes[-1][0].set_xlabel("s")
         fig.tight_layout()
         written.append(_save(fig, out / "emu_controller.png", plt))
     return written

@@ -172,8 +172,32 @@ class EmulationSpec(_CapMixin, _Strict):
     targets: Targets = Targets()
     controller_seconds: float = Field(0.0, ge=0, description="also run Titan's controller live this long (0: not)")
     controller_window_s: float = Field(1.0, gt=0)
-    fault: FaultSpec | None = None
+    controller_policy: Literal["titan", "titan-next"] = Field(
+        "titan-next", description="who places the calls under the live controller: titan (each call at its nearest "
+        "DC, on the Internet at its home path's current fraction) or titan-next (each call where Titan-Next's plan "
+        "put it, on the Internet only while every path of it stays within the controller's current fraction)")
+    faults: list[FaultSpec] = Field(default_factory=list, description="degradations injected on Internet paths "
+                                    "during the controller run (one per path)")
+    fault: FaultSpec | None = Field(None, description="one fault: the same as faults: [it]")
     latency_allowance_ms: float = Field(1.5, ge=0, description="emulator overhead allowed over a call's latency bound")
+
+    @model_validator(mode="after")
+    def _one_fault_per_path(self):
+        if self.fault is not None:
+            if self.faults:
+                raise ValueError("give fault or faults, not both")
+            self.faults = [self.fault]
+            self.fault = None
+        seen = set()
+        for f in self.faults:
+            for r, what in ((f.user, "users"), (f.dc, "dcs")):
+                if r not in getattr(self, what):
+                    raise ValueError(f"faults: {r} is not one of the {what}")
+            key = frozenset((f.user, f.dc))
+            if key in seen:
+                raise ValueError(f"faults: the path {f.user}<->{f.dc} is named twice")
+            seen.add(key)
+        return self
 
 
 def _where(loc: tuple[Any, ...]) -> str:
