@@ -524,7 +524,23 @@ def topology_aws(
 from testbed.tools.vmcli import vm_app  # noqa: E402  (testbed vm ...: the netem VM)
 from testbed.run.labcli import register as _register_lab_commands  # noqa: E402
 
-_register_lab_commands(app)  # testbed up, status, down, exec, shell, link, record, torchrun
+
+
+def _open_job_lab(*args, **kwargs):
+    """``cluster.jobs.open_job_lab``, imported when ``testbed torchrun --inventory`` runs."""
+    from testbed.cluster.jobs import open_job_lab
+
+    return open_job_lab(*args, **kwargs)
+
+
+def _cluster_errors() -> tuple:
+    from testbed.cluster.inventory import ClusterError
+
+    return (ClusterError,)
+
+
+# testbed up, status, down, exec, shell, link, record, torchrun (with --inventory: across machines)
+_register_lab_commands(app, _open_job_lab, _cluster_errors)
 
 app.add_typer(vm_app, name="vm")
 

@@ -22,7 +22,8 @@ The channels that use it, and the kinds each carries:
   sender says ``TurnDone`` when its message has left;
 * the cluster wire (``testbed/cluster/wire.py``): the orchestrator's ``Call`` (an RPC: the
   agent checks the arguments against its op), the agent's ``Answer`` and its events
-  ``Telemetry`` (a worker's message, nested), ``Exited`` and ``NetworkFailed``.
+  ``Telemetry`` (a worker's message, nested), ``Output`` (what a torchrun rank printed),
+  ``Exited`` and ``NetworkFailed``.
 
 Extensions declare their own kinds in their own package on the same base (the core names
 none of them); a kind is defined once, so extensions name theirs ``<extension>.<name>``.  A
@@ -40,7 +41,7 @@ import typing
 from typing import Any, ClassVar, Union
 
 __all__ = ["UNSET", "AgentGone", "Answer", "Bye", "Call", "Done", "Events", "Exited", "Go", "Hello", "LaneSet", "LaneStats",
-           "LaneStatsReply", "Log", "Message", "MessageError", "NetworkFailed", "Ok", "Ready", "Record", "Refused",
+           "LaneStatsReply", "Log", "Message", "MessageError", "NetworkFailed", "Ok", "Output", "Ready", "Record", "Refused",
            "Span", "StartOffset", "Telemetry", "TurnDone", "TurnGrant", "TurnWant", "Wait", "WorkerError", "Xfer",
            "decode", "encode", "kinds", "line"]
 
@@ -511,6 +512,16 @@ class Exited(Message):
     name: str
     rc: int
     tail: str = ""
+
+
+@dataclasses.dataclass
+class Output(Message):
+    """What a job's process on the agent's machine printed (stdout and stderr together), whole
+    lines as they come; all of it is sent before its ``Exited``."""
+
+    kind: ClassVar[str] = "output"
+    name: str
+    text: str
 
 
 @dataclasses.dataclass

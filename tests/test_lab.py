@@ -95,6 +95,13 @@ def test_bad_input_without_a_lab_is_one_line():
     _one_line_error(tb("torchrun", TOPO, "--ranks", "virginia=4", "--", JOB), "virginia=4", "3 host(s)")
     _one_line_error(tb("torchrun", TOPO, "--ranks", "virginia=1,mars=1", "--", JOB), "no DC 'mars'")
     _one_line_error(tb("torchrun", TOPO, "--ranks", "virginia=1", "--", "nothing.py"), "nothing.py")
+    # across machines: what does not go with --inventory, and an inventory that is not there
+    _one_line_error(tb("torchrun", TOPO, "--ranks", "virginia=1", "--machines", "virginia=m1", "--", JOB),
+                    "--machines", "--inventory")
+    _one_line_error(tb("torchrun", TOPO, "--ranks", "virginia=1", "--inventory", "no-such.ini", "--with",
+                       "atlas=x.yaml", "--", JOB), "--with", "one machine only")
+    _one_line_error(tb("torchrun", TOPO, "--ranks", "virginia=1", "--inventory", "no-such.ini", "--", JOB),
+                    "no-such.ini")
     _one_line_error(tb("up", TOPO, "--name", "a b"), "lab name")
     _one_line_error(tb("up", "no-such-topology"), "no-such-topology")
 

@@ -7,6 +7,9 @@ machine (and how SSH reaches it); ``build`` names the orchestrator's own build a
 the build; ``wire`` is the JSON-lines protocol between them on the SSH session's
 stdin/stdout; ``remote`` is the orchestrator's side (agents, clocks, and a
 ``ClusterNetwork`` / ``ClusterSite`` that ``runner`` and ``fidelity`` use as they use one
-machine's network: the protocols of ``run.site`` and ``net.surface``); ``fake`` makes a fake
-cluster of namespaces with sshd, so the same code path runs in CI.
+machine's network: the protocols of ``run.site`` and ``net.surface``); ``jobs`` is
+``testbed torchrun --inventory`` (the ``run.lab.LabHandle`` that ``run.torchrun`` drives,
+across machines: the user's script folder copied to each machine, ranks started and heard
+from through the agents); ``fake`` makes a fake cluster of namespaces with sshd, so the same
+code path runs in CI.
 """

@@ -7,10 +7,14 @@ orchestrator's build: the agent refuses any other build than its own, naming bot
 serves requests: build this machine's DCs of the topology (``network.Network`` with ``dcs``
 and VXLAN ``tunnels``), run commands and processes in its hosts, start workers in their CPU
 containers (``procs``), relay what the workers say on the machine's own telemetry hub
-(``hub.TelemetryHub``), answer clock samples.  One thread answers requests (a clock sample
-is answered the moment it arrives); a second relays telemetry and reports processes that
-ended and delay lines that died.  The agent's log is its stderr, which SSH carries back to
-the orchestrator.
+(``hub.TelemetryHub``), answer clock samples.  For a ``testbed torchrun`` job
+(``jobs.py``): take the user's files into a folder of the run's own (``put_file``, in
+chunks), start a rank there with this agent's Python (``job_start``: its output to a log in
+the run's folder), signal a rank's process group (``job_signal``).  One thread answers
+requests (a clock sample is answered the moment it arrives); a second relays telemetry and
+the ranks' output as it is written (``Output``, whole lines), and reports processes that
+ended (a rank's ``Exited`` after the last of its output) and delay lines that died.  The
+agent's log is its stderr, which SSH carries back to the orchestrator.
 
 Leases: the agent serves one orchestrator.  When its stdin closes (the orchestrator ended,
 or was killed, and its SSH client with it) or it hears nothing for ``lease_s`` (a hung
@@ -22,9 +26,11 @@ alone unless forced (``PID_FILE`` says whose run it is).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +57,7 @@ class _Session:
         self.hub = None
         self.hosts: dict = {}
         self.procs: dict[int, subprocess.Popen] = {}
+        self.jobs: dict[str, _Rank] = {}  # a torchrun job's ranks on this machine, by name
         self.reported: set[str] = set()
         self.net_error_sent = False
         self.alive = True
@@ -108,6 +115,17 @@ class _Session:
             except (OSError, ValueError):
                 if not self.alive:
                     return
+            for name, rank in list(self.jobs.items()):
+                if name in self.reported:
+                    continue
+                rc = rank.proc.poll()
+                while text := rank.read(whole_lines=rc is None):  # once it ended: to the end of its log
+                    self.emit(m.Output(name=name, text=text))
+                    if rc is None:
+                        break
+                if rc is not None:
+                    self.reported.add(name)
+                    self.emit(m.Exited(name=name, rc=rc))
             launcher = self.launcher
             for name, p in list(launcher.processes.items()) if launcher else []:
                 if name not in self.reported and p.poll() is not None:
@@ -231,6 +249,49 @@ class _Session:
                                    env=python_env(**env))
         return {"pid": proc.pid}
 
+    def op_put_file(self, folder: str, path: str, data: str, offset: int = 0) -> str:
+        """Write ``data`` (base64) at ``offset`` of ``path`` in ``folder`` of the run's process
+        folder (removed with it); the file's path here."""
+        rel = Path(path)
+        if rel.is_absolute() or ".." in rel.parts or "/" in folder or folder in ("", ".", ".."):
+            raise ValueError(f"{folder}/{path}: a path inside the run's folder")
+        dst = self.launcher.dir / folder / rel
+        if not dst.parent.is_dir():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        if offset == 0:
+            self.net.registry.file(dst)
+        with open(dst, "r+b" if offset else "wb") as fh:
+            fh.seek(offset)
+            fh.write(base64.b64decode(data))
+        return str(dst)
+
+    def op_job_start(self, name: str, host: str, folder: str, script: str, args: list[str], env: dict) -> dict:
+        """Start ``script`` (in ``folder``, put there by ``put_file``) with this agent's Python
+        in ``host``, in its folder, in a session of its own; its output goes to a log that the
+        relay sends on as it grows."""
+        from testbed.run.procs import python_env
+
+        if name in self.jobs:
+            raise ValueError(f"a rank named {name!r} was already started")
+        cwd = self.launcher.dir / folder
+        log = self.launcher.dir / f"{name}.log"
+        self.net.registry.file(log)
+        with open(log, "wb") as out:
+            proc = self.net.popen(self.hosts[host], [sys.executable, str(cwd / script), *args],
+                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                  env=python_env(**env), cwd=str(cwd))
+        self.jobs[name] = _Rank(proc, log)
+        return {"pid": proc.pid}
+
+    def op_job_signal(self, name: str, kill: bool = False) -> None:
+        """SIGTERM (or SIGKILL) a rank's process group (``mnexec -d`` made it a session leader)."""
+        proc = self.jobs[name].proc
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
     def op_send(self, name: str, msg: dict) -> bool:
         return self.hub.send(name, m.decode(msg))
 
@@ -273,9 +334,30 @@ class _Session:
                 pass
             self.hub = None
         if self.net is not None:
-            self.net.stop()
+            self.net.stop()  # the ranks with the rest of what it started
             self.net = None
         self.launcher = None
+        self.jobs.clear()
+
+
+class _Rank:
+    """A torchrun rank the agent started: its process and its log, read on from ``offset``."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path):
+        self.proc, self.log, self.offset = proc, log, 0
+
+    def read(self, whole_lines: bool) -> str:
+        """What the log gained since the last read (up to its last newline while it runs)."""
+        try:
+            with open(self.log, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(1 << 20)
+        except OSError:
+            return ""
+        if whole_lines and len(data) < 1 << 20:  # a line longer than a read goes in pieces
+            data = data[:data.rfind(b"\n") + 1]
+        self.offset += len(data)
+        return data.decode(errors="replace")
 
 
 def machine_name() -> str:

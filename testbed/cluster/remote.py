@@ -49,8 +49,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from testbed.messages import (AgentGone, Answer, Call, Done, Events, Exited, Message, NetworkFailed, Telemetry, Wait,
-                               Xfer)
+from testbed.messages import (AgentGone, Answer, Call, Done, Events, Exited, Message, NetworkFailed, Output, Telemetry,
+                               Wait, Xfer)
 from testbed.net.shaping import ClassCounters, Counters
 from testbed.net.surface import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Topology
@@ -521,6 +521,7 @@ class Cluster:
     clock: dict = field(default_factory=dict)
     underlay: dict = field(default_factory=dict)
     processes: dict[str, _RemoteProcess] = field(default_factory=dict)
+    ranks: dict[str, Any] = field(default_factory=dict)  # a torchrun job's ranks (``jobs.RankProcess``), by name
     hub: ClusterHub | None = None
     net: ClusterNetwork | None = None
     events: "queue.Queue" = field(default_factory=queue.Queue)
@@ -709,6 +710,10 @@ class Cluster:
                     self.hub.worker_machine.setdefault(name, machine)
                     msg = self.hub.map_times(name, machine, msg)
                 out.append((name, msg))
+            elif isinstance(ev, Output) and ev.name in self.ranks:
+                self.ranks[ev.name].output(ev.text)
+            elif isinstance(ev, Exited) and ev.name in self.ranks:
+                self.ranks[ev.name].ended(ev.rc)
             elif isinstance(ev, Exited):
                 p = self.processes.get(ev.name)
                 if p is not None:

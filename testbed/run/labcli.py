@@ -1,9 +1,12 @@
 """The lab commands of ``testbed``: ``up``, ``status``, ``down``, ``exec``, ``shell``, ``link``,
 ``record`` and ``torchrun``.
 
-How it fits: ``cli.py`` calls ``register(app)``; each command is a thin layer over
-``labserver`` (a lab that stays up: start it, find it, ask it), ``lab.Lab`` (a lab for one
-``torchrun`` job, in this process) and ``torchrun.run_job``.  ``exec`` and ``shell`` enter the
+How it fits: ``cli.py`` calls ``register(app, open_job_lab, cluster_errors)``; each command is
+a thin layer over ``labserver`` (a lab that stays up: start it, find it, ask it), ``lab.Lab``
+(a lab for one ``torchrun`` job, in this process) and ``torchrun.run_job``.  ``torchrun
+--inventory`` runs the job across machines on the lab that ``open_job_lab`` opens
+(``cluster.jobs``: this layer sits below ``cluster`` and is handed the function), after
+copying the script's folder to each machine with a rank (``ship``).  ``exec`` and ``shell`` enter the
 host themselves (``mnexec -a`` the host shell's PID, recorded in the registry first) and
 replace this process, so stdin, stdout and the exit code are the command's own.  Errors the
 user can fix print one line and exit 2; a job exits with its own exit code.
@@ -18,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 import typer
 from rich.console import Console
@@ -80,8 +83,11 @@ def _links_table(info: dict) -> Table:
     return table
 
 
-def register(app: typer.Typer) -> None:
-    """Add the lab commands to ``app``."""
+def register(app: typer.Typer, open_job_lab: Optional[Callable[..., Any]] = None,
+             cluster_errors: Callable[[], tuple] = tuple) -> None:
+    """Add the lab commands to ``app``.  ``open_job_lab(topo, inventory, machines, delay_backend,
+    progress)``: a torchrun lab across machines (``cluster.jobs.open_job_lab``, which this layer
+    does not import), with ``cluster_errors()`` the errors it raises that a user can fix."""
 
     @app.command()
     def up(topology: str = typer.Argument(..., help="topology file or name in topologies/"),
@@ -254,9 +260,14 @@ def register(app: typer.Typer) -> None:
         with_: List[str] = typer.Option([], "--with", metavar="NAME=VALUE",
                                         help="apply extension NAME to the job's network, VALUE its options "
                                              "(e.g. a file); repeatable"),
+        inventory: Optional[Path] = typer.Option(None, help="an Ansible inventory: the DCs go to its machines, "
+                                                            "SCRIPT's folder is copied to each (README: several "
+                                                            "machines)"),
+        machines: Optional[str] = typer.Option(None, help="with --inventory: DC=MACHINE,... (default: packed in order)"),
     ) -> None:
         """Run SCRIPT as a torch.distributed job, one rank per host of the DCs in --ranks, across the
-        emulated WAN (torchrun's environment; gloo and NCCL on the hosts' emulated interfaces)."""
+        emulated WAN (torchrun's environment; gloo and NCCL on the hosts' emulated interfaces); with
+        --inventory, across the inventory's machines."""
         from testbed.run.hooks import job_extensions
         from testbed.run.lab import Lab, LabError
         from testbed.run.torchrun import nccl_sockets, parse_ranks, provenance, run_job
@@ -277,8 +288,35 @@ def register(app: typer.Typer) -> None:
                 script, args = Path(items[0]), items[1:]
             if not script.is_file():
                 raise LabError(f"script {script}: no such file")
+            if machines is not None and inventory is None:
+                raise LabError("--machines: only with --inventory")
+            if inventory is not None and lab is not None:
+                raise LabError(f"--inventory: not with --lab (lab {lab} is on this machine)")
+            if inventory is not None and with_:
+                raise LabError("--with: runs on one machine only, for now (not with --inventory)")
             exts = job_extensions(with_)
-            if lab is not None:
+            if inventory is not None:
+                from testbed.run.torchrun import check_ranks
+
+                if open_job_lab is None:
+                    raise LabError("--inventory: this testbed has no runs across machines")
+
+                topo = load_topology(topo_path)
+                check_ranks(want, {dc.name: dc.hosts for dc in topo.dcs}, topo.name)
+                with console.status(f"{topo.name}: opening the machines") as st:
+                    job_lab = open_job_lab(topo, inventory, machines, delay_backend,
+                                           progress=lambda m: st.update(f"{topo.name}: {m}"))
+                try:
+                    for w in job_lab.warnings:
+                        console.print(f"[bold yellow]warning:[/] {w}", highlight=False)
+                    with console.status(f"{topo.name}: copying {script.resolve().parent}") as st:
+                        job_lab.ship(script, [dc for dc, _ in want])
+                    prov = provenance(command, topo_path, topo.name, job_lab.name)
+                    result = run_job(job_lab, want, script, args, out_dir, connections, master_port, nproc_threads,
+                                     timeout, sample_ms, job_lab.wan_check, prov, cluster=job_lab.summary())
+                finally:
+                    job_lab.down()
+            elif lab is not None:
                 client = _client(lab)
                 prov = provenance(command, Path(client.info["topology_file"]) if client.info.get("topology_file")
                                   else None, client.info["topology"], client.name)
@@ -305,7 +343,7 @@ def register(app: typer.Typer) -> None:
                                      timeout, sample_ms, job_lab.wan_check, prov, extensions=exts)
                 finally:
                     job_lab.down()
-        except _errors() as exc:
+        except _errors() + cluster_errors() as exc:
             fail(str(exc))
         except KeyboardInterrupt as exc:
             fail_interrupted(exc)

@@ -19,6 +19,13 @@ per WAN direction from the counters before and after, the WAN self-check, proven
 Extensions the user asked for (``--with NAME=VALUE``: ``hooks.JobExtension``) are applied to
 the lab after the ranks are placed and before they start, and removed after they end; what
 each returns goes into metrics.json under ``extensions``.
+
+Across machines (``--inventory``) the lab is ``cluster.jobs.ClusterJobLab``: the same
+tables, and a ``popen`` that starts the rank on its machine from a copy of the script's
+folder (the caller ships it first) and returns a ``subprocess.Popen`` look-alike whose
+output and exit come from the machine's agent; ``_end`` stops such a rank through its
+``terminate``/``kill`` (its agent signals the rank's process group).  metrics.json then
+gains a ``cluster`` section (placement, underlay, MTU, clocks) and each rank its machine.
 """
 
 from __future__ import annotations
@@ -163,6 +170,17 @@ def _pump(proc: subprocess.Popen, prefix: str, log: Path, lock: threading.Lock, 
 
 
 def _end(proc: subprocess.Popen) -> None:
+    if not isinstance(proc, subprocess.Popen):  # a rank on another machine: its agent signals its group
+        for stop in (proc.terminate, proc.kill):
+            if proc.poll() is not None:
+                return
+            stop()
+            try:
+                proc.wait(_KILL_GRACE_S)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if proc.poll() is not None:
             return
@@ -223,8 +241,9 @@ def run_job(lab: LabHandle, ranks: list[tuple[str, int]], script: Path, args: li
             connections: int = 1, master_port: int = 29500, threads: int = 1, timeout_s: float | None = None,
             sample_ms: float = 50.0, wan_check: list[dict] | None = None, prov: dict | None = None,
             echo: bool = True, log: Callable[[str], None] = lambda m: None,
-            extensions: list[JobExtension] = ()) -> JobResult:
-    """Run ``script`` on ``lab`` as a torchrun job; write OUT/metrics.json and OUT/timeline.json."""
+            extensions: list[JobExtension] = (), cluster: dict | None = None) -> JobResult:
+    """Run ``script`` on ``lab`` as a torchrun job; write OUT/metrics.json and OUT/timeline.json
+    (``cluster``: the machines' part, for metrics.json, where the lab spans several)."""
     placed = place_ranks(ranks, lab.host_table(), lab.name)
     nccl_sockets(connections)
     if not script.is_file():
@@ -307,12 +326,14 @@ def run_job(lab: LabHandle, ranks: list[tuple[str, int]], script: Path, args: li
                 "wall_s": round(wall, 3), "samples": len(samples), "sample_ms": sample_ms,
                 "sampling_problem": sampler.error},
         "ranks": [{"rank": p["rank"], "dc": p["dc"], "host": p["name"], "ip": p["ip"], "ifname": p["ifname"],
+                   **({"machine": p["machine"]} if "machine" in p else {}),
                    "exit_code": None if procs[i].returncode is None else _code(procs[i].returncode),
                    "log": f"logs/rank{p['rank']}.log"} for i, p in enumerate(placed) if i < len(procs)],
         "links": links,
         "extensions": ext_out,
         "wan_check": wan_check or [],
         "provenance": prov or {},
+        **({"cluster": cluster} if cluster is not None else {}),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     (out / "timeline.json").write_text(json.dumps(timeline(samples, t0)))
