@@ -3,7 +3,7 @@
     .venv/bin/python experiments/validate_emulated.py [--out DIR] [--plan | --reuse]
         [--rtt 5,50,150,250] [--pipelines 1,4,8] [--message-bdp 1,10,100]
         [--hosts default,tuned] [--sharing fair,temporal] [--max-cell-seconds S]
-        [--iterations N] [--model default|fair-window|fifo-window]
+        [--iterations N] [--model default|no-window|fair-window|fifo-window]
 
 How it fits: ``validation_matrix.py`` says what each cell is (the matrix, its link rates and
 messages, its experiment file) and what it will cost; this command plans, runs and reports.
@@ -23,11 +23,16 @@ run's Atlas controller published, through the extension's ``predict`` hook).
   figures), and writes ``DIR/validate_emulated.csv`` and ``DIR/validate_emulated.md`` (every
   selected cell: its settings, the link's rate, its estimate, and its figures or why it has
   none).
-* ``--model fifo-window`` predicts with ``sim.sharing: fifo-bursts`` and the window model
-  instead of the experiment's own (fair sharing); temporal cells keep Atlas's policy.
-  ``--model fair-window`` keeps the experiment's sharing and turns the window model on
-  (``sim.tcp_window_model``: slow start, cwnd validation, the restart after idle of hosts
-  with ``tcp_slow_start_after_idle = 1``; on WAN-tuned hosts it changes nothing here).
+* ``--model`` picks the simulator's network model: ``default`` is the experiment as it stands,
+  i.e. the simulator's default, which since 2026-12-06 runs the window model
+  (``sim.tcp_window_model``: slow start, cwnd validation, the restart after idle) on hosts
+  with Linux's ``tcp_slow_start_after_idle = 1`` and not on WAN-tuned ones (this matrix chose
+  that: ``build.window_model``); ``no-window`` turns the window model off everywhere (the
+  fluid model alone, the default before); ``fair-window`` keeps the experiment's sharing and
+  turns the window model on for every host (on WAN-tuned hosts it changes nothing here, so
+  it reads as ``default``); ``fifo-window`` predicts with ``sim.sharing: fifo-bursts`` and the
+  window model instead of the experiment's own (fair sharing); temporal cells keep Atlas's
+  policy.
 
 The earlier 12-cell matrix (4.2 ms, 100 Mbit/s, fair) is ``--rtt 4.2 --message-bdp 10,100
 --sharing fair``: the same experiments, its old run folders read as those cells'.
@@ -81,8 +86,9 @@ def _extension_options(exp, run_dir: Path | None) -> dict:
 def _with_model(exp, model: str):
     if model == "default":
         return exp
-    if model == "fair-window":
-        return exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_window_model": True})})
+    if model in ("no-window", "fair-window"):
+        window = model == "fair-window"
+        return exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_window_model": window})})
     sim = exp.sim.model_copy(update={"sharing": "fifo-bursts", "tcp_window_model": True})
     return exp.model_copy(update={"sim": sim})
 
@@ -135,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-cell-seconds", type=float, default=None,
                     help="leave out cells whose estimated emulated duration exceeds this")
     ap.add_argument("--iterations", type=int, default=5, help="per run (the first 2 are warm-up)")
-    ap.add_argument("--model", choices=("default", "fair-window", "fifo-window"), default="default",
-                    help="the simulator's network model for the predictions")
+    ap.add_argument("--model", choices=("default", "no-window", "fair-window", "fifo-window"), default="default",
+                    help="the simulator's network model for the predictions (default: the simulator's own, the "
+                         "window model on hosts with Linux's slow start after idle; no-window: the window model "
+                         "off, the default before 2026-12-06)")
     args = ap.parse_args(argv)
     if args.plan and args.reuse:
         raise SystemExit("validate_emulated: --plan and --reuse exclude each other")

@@ -365,6 +365,10 @@ def sim(
     sharing = list(dict.fromkeys(r["model"].get("sharing", "fair") for r in rows))
     out.print("model: " + (", ".join(parts) if parts else "no WAN transfer") + f" (sharing: {', '.join(sharing)})",
               highlight=False)
+    # whether the TCP window model ran, and why (on by default where the hosts restart after idle)
+    windows = list(dict.fromkeys((w["on"], w["why"]) for r in rows if (w := r["model"].get("tcp_window_model"))))
+    for on, why in windows:
+        out.print(f"tcp window model: {'on' if on else 'off'} ({why})", highlight=False)
     warned: dict[str, list[str]] = {}
     for r in rows:
         point = ", ".join(f"{k}={r[k]}" for k in (sweep and [s.partition("=")[0] for s in sweep] or []))

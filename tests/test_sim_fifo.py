@@ -70,8 +70,11 @@ def test_a_burst_takes_no_more_than_its_ceiling_and_the_next_takes_the_rest():
     assert (first.rate, second.rate) == (0.25 * BW, 0.75 * BW)
 
 
-def _job(tmp_path, replicas: int, message_kib: int, sharing: str | None = None, rate_mbps: float = 33.3):
-    """Two DCs, one 20 ms link; ``replicas`` pipelines cross it with ``message_kib`` messages."""
+def _job(tmp_path, replicas: int, message_kib: int, sharing: str | None = None, rate_mbps: float = 33.3,
+         window: bool | None = False):
+    """Two DCs, one 20 ms link; ``replicas`` pipelines cross it with ``message_kib`` messages.
+    ``window``: ``sim.tcp_window_model``, off unless asked (these tests are of the sharing
+    policies themselves; None leaves the simulator's default, on for these Linux-default hosts)."""
     topo = {"name": "f", "dcs": [{"name": "dc1", "hosts": replicas}, {"name": "dc2", "hosts": replicas}],
             "wan": [{"a": "dc1", "b": "dc2", "delay_ms": 10, "rate_mbps": rate_mbps}]}
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo))
@@ -81,7 +84,7 @@ def _job(tmp_path, replicas: int, message_kib: int, sharing: str | None = None, 
         "training": {"iterations": 3, "microbatches": 4, "microbatch_size": message_kib // 32, "seed": 1},
         "parallel": {"stages": 2, "replicas": replicas, "schedule": "1f1b", "connections": 1},
         "sim": {"stage_times": [{"forward_s": 0.004, "backward_s": 0.008}] * 2}
-        | ({"sharing": sharing} if sharing else {}),
+        | ({"sharing": sharing} if sharing else {}) | ({} if window is None else {"tcp_window_model": window}),
     }, "f")
 
 
@@ -137,6 +140,20 @@ def test_the_window_model_sends_a_message_a_window_at_a_time(tmp_path):
 
 def test_fifo_with_the_window_model_never_folds_replicas(tmp_path):
     assert simulate(_window(tmp_path, 12, 4096), iterations=1).folded == 1  # every round is a burst
+
+
+def test_on_linux_default_hosts_the_default_is_the_window_model(tmp_path):
+    """``sim.tcp_window_model`` unset: on for hosts with Linux's slow start after idle (the
+    default ``parallel.slow_start_after_idle``), so fifo-bursts sends a window at a time and the
+    report says the window model ran and why; fair sharing names it as a part."""
+    fifo = simulate(_job(tmp_path, 12, 4096, "fifo-bursts", window=None), iterations=1)
+    assert fifo.folded == 1 and "a window at a time" in fifo.log_lines[0]
+    assert fifo.model["tcp_window_model"]["on"]
+    assert "parallel.slow_start_after_idle: true" in fifo.model["tcp_window_model"]["why"]
+    fair = simulate(_job(tmp_path, 8, 32, window=None), iterations=1)
+    assert [p["part"] for p in fair.model["parts"]] == ["fluid max-min sharing", "tcp_window_model"]
+    off = simulate(_job(tmp_path, 8, 32), iterations=1).model["tcp_window_model"]
+    assert off == {"on": False, "why": "sim.tcp_window_model: false"}
 
 
 BIG = 1e12  # a ceiling that never binds

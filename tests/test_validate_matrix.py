@@ -88,12 +88,19 @@ def test_reuse_predicts_kept_runs_and_lists_every_cell(tmp_path, capsys):
 
 
 def test_fair_window_keeps_the_experiments_sharing_and_turns_the_window_model_on(tmp_path):
+    from testbed.sim.build import window_model
     from testbed.spec.experiment import load_experiment
 
     cell = vm.Cell(150.0, 4, 1.0, "default", "fair")
     exp = load_experiment(vm.write_experiment(cell, tmp_path, 5))
     fair = validate_emulated._with_model(exp, "fair-window")
     fifo = validate_emulated._with_model(exp, "fifo-window")
-    assert (exp.sim.sharing, exp.sim.tcp_window_model) == ("fair", False)
+    fluid = validate_emulated._with_model(exp, "no-window")
+    # the cell's own experiment leaves the window model to the simulator's default: on for these
+    # Linux-default hosts, off for WAN-tuned ones (build.window_model)
+    assert (exp.sim.sharing, exp.sim.tcp_window_model, window_model(exp)[0]) == ("fair", None, True)
+    tuned = load_experiment(vm.write_experiment(vm.Cell(150.0, 4, 1.0, "tuned", "fair"), tmp_path, 5))
+    assert (tuned.sim.tcp_window_model, window_model(tuned)[0]) == (None, False)
     assert (fair.sim.sharing, fair.sim.tcp_window_model) == ("fair", True)
     assert (fifo.sim.sharing, fifo.sim.tcp_window_model) == ("fifo-bursts", True)
+    assert (fluid.sim.sharing, fluid.sim.tcp_window_model, window_model(fluid)[0]) == ("fair", False, False)

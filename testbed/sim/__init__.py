@@ -1,7 +1,8 @@
 """The simulator: ``build`` turns an experiment file into worker programs and links and a
 simulated run into the same records a real run leaves (``testbed.results``); ``engine``
 plays them out (a discrete-event, fluid-network model); ``tcpwindow`` is a channel's TCP
-congestion window as Linux runs it (``sim.tcp_window_model``); ``rounds`` sends a channel's
+congestion window as Linux runs it (``sim.tcp_window_model``, on by default on hosts with
+Linux's slow start after idle: ``build.window_model``); ``rounds`` sends a channel's
 messages a window at a time into drop-tail FIFO queues (``sim.sharing: fifo-bursts`` with
 the window model); ``device`` says how long each op takes on a device that is not there (a
 real run's profile, fixed stage times or the FLOPs model: what emulated devices replay

@@ -2,7 +2,8 @@
 fifo-bursts`` with ``sim.tcp_window_model``).
 
 How it fits: ``build.simulate`` makes one ``RoundsChannel`` per channel (a worker's TCP
-connection set to one peer, for one kind of message) when both switches are on, and hands
+connection set to one peer, for one kind of message) when both are on (the window model is
+on by default on hosts with Linux's slow start after idle: ``build.window_model``), and hands
 it every message the channel sends.  The channel asks its ``tcpwindow.TcpWindow`` what may
 leave and puts each round in flight as one burst flow of the engine (``Simulator.transfer``
 with ``burst=True``), which ``engine.FifoBurstPolicy`` serves first-in first-out at every

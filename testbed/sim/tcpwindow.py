@@ -7,6 +7,9 @@ message's flow round by round (``begin``, ``grow``, ``end``, ``send_time``); und
 and asks it what the window has room for (``send_round``), tells it when a round's first
 byte left the bottleneck (``served``) and when a loss was detected (``lose``).  Both ways
 share the window's state: slow start, Linux's cwnd validation, the restart after idle.
+``build.window_model`` says whether a run uses it: ``sim.tcp_window_model`` if set, else on
+where the hosts keep Linux's ``tcp_slow_start_after_idle = 1`` (the default since 2026-12-06,
+chosen on issue #30's validation matrix) and off on WAN-tuned hosts.
 """
 
 from __future__ import annotations
