@@ -20,6 +20,12 @@ them) gives the measured sum of peaks, the receivers give each participant's RTT
 one-way delay up + down), loss and jitter, and the route checkers' per-interface counts
 show whether every stream left on exactly the links of its route.
 
+The counters are judged per slot against the senders' own schedule (``_expected_slot_loads``:
+every packet when it falls due, on each link of its route after the delays up to and
+through it), over the slots no stall touched (``stalled_slots``: a media agent's catch-up
+of ``media.STALL_MS`` or more across a slot edge, or a gap of a tenth of a slot in the
+counter sampler).
+
 The model plans in the same units the counters measure: each stream's rate is its frame
 rate on the wire (IP packet + 14-byte Ethernet header, ``packets_per_s`` a second), so
 planned, modelled and measured loads compare directly.
