@@ -80,6 +80,10 @@ class ParallelSpec(_Strict):
                                     "it; the worker hosts' other connections are held by their rmem/wmem maximum): "
                                     "a window-bound connection, as a default Linux host's across a long round trip; "
                                     "None: socket buffers of 2 x BDP per connection, 64 MiB at most")
+    tcp_trace: bool = Field(
+        False, description="record every WAN connection's TCP state (cwnd, ssthresh, RTT, RTO, idle time, "
+                           "retransmissions: getsockopt TCP_INFO) as each message's slice is written, into "
+                           "tcp-trace/WORKER.jsonl in the results (testbed/net/tcpinfo.py)")
 
 
 class EmulationSpec(_Strict):
