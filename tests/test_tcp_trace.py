@@ -45,6 +45,7 @@ _SCRIPT = textwrap.dedent("""
         time.sleep(gap)
         out.send(bytes(100_000))
         inc.recv(timeout=10)
+    out.flush(10)  # (each slice's last row is written before its message counts as sent)
     print(json.dumps({"info": info, "ss": ss_fields, "trace": trace}))
 """)
 
@@ -93,3 +94,17 @@ def test_trace_on_real_sockets_in_a_private_netns(tmp_path):
     for c in range(2):  # a connection's counters only grow, message by message
         sent = [by[(s, c, p)]["bytes_sent"] for s in range(3) for p in ("before", "start", "end")]
         assert sent == sorted(sent) and sent[-1] >= 3 * 50_000
+
+
+def test_window_model_takes_hystarts_threshold_as_given():
+    """``sim.tcp_ssthresh_segments``: slow start up to the threshold, then a segment a round."""
+    from testbed.sim.tcpwindow import TcpWindow
+
+    free = TcpWindow(0.262, 4, 1e9, True)
+    held = TcpWindow(0.262, 4, 1e9, True, ssthresh=20)
+    assert free.ssthresh == float("inf") and held.ssthresh == 20
+    for w in (free, held):
+        w.begin(0.0, 4 * 1448 * 200)
+        for _ in range(3):
+            w.grow()
+    assert free.segs == 80 and held.segs == 22  # 10 -> 20 -> 40 -> 80; 10 -> 20 -> 21 -> 22
