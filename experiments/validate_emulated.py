@@ -83,7 +83,9 @@ def _extension_options(exp, run_dir: Path | None) -> dict:
     return options
 
 
-def _with_model(exp, model: str):
+def _with_model(exp, model: str, ssthresh: int | None = None):
+    if ssthresh is not None:  # --ssthresh: HyStart's threshold as a given (sim.tcp_ssthresh_segments)
+        exp = exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_ssthresh_segments": ssthresh})})
     if model == "default":
         return exp
     if model in ("no-window", "fair-window"):
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the simulator's network model for the predictions (default: the simulator's own, the "
                          "window model on hosts with Linux's slow start after idle; no-window: the window model "
                          "off, the default before 2026-12-06)")
+    ap.add_argument("--ssthresh", type=int, default=None,
+                    help="sim.tcp_ssthresh_segments for the predictions (the window model's slow-start threshold "
+                         "from the start, standing in for HyStart's exit; default: infinite)")
     args = ap.parse_args(argv)
     if args.plan and args.reuse:
         raise SystemExit("validate_emulated: --plan and --reuse exclude each other")
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                          "predicted_s": None, "error": None}
         run_dir = _run_dir(args.out, c)
         if c.name in finished:
-            exp = _with_model(load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations)), args.model)
+            exp = _with_model(load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations)), args.model, args.ssthresh)
             measured = json.loads((run_dir / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
             predicted = _predict(exp, run_dir, args.iterations)
             row |= {"status": "finished", "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),

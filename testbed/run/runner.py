@@ -261,12 +261,30 @@ class TrainingRun:
         for ext in self.extensions:
             result.summary.extra.update(ext.summarise(record, result, self.out_dir))
         try:
+            self._write_tcp_traces()
             metrics.write_outputs(record, result, self.out_dir)
             for ext in self.extensions:
                 ext.write_outputs(record, result, self.out_dir)
         except OSError as exc:
             raise self._write_error(exc) from None
         return result
+
+    def _write_tcp_traces(self) -> None:
+        """``parallel.tcp_trace``: each worker's rows (``transport.Channel._traced``) as
+        ``tcp-trace/WORKER.jsonl``, times from the run's start (the go) like the timeline's."""
+        if not self.exp.parallel.tcp_trace:
+            return
+        folder = self.out_dir / "tcp-trace"
+        folder.mkdir(exist_ok=True)
+        t0 = self.go_time or 0.0
+        for name, w in self.workers.items():
+            rows = (w.report or {}).pop("tcp_trace", None)
+            if not rows:
+                continue
+            with open(folder / f"{name}.jsonl", "w") as f:
+                for r in rows:
+                    r["t"], r["queued_at"] = round(r["t"] - t0, 6), round(r["queued_at"] - t0, 6)
+                    f.write(json.dumps(r) + "\n")
 
     def _write_error(self, exc: OSError) -> RunError:
         what = f" ({Path(exc.filename).name})" if exc.filename else ""
@@ -379,7 +397,7 @@ class TrainingRun:
             stages=exp.parallel.stages, replicas=exp.parallel.replicas, schedule=exp.parallel.schedule,
             extra_warmup=exp.parallel.extra_warmup, model=exp.model.model_dump(),
             training=exp.training.model_dump(), telemetry=str(self.telemetry_path), port=_PORT, device=device,
-            recv_timeout_s=exp.training.recv_timeout_s * exp.time_dilation)
+            recv_timeout_s=exp.training.recv_timeout_s * exp.time_dilation, tcp_trace=exp.parallel.tcp_trace)
         for key, peer_stage in (("next", slot.stage + 1), ("prev", slot.stage - 1)):
             peer = by_key.get((peer_stage, slot.replica))
             if peer is not None:
@@ -406,7 +424,8 @@ class TrainingRun:
         # paced at the wire's rate (under time dilation, the dilated one), payload bytes
         wire = min(self.net.topo.direction(a, b).rate_mbps for a, b in zip(hops, hops[1:]))
         pace = int(1.25 * wire * 1e6 / 8 * 1448 / 1514 / n) if self.exp.parallel.paced else 0
-        return Peer(peer.name, ip, n, socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n), window, pace)
+        return Peer(peer.name, ip, n, socket_buffer_bytes(rate, topo.rtt_ms(me.dc, peer.dc), n), window, pace,
+                    wan=True)
 
     def _collect(self) -> None:
         hub = self._hub

@@ -202,7 +202,8 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
             begin = max(start, free)
             if tcp:
                 win = windows.setdefault(key[:2], TcpWindow(rtt, n, min(window, (rate * rtt + queue) / n),
-                                                            exp.parallel.slow_start_after_idle))
+                                                            exp.parallel.slow_start_after_idle,
+                                                            exp.sim.tcp_ssthresh_segments))
                 win.begin(begin, size)
                 free = begin + win.send_time(size, rate)
                 win.end(free, size)
@@ -465,7 +466,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         channel = channels.get((w.name, kind))
         if channel is None:
             channel = channels[(w.name, kind)] = {"busy": False, "queue": [], "window": TcpWindow(
-                rtt, n_conn, cap, exp.parallel.slow_start_after_idle)}
+                rtt, n_conn, cap, exp.parallel.slow_start_after_idle, sim_spec.tcp_ssthresh_segments)}
             if rounds:
                 channel["rounds"] = RoundsChannel(sim, path, routes[(peer.dc, w.dc)][0], ceiling, channel["window"],
                                                   n_conn, lambda link: routes_queue[id(link)], counts)

@@ -60,19 +60,27 @@ class TcpWindow:
       a retransmission timeout to one segment.  Above ssthresh a round's ACKs add a segment
       per window's worth (``_acknowledged_round``).
 
+    * HyStart only as a given threshold (``ssthresh``, ``sim.tcp_ssthresh_segments``): CUBIC's
+      HyStart ends slow start without loss (``hystart_update``: ssthresh = cwnd), which
+      ``parallel.tcp_trace`` found on every WAN connection of the long haul (36-120 segments,
+      no retransmission); its trigger (the round's RTT over the path's minimum by 4-16 ms, or
+      an ACK train) is not modelled, so the threshold is there from the connection's start.
+
     What it leaves out: loss and its recovery under fair sharing (``cap`` stands in for it;
-    random loss is ``loss_cap``'s), HyStart, delayed and stretched ACKs (growth in whole
+    random loss is ``loss_cap``'s), HyStart's own trigger, delayed and stretched ACKs (growth in whole
     rounds, each round's ACKs a round trip after it left), pacing, the queueing delay in the
     RTO's srtt."""
 
     HEADER_SEGMENTS = 1  # the slice header, its own segment (transport.py, TCP_NODELAY)
 
-    def __init__(self, rtt: float, connections: int, cap: float, restart_after_idle: bool):
+    def __init__(self, rtt: float, connections: int, cap: float, restart_after_idle: bool,
+                 ssthresh: float | None = None):
         self.rtt, self.n = rtt, connections
         self.cap_segs = max(INIT_SEGMENTS, int(cap // MSS))
         self.restart = restart_after_idle
         self.segs = INIT_SEGMENTS  # snd_cwnd
-        self.ssthresh = float("inf")
+        # snd_ssthresh: infinite until a loss, or where HyStart ends slow start (``sim.tcp_ssthresh_segments``)
+        self.ssthresh = float("inf") if ssthresh is None else float(ssthresh)
         self.last_sent: float | None = None  # when the channel's last segment left (``lsndtime``)
         self.max_out = 0  # the most in flight in the current window (``max_packets_out``)
         self.used = 0  # the most in flight while the window was not used (``snd_cwnd_used``)

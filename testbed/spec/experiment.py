@@ -80,6 +80,10 @@ class ParallelSpec(_Strict):
                                     "it; the worker hosts' other connections are held by their rmem/wmem maximum): "
                                     "a window-bound connection, as a default Linux host's across a long round trip; "
                                     "None: socket buffers of 2 x BDP per connection, 64 MiB at most")
+    tcp_trace: bool = Field(
+        False, description="record every WAN connection's TCP state (cwnd, ssthresh, RTT, RTO, idle time, "
+                           "retransmissions: getsockopt TCP_INFO) as each message's slice is written, into "
+                           "tcp-trace/WORKER.jsonl in the results (testbed/net/tcpinfo.py)")
 
 
 class EmulationSpec(_Strict):
@@ -141,6 +145,13 @@ class SimSpec(_Strict):
                            "validation cell (issue #30's matrix: mean |error| 9.5% -> 7.6%, docs/benchmarks.md); "
                            "true: on for every host; false: off (the fluid model alone, the default before "
                            "2026-12-06)")
+    tcp_ssthresh_segments: int | None = Field(
+        None, ge=2, description="with tcp_window_model: the slow-start threshold, in segments, every WAN "
+                                "connection has from its start, standing in for where CUBIC's HyStart ends slow "
+                                "start without loss (its trigger is not modelled): above it the window grows a "
+                                "segment a round trip, and a restart after idle keeps it (Linux's "
+                                "max(ssthresh, 3/4 cwnd)). None (the default): infinite until a loss. Measured on "
+                                "the long haul (parallel.tcp_trace): 36-120 segments, no loss (docs/benchmarks.md)")
     tail_loss: bool = Field(
         False, description="a message in flight while its bottleneck FIFO overflows (the windows of the "
                            "channels sending there hold more than its BDP + queue) ends one tail-loss probe late "

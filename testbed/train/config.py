@@ -27,7 +27,7 @@ class Peer:
     """The neighbouring stage of the same pipeline: ``connections`` TCP connections, each
     with ``buf`` bytes of socket buffer (0: the kernel's autotuning; inside a DC) and, where
     ``window`` is set, a window of exactly that many bytes (``parallel.tcp_window_bytes``);
-    ``pace``: each connection's pacing rate (``parallel.paced``)."""
+    ``pace``: each connection's pacing rate (``parallel.paced``); ``wan``: across a DC boundary."""
 
     name: str
     ip: str
@@ -35,6 +35,7 @@ class Peer:
     buf: int = 0
     window: int = 0
     pace: int = 0  # bytes/s each connection is paced at (SO_MAX_PACING_RATE); 0: not paced
+    wan: bool = False  # the peer is in another DC
 
 
 @dataclass
@@ -98,6 +99,7 @@ class WorkerConfig:
     emulation: Emulation | None = None  # device "emulated": where its op times come from
     turns_next: SendTurns | None = None  # activations wait for their turn on the WAN (Atlas at the senders)
     turns_prev: SendTurns | None = None  # gradients, likewise
+    tcp_trace: bool = False  # record each WAN connection's TCP state per message (parallel.tcp_trace)
     extra: dict = field(default_factory=dict)  # options of run extensions the trainer does not read
 
     def to_dict(self) -> dict:

@@ -24,6 +24,11 @@ Turns (Atlas's temporal sharing enforced at the senders): an outgoing channel gi
 link on when the message's tail is in flight (``testbed/net/sendturns.py``); ``send`` still
 returns at once.
 
+Trace (``parallel.tcp_trace``, off by default): an outgoing channel given a list appends each
+connection's TCP state (``testbed/net/tcpinfo.py``: cwnd, ssthresh, RTT, RTO, idle time,
+retransmissions) before, as and after each message's slice is written (``Channel._traced``);
+the worker hands the rows to the runner, which writes ``tcp-trace/WORKER.jsonl``.
+
 Wire format per slice: header ``!QIQQd`` = (message seq, slice index, total bytes, slice
 bytes, the sender's monotonic send time), then the slice.  All hosts share one clock, so
 the receiver records each message's real transfer time: from the send to the last byte in.
@@ -38,6 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from testbed.net import tcpinfo
 from testbed.net.sendturns import TurnClient
 from testbed.net.tcpwindow import hold_window, set_window
 
@@ -89,8 +95,9 @@ class Channel:
     """One direction of traffic to/from one peer over ``n`` connections."""
 
     def __init__(self, socks: list[socket.socket], on_receive=None, window_bytes: int = 0,
-                 turns: "TurnClient | None" = None):
+                 turns: "TurnClient | None" = None, trace: "list | None" = None):
         self.socks = socks
+        self.trace = trace  # rows of each connection's TCP state per slice (``_traced``); None: off
         self._turns = turns
         self.n = len(socks)
         self._clamp = window_bytes
@@ -162,9 +169,16 @@ class Channel:
                     return
                 total = len(out.payload)
                 lo, hi = total * i // self.n, total * (i + 1) // self.n
+                trace = self.trace
+                if trace is not None:
+                    self._traced(trace, "before", out, i, sock, hi - lo)
                 sock.sendall(_SLICE.pack(out.seq, i, total, hi - lo, out.start))
+                if trace is not None:
+                    self._traced(trace, "start", out, i, sock, hi - lo)
                 if hi > lo:
                     sock.sendall(memoryview(out.payload)[lo:hi])
+                if trace is not None:
+                    self._traced(trace, "end", out, i, sock, hi - lo)
                 with self._lock:
                     out.pending -= 1
                     last = out.pending == 0
@@ -172,6 +186,21 @@ class Channel:
                     out.done.set()
         except OSError as exc:
             self._fail(exc)
+
+    @staticmethod
+    def _traced(trace: list, phase: str, out: _Outgoing, i: int, sock: socket.socket, nbytes: int) -> None:
+        """One row of the per-message TCP trace (``parallel.tcp_trace``): connection ``i``'s
+        state (``testbed/net/tcpinfo.py``) as its slice of message ``out`` is written.
+        ``before``: before the slice's header is written (``idle_ms`` is the idle gap the
+        message found); ``start``: after it, once the kernel has queued the first new data and
+        with it run its check for a restart after idle (``tcp_skb_entail`` ->
+        ``tcp_slow_start_after_idle_check``), so ``cwnd`` is the window the slice starts with;
+        ``end``: the whole slice handed to the kernel (``notsent``: what of it waits for room
+        in the window)."""
+        row = {"t": time.monotonic(), "seq": out.seq, "conn": i, "phase": phase, "bytes": nbytes,
+               "queued_at": out.start}
+        row.update(tcpinfo.read(sock))
+        trace.append(row)  # (list.append is atomic: one writer thread a connection)
 
     # -- receiving --------------------------------------------------------------------
     def _reader(self, i: int, sock: socket.socket) -> None:
@@ -267,9 +296,11 @@ class Endpoint:
 
     def connect(self, peer: str, host: str, port: int, kind: int, connections: int, buf_bytes: int,
                 timeout: float = 60.0, window_bytes: int = 0, turns: "TurnClient | None" = None,
-                pace: int = 0) -> Channel:
+                pace: int = 0, trace: "list | None" = None) -> Channel:
         """Open ``connections`` TCP connections to a peer's endpoint for one channel kind; with
-        ``turns``, each message waits for its pipeline's turn on the WAN."""
+        ``turns``, each message waits for its pipeline's turn on the WAN; with ``trace``, each
+        connection's TCP state is appended to it as each message's slice is written
+        (``Channel._traced``)."""
         socks = []
         for i in range(connections):
             deadline = time.monotonic() + timeout
@@ -286,7 +317,7 @@ class Endpoint:
                     time.sleep(0.05)
             sock.sendall(_HELLO.pack(self.name.encode(), kind, i, connections))
             socks.append(sock)
-        return Channel(socks, turns=turns)
+        return Channel(socks, turns=turns, trace=trace)
 
     def accept(self, peer: str, kind: int, connections: int, buf_bytes: int, timeout: float = 60.0,
                on_receive=None, window_bytes: int = 0) -> Channel:

@@ -115,12 +115,21 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
     nxt, prv = cfg.next, cfg.prev
     act_out = grad_out = act_in = grad_in = None
     # transfers are recorded where they end: the receiver sees the last byte arrive
+    traces: dict[str, list] = {}  # parallel.tcp_trace: per outgoing WAN channel, its connections' rows
+
+    def trace(peer, what: str) -> list | None:
+        if not (cfg.tcp_trace and peer.wan):
+            return None
+        return traces.setdefault(f"{what}:{peer.name}", [])
+
     if nxt:
         act_out = ep.connect(nxt.name, nxt.ip, cfg.port, ACT, nxt.connections, nxt.buf, window_bytes=nxt.window,
-                             turns=_turn_client(cfg.turns_next, me.name, cfg.recv_timeout_s), pace=nxt.pace)
+                             turns=_turn_client(cfg.turns_next, me.name, cfg.recv_timeout_s), pace=nxt.pace,
+                             trace=trace(nxt, "act"))
     if prv:
         grad_out = ep.connect(prv.name, prv.ip, cfg.port, GRAD, prv.connections, prv.buf, window_bytes=prv.window,
-                              turns=_turn_client(cfg.turns_prev, me.name, cfg.recv_timeout_s), pace=prv.pace)
+                              turns=_turn_client(cfg.turns_prev, me.name, cfg.recv_timeout_s), pace=prv.pace,
+                              trace=trace(prv, "grad"))
     if prv:
         act_in = ep.accept(prv.name, ACT, prv.connections, prv.buf, on_receive=on_transfer("xfer_act"),
                            window_bytes=prv.window)
@@ -226,7 +235,11 @@ def run(cfg: WorkerConfig, compute_factory) -> None:
             ch.flush()
     with tlock:
         tail = list(transfers)
-    tel.send(m.Done(transfers=tail, report=compute.report()))
+    report = compute.report()
+    if traces:  # each row named by its channel (kind:peer); the runner writes them out
+        rows = [dict(r, channel=ch, mb=r["seq"] % M, it=r["seq"] // M) for ch, rs in traces.items() for r in rs]
+        report = dict(report or {}, tcp_trace=sorted(rows, key=lambda r: r["t"]))
+    tel.send(m.Done(transfers=tail, report=report))
     bye.wait()  # the orchestrator says when everyone is done (peers may still read)
     for ch in (act_out, grad_out, act_in, grad_in):
         if ch is not None:
