@@ -61,6 +61,9 @@ class _Session:
         self.reported: set[str] = set()
         self.net_error_sent = False
         self.alive = True
+        self.relays: dict[str, socket.socket] = {}  # Launcher.socket paths bound here for another machine's process
+        self.out: socket.socket | None = None  # delivers the datagrams relayed to this machine's processes
+        self.undelivered = 0
 
     # -- the wire ---------------------------------------------------------------------
     def emit(self, msg: m.Message) -> None:
@@ -74,6 +77,7 @@ class _Session:
         heard = time.monotonic()
         relay = threading.Thread(target=self._relay, daemon=True)
         relay.start()
+        threading.Thread(target=self._relay_datagrams, daemon=True).start()
         self.emit(m.Answer(id=first.id, result=self.op_hello()))
         try:
             while self.alive:
@@ -89,6 +93,9 @@ class _Session:
                     return
                 heard = time.monotonic()
                 for req in lines:
+                    if isinstance(req, m.Datagram):
+                        self.deliver(req)
+                        continue
                     if not isinstance(req, m.Call):
                         self.log(f"ignored a {req.kind!r} message: the orchestrator sends calls")
                         continue
@@ -138,6 +145,38 @@ class _Session:
                     self.net_error_sent = True
                     self.emit(m.NetworkFailed(error=str(exc)))
 
+    def _relay_datagrams(self) -> None:
+        """What this machine's processes send to another machine's socket (``op_relay``), up to
+        the orchestrator as it arrives."""
+        while self.alive:
+            socks = list(self.relays.items())
+            if not socks:
+                time.sleep(0.05)
+                continue
+            try:
+                ready, _, _ = select.select([s for _, s in socks], [], [], 0.2)
+            except (OSError, ValueError):  # one closed meanwhile
+                continue
+            for path, sock in socks:
+                if sock in ready:
+                    try:
+                        data = sock.recv(1 << 16)
+                    except OSError:
+                        continue
+                    self.emit(m.Datagram(path=path, data=base64.b64encode(data).decode()))
+
+    def deliver(self, msg: m.Datagram) -> None:
+        """A datagram another machine's process sent to a socket of a process here."""
+        if self.out is None:
+            self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self.out.setblocking(False)
+        try:
+            self.out.sendto(base64.b64decode(msg.data), msg.path)
+        except OSError as exc:  # not bound (yet, or any more), or its queue is full: a datagram's fate
+            self.undelivered += 1
+            if self.undelivered <= 3:
+                self.log(f"a datagram for {msg.path} was not delivered: {exc.strerror or exc}")
+
     # -- requests ---------------------------------------------------------------------
     def _handle(self, req: m.Call):
         fn = getattr(self, f"op_{req.op}", None)
@@ -174,7 +213,8 @@ class _Session:
             return ipr.get_links(found[0]["index"])[0].get_attr("IFLA_MTU")
 
     def op_build(self, topology: dict, dcs: list[str], tunnels: list[dict], mtu: int | None,
-                 delay_backend: str = "auto", loss_backend: str = "auto", run_name: str = "run") -> dict:
+                 delay_backend: str = "auto", loss_backend: str = "auto", run_name: str = "run",
+                 options: dict | None = None) -> dict:
         from testbed.run.hub import TelemetryHub
         from testbed.net.network import Network, Tunnel
         from testbed.run.procs import CpuContainers, Launcher
@@ -182,7 +222,8 @@ class _Session:
 
         topo = parse_topology(topology, "topology", strict=False)
         tun = {(t["local"], t["remote"]): Tunnel(t["local_ip"], t["remote_ip"], t["vni"], t["mtu"]) for t in tunnels}
-        net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, dcs=dcs, tunnels=tun, mtu=mtu)
+        net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, dcs=dcs, tunnels=tun, mtu=mtu,
+                      **(options or {}))
         self.net = net
         net.start()
         self.launcher = Launcher(net.registry, net)
@@ -239,15 +280,62 @@ class _Session:
     def op_containers_enforce(self) -> None:
         self.containers.enforce()
 
-    def op_launch(self, name: str, module: str, config: dict, host: str, cpus: float, env: dict,
-                  limit_later: bool = False) -> dict:
+    def op_launch(self, name: str, module: str, config: dict, host: str | None, cpus: float, env: dict,
+                  limit_later: bool = False, cpu: int | None = None, sched_idle: bool = False) -> dict:
+        """Start a process in ``host`` (None: beside this machine's network), its
+        ``telemetry`` this machine's hub."""
         from testbed.run.procs import python_env
 
-        config = dict(config, telemetry=str(self.hub.path))
+        if "telemetry" in config:
+            config = dict(config, telemetry=str(self.hub.path))
         cgroup = self.containers.make(name, cpus, limit_later)
-        proc = self.launcher.start(name, module, config, host=self.hosts[host], cgroup=cgroup,
-                                   env=python_env(**env))
+        proc = self.launcher.start(name, module, config, host=self.hosts[host] if host is not None else None,
+                                   cgroup=cgroup, cpu=cpu, sched_idle=sched_idle, env=python_env(**env))
         return {"pid": proc.pid}
+
+    def op_relay(self, path: str) -> None:
+        """Bind ``path`` (a ``Launcher.socket`` of another machine's process) here and relay
+        what this machine's processes send to it."""
+        p = Path(path)
+        if p.parent != self.launcher.dir:
+            raise ValueError(f"{path}: a socket in the run's process folder")
+        if path in self.relays:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if p.exists():
+            p.unlink()
+        sock.bind(path)
+        self.net.registry.file(p)
+        self.relays[path] = sock
+
+    def op_read_file(self, path: str) -> str | None:
+        """A file in the run's process folder (base64; None: there is none)."""
+        p = Path(path)
+        if p.parent != self.launcher.dir:
+            raise ValueError(f"{path}: not a file of the run's process folder")
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) > 64 << 20:
+            raise ValueError(f"{path}: {len(data)} bytes, more than 64 MiB")
+        return base64.b64encode(data).decode()
+
+    def op_expect_peers(self, names: list[str]) -> None:
+        self.hub.expect_peers(set(names))
+
+    def op_connected(self, name: str) -> bool:
+        return self.hub.connected(name)
+
+    def op_link_info(self, src: str, dst: str) -> dict:
+        link = self.net.link(src, dst)
+        return {"control_path": link.control_path, "lane": link.lane}
+
+    def op_delay_line_stats(self, src: str, dst: str, turns_since: int | None = None) -> dict | None:
+        return self.net.link(src, dst).delay_line_stats(turns_since)
+
+    def op_link_sched(self, src: str, dst: str, msg: dict) -> None:
+        self.net.link(src, dst)._sched(msg)
 
     def op_put_file(self, folder: str, path: str, data: str, offset: int = 0) -> str:
         """Write ``data`` (base64) at ``offset`` of ``path`` in ``folder`` of the run's process
@@ -322,6 +410,9 @@ class _Session:
         self.teardown()
 
     def teardown(self) -> None:
+        for sock in list(self.relays.values()):
+            sock.close()
+        self.relays.clear()
         if self.launcher is not None:
             try:
                 self.launcher.stop()
