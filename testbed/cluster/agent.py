@@ -118,10 +118,11 @@ class _Session:
                 continue
             try:
                 for name, msg in hub.poll(0.1):
-                    self.emit(m.Telemetry(name=name, msg=msg, t=time.monotonic()))
-            except (OSError, ValueError):
+                    self.emit(m.Telemetry(name=name, msg=msg, t=time.monotonic()))  # msg: its JSON object
+            except (OSError, ValueError) as exc:
                 if not self.alive:
                     return
+                self.log(f"telemetry relay: {type(exc).__name__}: {exc}")
             for name, rank in list(self.jobs.items()):
                 if name in self.reported:
                     continue
@@ -230,7 +231,7 @@ class _Session:
         self.containers = CpuContainers(net.registry, run_name)
         path = net.registry.dir / "telemetry.sock"
         net.registry.file(path)
-        self.hub = TelemetryHub(path)
+        self.hub = TelemetryHub(path, raw=True)  # relayed undecoded: an extension's kinds are decoded where it runs
         self.hosts = {h.name: h for h in net.hosts()}
         return {"hosts": {dc: [[h.name, h.ip] for h in net.hosts(dc)] for dc in net.local},
                 "backends": {"delay": net.backends.delay, "loss": net.backends.loss, "rate": net.backends.rate},
@@ -381,7 +382,7 @@ class _Session:
                 pass
 
     def op_send(self, name: str, msg: dict) -> bool:
-        return self.hub.send(name, m.decode(msg))
+        return self.hub.send(name, msg)
 
     def op_tcp_counters(self) -> dict:
         return self.net.tcp_counters()
