@@ -6,8 +6,14 @@ stdout (``wire.py``); nothing listens on a port.  The first call is ``hello`` wi
 orchestrator's build: the agent refuses any other build than its own, naming both.  Then it
 serves requests: build this machine's DCs of the topology (``network.Network`` with ``dcs``
 and VXLAN ``tunnels``), run commands and processes in its hosts, start workers in their CPU
-containers (``procs``), relay what the workers say on the machine's own telemetry hub
-(``hub.TelemetryHub``), answer clock samples.  For a ``testbed torchrun`` job
+containers (``procs``), and an extension's processes beside the network, relay what they
+say on the machine's own telemetry hub (``hub.TelemetryHub``, raw: undecoded JSON objects),
+answer clock samples.  ``Launcher.socket`` paths of another machine's processes are bound
+here (``relay``) and what this machine's processes send to them goes up as ``Datagram``s; a
+``Datagram`` that comes down is delivered to its path here, held in order up to
+``PENDING_S`` while the path is not bound yet.  A link's delay line (``link_info``,
+``delay_line_stats``, ``link_sched``) and a file a process left (``read_file``) are
+reached the same way.  For a ``testbed torchrun`` job
 (``jobs.py``): take the user's files into a folder of the run's own (``put_file``, in
 chunks), start a rank there with this agent's Python (``job_start``: its output to a log in
 the run's folder), signal a rank's process group (``job_signal``).  One thread answers
@@ -27,6 +33,8 @@ alone unless forced (``PID_FILE`` says whose run it is).
 from __future__ import annotations
 
 import base64
+import collections
+import errno
 import json
 import os
 import select
@@ -42,6 +50,7 @@ from testbed import messages as m
 from testbed.cluster import wire
 from testbed.cluster.build import version
 
+PENDING_S = 60.0  # a relayed datagram waits this long for its socket to be bound (or drained)
 PID_FILE = Path("/run/gtb-agent.pid")  # {"pid", "orchestrator", "run"}: the live agent of this machine
 
 
@@ -63,6 +72,8 @@ class _Session:
         self.alive = True
         self.relays: dict[str, socket.socket] = {}  # Launcher.socket paths bound here for another machine's process
         self.out: socket.socket | None = None  # delivers the datagrams relayed to this machine's processes
+        self.pending: dict[str, collections.deque] = {}  # path -> (since, data) not yet bound or full, in order
+        self.pending_lock = threading.Lock()
         self.undelivered = 0
 
     # -- the wire ---------------------------------------------------------------------
@@ -150,12 +161,14 @@ class _Session:
         """What this machine's processes send to another machine's socket (``op_relay``), up to
         the orchestrator as it arrives."""
         while self.alive:
+            if self.pending:
+                self.flush()
             socks = list(self.relays.items())
             if not socks:
                 time.sleep(0.05)
                 continue
             try:
-                ready, _, _ = select.select([s for _, s in socks], [], [], 0.2)
+                ready, _, _ = select.select([s for _, s in socks], [], [], 0.05 if self.pending else 0.2)
             except (OSError, ValueError):  # one closed meanwhile
                 continue
             for path, sock in socks:
@@ -167,16 +180,38 @@ class _Session:
                     self.emit(m.Datagram(path=path, data=base64.b64encode(data).decode()))
 
     def deliver(self, msg: m.Datagram) -> None:
-        """A datagram another machine's process sent to a socket of a process here."""
+        """A datagram another machine's process sent to a socket of a process here.  Where
+        the socket is not bound yet (its process is starting) or its queue is full, it waits
+        here, in order, up to ``PENDING_S``: what a sender on this machine would do, retrying
+        or blocking, the relay does for it (it cannot tell the sender)."""
+        with self.pending_lock:
+            self.pending.setdefault(msg.path, collections.deque()).append((time.monotonic(),
+                                                                           base64.b64decode(msg.data)))
+        self.flush()
+
+    def flush(self) -> None:
         if self.out is None:
             self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self.out.setblocking(False)
-        try:
-            self.out.sendto(base64.b64decode(msg.data), msg.path)
-        except OSError as exc:  # not bound (yet, or any more), or its queue is full: a datagram's fate
-            self.undelivered += 1
-            if self.undelivered <= 3:
-                self.log(f"a datagram for {msg.path} was not delivered: {exc.strerror or exc}")
+        now = time.monotonic()
+        with self.pending_lock:
+            for path, queue in list(self.pending.items()):
+                while queue:
+                    since, data = queue[0]
+                    try:
+                        self.out.sendto(data, path)
+                    except OSError as exc:
+                        waits = exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.ENOBUFS)
+                        if waits and now - since < PENDING_S:
+                            break
+                        queue.popleft()  # a datagram's fate: lost, as one sent to a socket that is gone
+                        self.undelivered += 1
+                        if self.undelivered <= 3:
+                            self.log(f"a datagram for {path} was not delivered: {exc.strerror or exc}")
+                        continue
+                    queue.popleft()
+                if not queue:
+                    del self.pending[path]
 
     # -- requests ---------------------------------------------------------------------
     def _handle(self, req: m.Call):
