@@ -231,7 +231,8 @@ def run(
 
             for v in [exp.variant(n) for n in exp.compare] if exp.compare else [exp]:
                 refused = (f"device: {v.device}" if device_kind(v.device).one_machine_only else
-                           "time_dilation" if v.time_dilation != 1.0 else ", ".join(e.name for e in in_use(v)))
+                           "time_dilation" if v.time_dilation != 1.0 else
+                           ", ".join(e.name for e in in_use(v) if not e.across_machines))
                 if refused:
                     raise ClusterError(f"--inventory: {refused} runs on one machine only, for now"
                                        + (f" (variant {v.name})" if exp.compare else ""))

@@ -33,6 +33,10 @@ registry, and each extension owns everything of its own:
   torchrun`` job makes when the user passes ``--with NAME=VALUE`` (a user's own job on a lab,
   not the project's trainer; ``job_extension(NAME)`` finds it).
 
+* ``across_machines``: its run hooks use only what ``testbed.run.site`` offers (processes
+  placed ``near`` a DC, ``Launcher.socket``/``read``, a link's ``control_path``, ``lane`` and
+  ``delay_line_stats``), so ``testbed run --inventory`` may run it (otherwise it is refused
+  in one line);
 * ``dilates``: its processes' timers read the dilated clock, so an experiment with
   ``time_dilation`` > 1 may use it (otherwise it is refused in one line);
 * ``devices``: device kinds, name -> ``"module:Class"`` of a ``DeviceKind``: what an
@@ -138,6 +142,7 @@ class Extension:
     lab: str | None = None
     devices: dict[str, str] = field(default_factory=dict)
     dilates: bool = False  # its processes read the dilated clock: it may run under ``time_dilation`` > 1
+    across_machines: bool = False  # its run uses only the site's protocols: it may run with ``--inventory``
 
     def load(self, target: str) -> Any:
         """The object behind one of this extension's ``"module:attr"`` targets."""

@@ -505,6 +505,17 @@ class Telemetry(Message):
 
 
 @dataclasses.dataclass
+class Datagram(Message):
+    """A datagram sent on one machine to a ``Launcher.socket`` path whose process is on another
+    (``data``: base64): the agent that relays the path sends it up, the orchestrator on to
+    the owner machine's agent, which delivers it to the path there."""
+
+    kind: ClassVar[str] = "datagram"
+    path: str
+    data: str
+
+
+@dataclasses.dataclass
 class Exited(Message):
     """A process the agent started has ended."""
 

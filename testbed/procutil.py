@@ -195,7 +195,7 @@ class Launcher:
     def start(self, name: str, module: str, config: dict, host: Any = None, cgroup: Path | None = None,
               cpu: int | None = None, sched_idle: bool = False, env: dict | None = None, *,
               router: str | None = None, netns: str | None = None, ready: bool = False,
-              ready_timeout: float = READY_TIMEOUT_S) -> Process:
+              ready_timeout: float = READY_TIMEOUT_S, near: str | None = None) -> Process:
         """Start ``python -m module CONFIG`` with ``config`` written as JSON.
 
         Where, at most one of: ``host``, a ``network.HostInfo`` to run inside (its network
@@ -205,7 +205,8 @@ class Launcher:
         it enters before it starts.  ``cpu``: pin it to that core.  ``sched_idle``:
         SCHED_IDLE (any waking task preempts it).  ``ready``: wait up to ``ready_timeout``
         seconds for its line ``ready`` (deferred to the end of a ``together()`` block).  Its
-        log is stdout and stderr together."""
+        log is stdout and stderr together.  ``near``: the DC whose machine runs a process
+        beside the network (across machines it matters; here every DC is on this one)."""
         if name in self.processes:
             raise ProcessError(f"a process named {name!r} was already started in this run")
         places = [k for k, v in (("host", host), ("router", router), ("netns", netns)) if v is not None]
@@ -307,6 +308,18 @@ class Launcher:
         path = self.dir / name
         self.registry.file(path)
         return path
+
+    def socket(self, name: str, near: str | None = None) -> Path:
+        """A path for a Unix datagram socket that a process beside DC ``near`` binds (here:
+        ``file(name)``; across machines the site relays what is sent to it from the others)."""
+        return self.file(name)
+
+    def read(self, path: str | Path, near: str | None = None) -> bytes | None:
+        """The bytes of a file a process beside DC ``near`` wrote (None: there is none)."""
+        try:
+            return Path(path).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items()}

@@ -3,8 +3,10 @@
 How it fits: the run makes this class (``plugin.py`` names it) when the experiment says
 ``atlas: {sharing: temporal | paced}``.  With temporal sharing it asks the network for the delay
 line's per-pipeline scheduler on every WAN path and starts one agent per gateway that has
-pipelines to schedule (``agent.py``); it always starts the controller (``controller.py``),
-which connects to the run's telemetry hub as ``atlas-controller``.  The extension forwards
+pipelines to schedule (``agent.py``), on that DC's machine (``Launcher.start(near=dc)``: its
+delay line is there), and always the controller (``controller.py``, on the first DC's
+machine), which connects to the run's telemetry hub as ``atlas-controller`` and reaches the
+agents at ``Launcher.socket`` paths (relayed between machines by the cluster's agents).  The extension forwards
 every worker's timeline to the controller, passes each plan's start offsets to the first
 stage of each pipeline, and writes ``atlas-plans.json`` and the processes' logs into the
 results.  A dead controller or agent is logged and training goes on under fair sharing
@@ -56,7 +58,8 @@ class AtlasExtension(RunExtension):
 
     @staticmethod
     def _turn_server(ctx: RunContext, dc: str) -> str:
-        return str(ctx.net.registry.dir / f"atlas-turns-{dc}.sock")
+        """Its DC's agent's turn server (the DC's workers connect to it: on its machine)."""
+        return str(ctx.launcher.file(f"atlas-turns-{dc}.sock"))
 
     def worker_options(self, ctx: RunContext, slot) -> dict:
         """Turns at the senders: each outgoing cross-DC channel asks its own DC's agent for
@@ -75,7 +78,6 @@ class AtlasExtension(RunExtension):
             rate = min(wire.direction(x, y).rate_mbps for x, y in pairs) * 1e6 / 8
             bdp = rate * wire.rtt_ms(slot.dc, peer.dc) / 1000
             path = self._turn_server(ctx, slot.dc)
-            ctx.net.registry.file(path)
             window = exp.parallel.tcp_window_bytes  # clamped: what its connections can carry, exactly
             ceiling = exp.parallel.connections * window / (wire.rtt_ms(slot.dc, peer.dc) / 1000) if window else 0.0
             out[key] = SendTurns(path, f"r{slot.replica}", [f"{x}->{y}" for x, y in pairs], int(bdp), rate,
@@ -88,13 +90,14 @@ class AtlasExtension(RunExtension):
         self._ctx = ctx
         exp, net = self.exp, ctx.net
         links, delays = self._links(ctx)
-        state = net.registry.dir
         agents: dict[str, str] = {}
         wire = net.topo  # under time dilation, the links as the wire carries them (the controller's clock)
         if exp.atlas.sharing == "temporal":
             for dc in sorted({x for x, _ in links}):
                 mine = {f"{x}->{y}": (x, y) for x, y in links if x == dc}
-                listen = str(state / f"atlas-agent-{dc}.sock")
+                # the agent runs on its DC's machine (its gateway's delay line is there); the
+                # controller reaches its socket from wherever it runs
+                listen = str(ctx.launcher.socket(f"atlas-agent-{dc}.sock", near=dc))
                 if self._at_senders():
                     cfg = AgentConfig(dc, listen, exp.atlas.lease_s, {}, turns=self._turn_server(ctx, dc),
                                       turn_links=sorted(mine), stats=str(ctx.launcher.file(f"atlas-turns-{dc}.json")),
@@ -105,9 +108,9 @@ class AtlasExtension(RunExtension):
                     cfg = AgentConfig(dc, listen, exp.atlas.lease_s,
                                       {n: AgentLink(net.link(*k).control_path, net.link(*k).lane)
                                        for n, k in mine.items()})
-                for path in [listen] + [f"{listen}.{i}" for i in range(len(mine))]:  # its socket, one per line
-                    net.registry.file(path)
-                self._start(ctx, f"agent-{dc}", "agents.atlas.agent", cfg.to_dict())
+                for i in range(len(mine)):  # its own socket per delay line (the line answers there)
+                    ctx.launcher.file(f"atlas-agent-{dc}.sock.{i}")
+                self._start(ctx, f"agent-{dc}", "agents.atlas.agent", cfg.to_dict(), near=dc)
                 agents[dc] = listen
         rates = [wire.direction(x, y).rate_mbps for x, y in links]
         cfg = ControllerConfig(
@@ -147,8 +150,8 @@ class AtlasExtension(RunExtension):
             delays[f"xfer_grad:{stage}"] = sum(wire.direction(y, x).delay_ms for x, y in pairs) / 1e3
         return links, delays
 
-    def _start(self, ctx: RunContext, name: str, module: str, cfg: dict) -> None:
-        ctx.launcher.start(f"atlas-{name}", module, cfg)
+    def _start(self, ctx: RunContext, name: str, module: str, cfg: dict, near: str | None = None) -> None:
+        ctx.launcher.start(f"atlas-{name}", module, cfg, near=near)
         self._names.append(f"atlas-{name}")
 
     # -- during the run -------------------------------------------------------------------
@@ -217,7 +220,8 @@ class AtlasExtension(RunExtension):
                 except (OSError, RuntimeError, KeyError, TypeError):
                     sched = None
                 if sched is not None:
-                    self.gateway[f"{x}->{y}"] = {"drops": sched["drops"], "queue_bytes": sched["queue_bytes"]}
+                    self.gateway[f"{x}->{y}"] = {"drops": sched["drops"], "queue_bytes": sched["queue_bytes"],
+                                                 "bytes": sched.get("bytes_out", {})}
         if self._controller_up:
             self._ctx.send_to_peer("atlas-controller", m.Bye())
 
@@ -229,8 +233,9 @@ class AtlasExtension(RunExtension):
         (out_dir / "atlas-plans.json").write_text(json.dumps(self.plans, indent=1))
         if self._at_senders():  # each agent's turn server's counters, per link and pipeline
             k = self.exp.time_dilation
-            for f in sorted(self._ctx.launcher.dir.glob("atlas-turns-*.json")):
-                for link, data in json.loads(f.read_text()).items():
+            for dc in sorted({x for x, _ in self._links(self._ctx)[0]}):
+                raw = self._ctx.launcher.read(self._ctx.launcher.file(f"atlas-turns-{dc}.json"), near=dc)
+                for link, data in (json.loads(raw) if raw else {}).items():
                     for c in data["pipelines"].values():  # in emulated seconds
                         c["waited_s"], c["held_s"] = round(c["waited_s"] / k, 4), round(c["held_s"] / k, 4)
                     go = self._ctx.go_time  # each turn's instants: emulated seconds since the go
@@ -247,6 +252,7 @@ class AtlasExtension(RunExtension):
             out["enforce"] = self.exp.atlas.enforce
         if self.gateway:
             out["gateway_drops"] = {link: g["drops"] for link, g in self.gateway.items()}
+            out["gateway_bytes"] = {link: g["bytes"] for link, g in self.gateway.items()}  # each pipeline's, sent
         if self.turns:
             out["turns"] = {link: {p: {"turns": c["turns"], "waited_s": c["waited_s"], "held_s": c["held_s"]}
                                    for p, c in data["pipelines"].items()} for link, data in self.turns.items()}

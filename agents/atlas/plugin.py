@@ -70,4 +70,7 @@ EXTENSION = Extension(
     # its controller plans on the wall clock from wall-clock telemetry and the wire's links, and
     # its plans are recorded in emulated terms (extension._emulated_plan)
     dilates=True,
+    # its processes run where the site puts them (near a DC), over Launcher.socket paths and
+    # the links' delay-line calls: testbed run --inventory runs it across machines
+    across_machines=True,
 )

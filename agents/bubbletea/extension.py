@@ -43,8 +43,6 @@ from agents.bubbletea.messages import Died
 from agents.bubbletea.config import ControllerConfig, DecodeConfig, InferenceModel, ServerConfig, Workload
 from agents.bubbletea.predictor import is_peer_wait
 from testbed import messages as m
-from testbed.train.device import create_device
-from testbed.train.waitboard import create_board
 from testbed.run.hooks import ExtensionError, RunContext, RunExtension
 from testbed.run.procs import CpuContainers, python_env
 from testbed.results.metrics import RunSummary
@@ -98,9 +96,8 @@ class BubbleTeaExtension(RunExtension):
     def worker_options(self, ctx: RunContext, slot) -> dict:
         """Each worker says when a wait for a peer begins and shows the wait under way on its
         board (an 8-byte file its prefill server reads)."""
-        board = ctx.launcher.dir / f"{slot.name}.board"
-        create_board(board)
-        ctx.net.registry.file(board)
+        board = ctx.launcher.file(f"{slot.name}.board")  # the worker or its server makes it, where they run
+        ctx.launcher.file(f"{slot.name}.board.bell")
         return {"announce_waits": True, "wait_board": str(board)}
 
     def _decode_hosts(self, ctx: RunContext) -> dict:
@@ -122,11 +119,17 @@ class BubbleTeaExtension(RunExtension):
         return hosts
 
     def start(self, ctx: RunContext) -> None:
+        """Every process through the run's launcher, on the machine of its DC (the controller
+        on the first DC's), their sockets ``Launcher.socket`` paths (relayed between machines),
+        their devices and boards made by whoever opens them first, where they run."""
         self._ctx = ctx
-        spec, reg, state = self.spec, ctx.net.registry, ctx.net.registry.dir
+        spec = self.spec
+        if not self.emulated and not hasattr(ctx.containers, "idle_child"):
+            raise ExtensionError("bubbletea: prefill servers on CPUs share their worker's container as an idle "
+                                 "child, on one machine only, for now: across machines use device: emulated")
         model = InferenceModel(**spec.model.model_dump())
-        ctl_sock = str(state / "bubbletea-controller.sock")
-        reg.file(ctl_sock)
+        first = self.exp.topo.dcs[0].name
+        ctl_sock = str(ctx.launcher.socket("bubbletea-controller.sock", near=first))
         # under time dilation k the serving profile's times stretch with the training ops' (a
         # device k times slower), and every emulated-seconds input of the controller with them
         k = self.exp.time_dilation
@@ -136,11 +139,8 @@ class BubbleTeaExtension(RunExtension):
         for dc, host in self._decode_hosts(ctx).items():
             name = f"decode-{dc}"
             cgroup, extra = None, dict(emulated)
-            if self.emulated:  # a device of its own
-                device = ctx.launcher.dir / f"{name}.device"
-                create_device(device)
-                reg.file(device)
-                extra["device_file"] = str(device)
+            if self.emulated:  # a device of its own (the decode worker makes it, where it runs)
+                extra["device_file"] = str(ctx.launcher.file(f"{name}.device"))
             else:
                 # its own CPU container, like any device here, at 1/8 of a device's weight: a decode
                 # worker has devices of its own in a real deployment; here it shares the cores, and
@@ -149,21 +149,18 @@ class BubbleTeaExtension(RunExtension):
                 if cgroup is not None:
                     CpuContainers.lower_weight(cgroup, 1 / 8)
             cfg = DecodeConfig(model, ctl_sock, host.ip, _DECODE_PORT, name=name, **extra)
-            self._start(ctx, name, "agents.bubbletea.decode", cfg.to_dict(), name, host=host, cgroup=cgroup)
+            self._start(ctx, name, "agents.bubbletea.decode", cfg.to_dict(), name, host=host, cgroup=cgroup,
+                        near=dc)
             decoders[name] = [host.ip, _DECODE_PORT]
         servers = {}
         for name, w in ctx.workers.items():
-            listen = str(state / f"bubbletea-{name}.sock")
-            reg.file(listen)
-            cfg = ServerConfig(name, listen, ctl_sock, model, wait_board=str(ctx.launcher.dir / f"{name}.board"),
+            listen = str(ctx.launcher.socket(f"bubbletea-{name}.sock", near=w.slot.dc))
+            cfg = ServerConfig(name, listen, ctl_sock, model, wait_board=str(ctx.launcher.file(f"{name}.board")),
                                **emulated)
             if self.emulated:  # the worker's own device: its chunks queue on the stream training ops use
                 cfg.device_file = str(w.device_file)
-                if spec.control:  # the control arm: a device of its own, all else the same
-                    device = ctx.launcher.dir / f"{name}-control.device"
-                    create_device(device)
-                    reg.file(device)
-                    cfg.device_file = str(device)
+                if spec.control:  # the control arm: a device of its own (the server makes it), all else the same
+                    cfg.device_file = str(ctx.launcher.file(f"{name}-control.device"))
                 self._start(ctx, f"server-{name}", "agents.bubbletea.server", cfg.to_dict(), name, host=w.host)
             elif w.record.device.startswith("cuda"):  # the worker's own GPU, as the worker sees it
                 cfg.device = "cuda:0"
@@ -178,8 +175,7 @@ class BubbleTeaExtension(RunExtension):
                             cgroup=child, cpu=w.cpu, sched_idle=True)
             servers[name] = listen
         exp = self.exp
-        self._results = state / "bubbletea-results.json"
-        reg.file(self._results)
+        self._results = ctx.launcher.file("bubbletea-results.json")  # the controller writes it, on its machine
         dc_decoder = {n.removeprefix("decode-"): n for n in decoders}
         self._drain_s = ControllerConfig.drain_s * k
         ccfg = ControllerConfig(
@@ -195,7 +191,7 @@ class BubbleTeaExtension(RunExtension):
             workload=Workload(spec.source, spec.duration_s * k, spec.rate_scale / k, spec.token_scale,
                               spec.rate_per_s / k, spec.max_output_tokens),
             drain_s=self._drain_s)
-        self._start(ctx, "controller", "agents.bubbletea.controller", ccfg.to_dict(), None)
+        self._start(ctx, "controller", "agents.bubbletea.controller", ccfg.to_dict(), None, near=first)
         self._connected = True
         where = (f"on the workers' emulated devices ({self.profile.name}, speedup {exp.emulation.speedup:g})"
                  if self.emulated else "idle-priority, in the workers' containers")
@@ -270,8 +266,9 @@ class BubbleTeaExtension(RunExtension):
         launcher.stop(["bubbletea-controller"], timeout=self._drain_s + 2.0)
         launcher.stop(self._names, timeout=2.0)
         launcher.copy_logs(out_dir / "bubbletea-logs", self._names, rename=lambda n: n.removeprefix("bubbletea-"))
-        if self._results is not None and self._results.exists():
-            data = emulated_results(json.loads(self._results.read_text()), self.exp.time_dilation, self._ctx.go_time)
+        raw = launcher.read(self._results, near=self.exp.topo.dcs[0].name) if self._results is not None else None
+        if raw is not None:
+            data = emulated_results(json.loads(raw), self.exp.time_dilation, self._ctx.go_time)
             (out_dir / "bubbletea.json").write_text(json.dumps(data))
 
     def summarise(self, record: RunRecord, result: RunSummary, out_dir: Path) -> dict:

@@ -81,4 +81,7 @@ EXTENSION = Extension(
     # its processes get wall-clock inputs (profile, SLOs, margin, arrivals x k) and its results
     # are recorded in emulated terms (extension.emulated_results)
     dilates=True,
+    # its processes run where the site puts them (near a DC), over Launcher.socket paths and
+    # the links' delay-line calls: testbed run --inventory runs it across machines
+    across_machines=True,
 )

@@ -6,8 +6,14 @@ stdout (``wire.py``); nothing listens on a port.  The first call is ``hello`` wi
 orchestrator's build: the agent refuses any other build than its own, naming both.  Then it
 serves requests: build this machine's DCs of the topology (``network.Network`` with ``dcs``
 and VXLAN ``tunnels``), run commands and processes in its hosts, start workers in their CPU
-containers (``procs``), relay what the workers say on the machine's own telemetry hub
-(``hub.TelemetryHub``), answer clock samples.  For a ``testbed torchrun`` job
+containers (``procs``), and an extension's processes beside the network, relay what they
+say on the machine's own telemetry hub (``hub.TelemetryHub``, raw: undecoded JSON objects),
+answer clock samples.  ``Launcher.socket`` paths of another machine's processes are bound
+here (``relay``) and what this machine's processes send to them goes up as ``Datagram``s; a
+``Datagram`` that comes down is delivered to its path here, held in order up to
+``PENDING_S`` while the path is not bound yet.  A link's delay line (``link_info``,
+``delay_line_stats``, ``link_sched``) and a file a process left (``read_file``) are
+reached the same way.  For a ``testbed torchrun`` job
 (``jobs.py``): take the user's files into a folder of the run's own (``put_file``, in
 chunks), start a rank there with this agent's Python (``job_start``: its output to a log in
 the run's folder), signal a rank's process group (``job_signal``).  One thread answers
@@ -27,6 +33,8 @@ alone unless forced (``PID_FILE`` says whose run it is).
 from __future__ import annotations
 
 import base64
+import collections
+import errno
 import json
 import os
 import select
@@ -42,6 +50,7 @@ from testbed import messages as m
 from testbed.cluster import wire
 from testbed.cluster.build import version
 
+PENDING_S = 60.0  # a relayed datagram waits this long for its socket to be bound (or drained)
 PID_FILE = Path("/run/gtb-agent.pid")  # {"pid", "orchestrator", "run"}: the live agent of this machine
 
 
@@ -61,6 +70,11 @@ class _Session:
         self.reported: set[str] = set()
         self.net_error_sent = False
         self.alive = True
+        self.relays: dict[str, socket.socket] = {}  # Launcher.socket paths bound here for another machine's process
+        self.out: socket.socket | None = None  # delivers the datagrams relayed to this machine's processes
+        self.pending: dict[str, collections.deque] = {}  # path -> (since, data) not yet bound or full, in order
+        self.pending_lock = threading.Lock()
+        self.undelivered = 0
 
     # -- the wire ---------------------------------------------------------------------
     def emit(self, msg: m.Message) -> None:
@@ -74,6 +88,7 @@ class _Session:
         heard = time.monotonic()
         relay = threading.Thread(target=self._relay, daemon=True)
         relay.start()
+        threading.Thread(target=self._relay_datagrams, daemon=True).start()
         self.emit(m.Answer(id=first.id, result=self.op_hello()))
         try:
             while self.alive:
@@ -89,6 +104,9 @@ class _Session:
                     return
                 heard = time.monotonic()
                 for req in lines:
+                    if isinstance(req, m.Datagram):
+                        self.deliver(req)
+                        continue
                     if not isinstance(req, m.Call):
                         self.log(f"ignored a {req.kind!r} message: the orchestrator sends calls")
                         continue
@@ -111,10 +129,11 @@ class _Session:
                 continue
             try:
                 for name, msg in hub.poll(0.1):
-                    self.emit(m.Telemetry(name=name, msg=msg, t=time.monotonic()))
-            except (OSError, ValueError):
+                    self.emit(m.Telemetry(name=name, msg=msg, t=time.monotonic()))  # msg: its JSON object
+            except (OSError, ValueError) as exc:
                 if not self.alive:
                     return
+                self.log(f"telemetry relay: {type(exc).__name__}: {exc}")
             for name, rank in list(self.jobs.items()):
                 if name in self.reported:
                     continue
@@ -137,6 +156,62 @@ class _Session:
                 except Exception as exc:
                     self.net_error_sent = True
                     self.emit(m.NetworkFailed(error=str(exc)))
+
+    def _relay_datagrams(self) -> None:
+        """What this machine's processes send to another machine's socket (``op_relay``), up to
+        the orchestrator as it arrives."""
+        while self.alive:
+            if self.pending:
+                self.flush()
+            socks = list(self.relays.items())
+            if not socks:
+                time.sleep(0.05)
+                continue
+            try:
+                ready, _, _ = select.select([s for _, s in socks], [], [], 0.05 if self.pending else 0.2)
+            except (OSError, ValueError):  # one closed meanwhile
+                continue
+            for path, sock in socks:
+                if sock in ready:
+                    try:
+                        data = sock.recv(1 << 16)
+                    except OSError:
+                        continue
+                    self.emit(m.Datagram(path=path, data=base64.b64encode(data).decode()))
+
+    def deliver(self, msg: m.Datagram) -> None:
+        """A datagram another machine's process sent to a socket of a process here.  Where
+        the socket is not bound yet (its process is starting) or its queue is full, it waits
+        here, in order, up to ``PENDING_S``: what a sender on this machine would do, retrying
+        or blocking, the relay does for it (it cannot tell the sender)."""
+        with self.pending_lock:
+            self.pending.setdefault(msg.path, collections.deque()).append((time.monotonic(),
+                                                                           base64.b64decode(msg.data)))
+        self.flush()
+
+    def flush(self) -> None:
+        if self.out is None:
+            self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self.out.setblocking(False)
+        now = time.monotonic()
+        with self.pending_lock:
+            for path, queue in list(self.pending.items()):
+                while queue:
+                    since, data = queue[0]
+                    try:
+                        self.out.sendto(data, path)
+                    except OSError as exc:
+                        waits = exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.ENOBUFS)
+                        if waits and now - since < PENDING_S:
+                            break
+                        queue.popleft()  # a datagram's fate: lost, as one sent to a socket that is gone
+                        self.undelivered += 1
+                        if self.undelivered <= 3:
+                            self.log(f"a datagram for {path} was not delivered: {exc.strerror or exc}")
+                        continue
+                    queue.popleft()
+                if not queue:
+                    del self.pending[path]
 
     # -- requests ---------------------------------------------------------------------
     def _handle(self, req: m.Call):
@@ -174,7 +249,8 @@ class _Session:
             return ipr.get_links(found[0]["index"])[0].get_attr("IFLA_MTU")
 
     def op_build(self, topology: dict, dcs: list[str], tunnels: list[dict], mtu: int | None,
-                 delay_backend: str = "auto", loss_backend: str = "auto", run_name: str = "run") -> dict:
+                 delay_backend: str = "auto", loss_backend: str = "auto", run_name: str = "run",
+                 options: dict | None = None) -> dict:
         from testbed.run.hub import TelemetryHub
         from testbed.net.network import Network, Tunnel
         from testbed.run.procs import CpuContainers, Launcher
@@ -182,14 +258,15 @@ class _Session:
 
         topo = parse_topology(topology, "topology", strict=False)
         tun = {(t["local"], t["remote"]): Tunnel(t["local_ip"], t["remote_ip"], t["vni"], t["mtu"]) for t in tunnels}
-        net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, dcs=dcs, tunnels=tun, mtu=mtu)
+        net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend, dcs=dcs, tunnels=tun, mtu=mtu,
+                      **(options or {}))
         self.net = net
         net.start()
         self.launcher = Launcher(net.registry, net)
         self.containers = CpuContainers(net.registry, run_name)
         path = net.registry.dir / "telemetry.sock"
         net.registry.file(path)
-        self.hub = TelemetryHub(path)
+        self.hub = TelemetryHub(path, raw=True)  # relayed undecoded: an extension's kinds are decoded where it runs
         self.hosts = {h.name: h for h in net.hosts()}
         return {"hosts": {dc: [[h.name, h.ip] for h in net.hosts(dc)] for dc in net.local},
                 "backends": {"delay": net.backends.delay, "loss": net.backends.loss, "rate": net.backends.rate},
@@ -239,15 +316,62 @@ class _Session:
     def op_containers_enforce(self) -> None:
         self.containers.enforce()
 
-    def op_launch(self, name: str, module: str, config: dict, host: str, cpus: float, env: dict,
-                  limit_later: bool = False) -> dict:
+    def op_launch(self, name: str, module: str, config: dict, host: str | None, cpus: float, env: dict,
+                  limit_later: bool = False, cpu: int | None = None, sched_idle: bool = False) -> dict:
+        """Start a process in ``host`` (None: beside this machine's network), its
+        ``telemetry`` this machine's hub."""
         from testbed.run.procs import python_env
 
-        config = dict(config, telemetry=str(self.hub.path))
+        if "telemetry" in config:
+            config = dict(config, telemetry=str(self.hub.path))
         cgroup = self.containers.make(name, cpus, limit_later)
-        proc = self.launcher.start(name, module, config, host=self.hosts[host], cgroup=cgroup,
-                                   env=python_env(**env))
+        proc = self.launcher.start(name, module, config, host=self.hosts[host] if host is not None else None,
+                                   cgroup=cgroup, cpu=cpu, sched_idle=sched_idle, env=python_env(**env))
         return {"pid": proc.pid}
+
+    def op_relay(self, path: str) -> None:
+        """Bind ``path`` (a ``Launcher.socket`` of another machine's process) here and relay
+        what this machine's processes send to it."""
+        p = Path(path)
+        if p.parent != self.launcher.dir:
+            raise ValueError(f"{path}: a socket in the run's process folder")
+        if path in self.relays:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if p.exists():
+            p.unlink()
+        sock.bind(path)
+        self.net.registry.file(p)
+        self.relays[path] = sock
+
+    def op_read_file(self, path: str) -> str | None:
+        """A file in the run's process folder (base64; None: there is none)."""
+        p = Path(path)
+        if p.parent != self.launcher.dir:
+            raise ValueError(f"{path}: not a file of the run's process folder")
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) > 64 << 20:
+            raise ValueError(f"{path}: {len(data)} bytes, more than 64 MiB")
+        return base64.b64encode(data).decode()
+
+    def op_expect_peers(self, names: list[str]) -> None:
+        self.hub.expect_peers(set(names))
+
+    def op_connected(self, name: str) -> bool:
+        return self.hub.connected(name)
+
+    def op_link_info(self, src: str, dst: str) -> dict:
+        link = self.net.link(src, dst)
+        return {"control_path": link.control_path, "lane": link.lane}
+
+    def op_delay_line_stats(self, src: str, dst: str, turns_since: int | None = None) -> dict | None:
+        return self.net.link(src, dst).delay_line_stats(turns_since)
+
+    def op_link_sched(self, src: str, dst: str, msg: dict) -> None:
+        self.net.link(src, dst)._sched(msg)
 
     def op_put_file(self, folder: str, path: str, data: str, offset: int = 0) -> str:
         """Write ``data`` (base64) at ``offset`` of ``path`` in ``folder`` of the run's process
@@ -293,7 +417,7 @@ class _Session:
                 pass
 
     def op_send(self, name: str, msg: dict) -> bool:
-        return self.hub.send(name, m.decode(msg))
+        return self.hub.send(name, msg)
 
     def op_tcp_counters(self) -> dict:
         return self.net.tcp_counters()
@@ -322,6 +446,9 @@ class _Session:
         self.teardown()
 
     def teardown(self) -> None:
+        for sock in list(self.relays.values()):
+            sock.close()
+        self.relays.clear()
         if self.launcher is not None:
             try:
                 self.launcher.stop()

@@ -34,6 +34,7 @@ interface on every machine gets the underlay's MTU less 50 (the VXLAN header): 1
 
 from __future__ import annotations
 
+import base64
 import getpass
 import itertools
 import os
@@ -49,8 +50,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from testbed.messages import (AgentGone, Answer, Call, Done, Events, Exited, Message, NetworkFailed, Output, Telemetry,
-                               Wait, Xfer)
+from testbed.messages import (AgentGone, Answer, Call, Datagram, Done, Events, Exited, Message, NetworkFailed, Output,
+                               Telemetry, Wait, Xfer)
 from testbed.net.shaping import ClassCounters, Counters
 from testbed.net.surface import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Topology
@@ -59,6 +60,7 @@ from testbed.cluster.build import version
 from testbed.cluster.inventory import ClusterError, Machine
 
 VXLAN_OVERHEAD = 50
+_NETWORK_OPTIONS = {"scheduling"}  # what a run's extensions may ask of the network across machines (each agent's)
 LOGS_PREFIX = "gtb-agent-logs-"  # + the orchestrator's PID: the agents' logs while it runs (tempfile's folder)
 CLOCK_BOUND_MS = 1.0
 _VNI_BASE = 4096
@@ -93,6 +95,7 @@ class AgentClient:
         self._waiting: dict[int, tuple[threading.Event, list]] = {}
         self.closed = False
         self.hello: dict = {}
+        self.on_datagram: Callable[[Datagram], None] = lambda msg: None  # a relayed datagram: on at once
         threading.Thread(target=self._read, daemon=True).start()
 
     def greet(self, run: str, wait_s: float = 60.0) -> dict:
@@ -122,6 +125,9 @@ class AgentClient:
             if lines is None:
                 break
             for msg in lines:
+                if isinstance(msg, Datagram):  # in this thread: it waits for no one
+                    self.on_datagram(msg)
+                    continue
                 if not isinstance(msg, Answer):
                     self.events.put((self.machine.name, msg))
                     continue
@@ -151,6 +157,16 @@ class AgentClient:
         if box[0].error is not None:
             raise ClusterError(f"machine {self.machine.name}: {op}: {box[0].error}")
         return box[0].result
+
+    def tell(self, msg: Message) -> None:
+        """Send ``msg`` without waiting for anything (a relayed datagram); lost if the agent is gone."""
+        if self.closed:
+            return
+        with self._lock:
+            try:
+                self.chan.send(msg)
+            except OSError:
+                pass
 
     def close(self, timeout: float = 30.0) -> None:
         """End the session: the agent reads end-of-file, removes what it made and exits."""
@@ -255,12 +271,48 @@ class _ClusterLink:
         self._cluster = cluster
         self.src, self.dst, self.params = src, dst, params
 
+    def _agent(self) -> AgentClient:
+        return self._cluster.agents[self._cluster.placement[self.src]]
+
     def counters(self) -> Counters:
         machine = self._cluster.placement[self.src]
         c = self._cluster.agents[machine].call("link_counters", wait_s=30.0, src=self.src, dst=self.dst)
         classes = {name: ClassCounters(**v) for name, v in c.pop("classes").items()}
         c["time"] -= self._cluster.offsets.get(machine, 0.0)
         return Counters(**c, classes=classes)
+
+    def _info(self) -> dict:
+        key = (self.src, self.dst)
+        if key not in self._cluster.link_info:
+            self._cluster.link_info[key] = self._agent().call("link_info", src=self.src, dst=self.dst)
+        return self._cluster.link_info[key]
+
+    @property
+    def control_path(self) -> str | None:
+        """The delay line's control socket on the sending DC's machine (for a process started
+        there: ``Launcher.start(..., near=src)``), if the line is in the path."""
+        return self._info()["control_path"]
+
+    @property
+    def lane(self) -> str:
+        return self._info()["lane"]
+
+    def delay_line_stats(self, turns_since: int | None = None) -> dict | None:
+        return self._agent().call("delay_line_stats", wait_s=30.0, src=self.src, dst=self.dst,
+                                  turns_since=turns_since)
+
+    def _sched(self, msg: dict) -> None:
+        self._agent().call("link_sched", wait_s=30.0, src=self.src, dst=self.dst, msg=msg)
+
+    def schedule_classes(self, classes: dict, queue_bytes: int | None = None) -> None:
+        self._sched({"classes": {n: [list(x) for x in ms] for n, ms in classes.items()},
+                     "rate_mbps": self.params.rate_mbps, "queue_bytes": queue_bytes})
+
+    def set_order(self, order: list[str]) -> None:
+        self._sched({"order": list(order), "turns": None})
+
+    def clear_schedule(self) -> None:
+        self._sched({"classes": None})
 
 
 class _Backends:
@@ -282,7 +334,7 @@ class ClusterNetwork(HostIndex):
 
     def start(self) -> "ClusterNetwork":
         t0 = time.monotonic()
-        self.cluster.build(self, getattr(self, "delay_backend", "auto"))
+        self.cluster.build(self, getattr(self, "delay_backend", "auto"), options=getattr(self, "options", None))
         self.startup_s = time.monotonic() - t0
         self.started = True
         return self
@@ -396,20 +448,50 @@ class ClusterLauncher:
         self.dir = None
 
     def start(self, name: str, module: str, config: dict, host: HostInfo | None = None, cgroup=None,
-              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None) -> _RemoteProcess:
-        if host is None:
-            raise ClusterError(f"{name}: a process beside the network runs on one machine only, for now")
-        machine = self.cluster.placement[host.dc]
+              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None,
+              near: str | None = None) -> _RemoteProcess:
+        """In ``host``, or (None) beside the network on the machine of DC ``near`` (default:
+        the topology's first DC's).  ``cpu`` and ``sched_idle`` are the agent's to honour
+        there: pinning and SCHED_IDLE apply on that machine."""
+        machine = self.machine_of(host.dc if host is not None else near, name)
         agent = self.cluster.agents[machine]
         base = os.environ
         extra = {k: v for k, v in (env or {}).items() if base.get(k) != v and k != "PYTHONPATH"}
-        pid = agent.call("launch", name=name, module=module, config=config, host=host.name,
+        pid = agent.call("launch", name=name, module=module, config=config,
+                         host=host.name if host is not None else None,
                          cpus=cgroup.cpus if cgroup is not None else 0.0,
-                         limit_later=cgroup is not None and cgroup.limit_later, env=extra)["pid"]
+                         limit_later=cgroup is not None and cgroup.limit_later, env=extra, cpu=cpu,
+                         sched_idle=sched_idle)["pid"]
         proc = _RemoteProcess(name, machine, pid, self.cluster)
         self.processes[name] = proc
         self.cluster.processes[name] = proc
         return proc
+
+    def machine_of(self, dc: str | None, what: str) -> str:
+        """The machine of DC ``dc`` (None: the topology's first DC's)."""
+        placement = self.cluster.placement
+        if dc is None:
+            dc = next(iter(placement))
+        if dc not in placement:
+            raise ClusterError(f"{what}: no DC {dc!r} in this run (DCs: {', '.join(placement)})")
+        return placement[dc]
+
+    def socket(self, name: str, near: str | None = None) -> Path:
+        """``file(name)``, for a datagram socket that a process on DC ``near``'s machine binds;
+        every other machine's agent binds the same path at once and relays what is sent to it
+        there (``Datagram``) to that machine."""
+        path = self.file(name)
+        owner = self.machine_of(near, name)
+        self.cluster.sockets[str(path)] = owner
+        for machine, agent in self.cluster.agents.items():
+            if machine != owner:
+                agent.call("relay", path=str(path))
+        return path
+
+    def read(self, path: Path, near: str | None = None) -> bytes | None:
+        """The file at ``path`` on DC ``near``'s machine (up to 64 MiB), through its agent."""
+        data = self.cluster.agents[self.machine_of(near, str(path))].call("read_file", path=str(path))
+        return None if data is None else base64.b64decode(data)
 
     def file(self, name: str) -> Path:
         """``name`` in the agents' process folder, the same path on every machine: a process
@@ -461,20 +543,37 @@ class ClusterHub:
     def __init__(self, cluster: "Cluster", sender_of: Callable[[str, str], str | None]):
         self.cluster = cluster
         self.sender_of = sender_of  # (receiver worker, transfer kind) -> sending worker
-        self.worker_machine: dict[str, str] = {}
+        self.worker_machine: dict[str, str] = {}  # a worker's or a connected peer's machine
+        self.peers: set[str] = set()
         self.path = None
 
     def expect_peers(self, names: set[str]) -> None:
-        pass
+        self.peers |= set(names)
+        for agent in self.cluster.agents.values():
+            agent.call("expect_peers", names=sorted(names))
 
     def connected(self, name: str) -> bool:
-        return True
+        return self._machine(name) is not None
+
+    def _machine(self, name: str) -> str | None:
+        """Where ``name`` is connected: a worker's machine is known; a peer (an extension's
+        process) is found by asking the agents, once it has said hello to one of them."""
+        machine = self.worker_machine.get(name)
+        if machine is None and name in self.peers:
+            for m, agent in self.cluster.agents.items():
+                try:
+                    if agent.call("connected", name=name):
+                        self.worker_machine[name] = machine = m
+                        break
+                except ClusterError:
+                    continue
+        return machine
 
     def poll(self, timeout: float) -> list[tuple[str, Message | None]]:
         return self.cluster.drain(timeout)
 
     def send(self, name: str, msg: Message) -> bool:
-        machine = self.worker_machine.get(name)
+        machine = self._machine(name)
         if machine is None:
             return False
         try:
@@ -530,6 +629,8 @@ class Cluster:
     _stopping: threading.Event = field(default_factory=threading.Event)
     logs: Path | None = None  # each agent's log (its stderr over SSH): agent-<machine>.log
     files: dict[str, str] = field(default_factory=dict)  # machine -> its agent's folder for processes' files
+    sockets: dict[str, str] = field(default_factory=dict)  # Launcher.socket path -> the machine whose process binds it
+    link_info: dict[tuple[str, str], dict] = field(default_factory=dict)  # (src, dst) -> control_path, lane
 
     # -- start and end ----------------------------------------------------------------
     def start(self, run: str = "") -> "Cluster":
@@ -546,6 +647,7 @@ class Cluster:
             for name in used:  # all started first: their Pythons import side by side
                 self.agents[name] = AgentClient(by_name[name], agent_command(by_name[name], self.lease_s, build_dir),
                                                 self.events, self.logs / f"agent-{name}.log")
+                self.agents[name].on_datagram = self._route
             for agent in self.agents.values():
                 agent.greet(run)
             self._renewer = threading.Thread(target=self._renew, daemon=True)
@@ -555,6 +657,14 @@ class Cluster:
             self.close()
             raise
         return self
+
+    def _route(self, msg: Datagram) -> None:
+        """A datagram one agent relayed: on to the agent of the machine whose process binds
+        its path (the agents' reader threads call this; nothing here waits)."""
+        owner = self.sockets.get(msg.path)
+        agent = self.agents.get(owner) if owner is not None else None
+        if agent is not None:
+            agent.tell(msg)
 
     def _renew(self) -> None:
         _main_thread_takes_signals()
@@ -623,7 +733,7 @@ class Cluster:
         return self.agents[self.placement[dc]]
 
     def build(self, net: ClusterNetwork, delay_backend: str = "auto", loss_backend: str = "auto",
-              run_name: str = "run") -> None:
+              run_name: str = "run", options: dict | None = None) -> None:
         topo = net.topo
         self.net = net
         by_name = {m.name: m for m in self.machines}
@@ -665,7 +775,7 @@ class Cluster:
             try:
                 results[machine] = self.agents[machine].call(
                     "build", topology=data, dcs=dcs, tunnels=tunnels, mtu=mtu, delay_backend=delay_backend,
-                    loss_backend=loss_backend, run_name=run_name)
+                    loss_backend=loss_backend, run_name=run_name, options=options or {})
             except ClusterError as exc:
                 errors.append(str(exc))
 
@@ -686,6 +796,8 @@ class Cluster:
         net.mtu = mtu
 
     def teardown_networks(self) -> None:
+        self.sockets.clear()
+        self.link_info.clear()
         for agent in self.agents.values():
             try:
                 agent.call("teardown", wait_s=60)
@@ -767,12 +879,14 @@ class ClusterSite:
         self.net: ClusterNetwork | None = None
 
     def lab(self, topo: Topology, delay_backend: str, options: dict) -> ClusterLab:
-        if options:
-            raise ClusterError(f"a run across machines does not take {', '.join(sorted(options))} yet "
-                               "(extensions' processes run on one machine, for now)")
+        unknown = sorted(set(options) - _NETWORK_OPTIONS)
+        if unknown:
+            raise ClusterError(f"a run across machines does not take {', '.join(unknown)} yet (on one machine only, "
+                               "for now)")
         self.cluster.check_clocks(topo)
         self.net = ClusterNetwork(self.cluster, topo)
         self.net.delay_backend = delay_backend
+        self.net.options = dict(options)
         return ClusterLab(self.cluster, self.net)
 
     def hub(self, run, net: ClusterNetwork) -> tuple[ClusterHub, None]:

@@ -6,7 +6,9 @@ control, by design).  Each training worker connects and says ``Hello(worker=NAME
 does each run extension's own process (its peer name, e.g. ``atlas-controller``).  Every
 line is a typed message (``testbed/messages.py``), decoded here: the hub hands the runner
 every message as ``(name, msg)``, says when a named connection closes (``(name, None)``),
-and sends messages to a name.
+and sends messages to a name.  A machine agent (``cluster/agent.py``) opens it ``raw``: it
+relays each line's JSON object to the orchestrator undecoded, so a kind of an extension's
+own (``agents.*.messages``) is decoded where that extension runs, not on every machine.
 A worker may open a second connection to report an error: the first stays its channel.
 
 Why not a library: a selector over a handful of Unix sockets and newline-framed JSON is all
@@ -15,6 +17,7 @@ it is; an RPC framework would add a dependency and hide the framing the workers 
 
 from __future__ import annotations
 
+import json
 import selectors
 import socket
 from pathlib import Path
@@ -23,10 +26,12 @@ from testbed import messages as m
 
 
 class TelemetryHub:
-    def __init__(self, path: Path, peer_timeout_s: float = 1.0):
+    def __init__(self, path: Path, peer_timeout_s: float = 1.0, raw: bool = False):
         """``peer_timeout_s``: a send to a peer that stops reading gives up after this long
-        (a stuck controller must not stall the run)."""
+        (a stuck controller must not stall the run).  ``raw``: messages are JSON objects,
+        in and out, checked only for being one (a relay's hub)."""
         self.path = path
+        self.raw = raw
         if path.exists():
             path.unlink()
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -77,11 +82,21 @@ class TelemetryHub:
                             sock.settimeout(self._peer_timeout)
                     continue
                 try:
-                    msg = m.decode(line)
+                    msg = self._raw(line) if self.raw else m.decode(line)
                 except m.MessageError as exc:
                     raise m.MessageError(f"telemetry from {self._name[sock]}: {exc}") from None
                 out.append((self._name[sock], msg))
         return out
+
+    @staticmethod
+    def _raw(line: bytes) -> dict:
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise m.MessageError(f"a message that is not JSON: {exc}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str):
+            raise m.MessageError("a message must be a JSON object with a 'kind'")
+        return obj
 
     def _close(self, sock: socket.socket, out: list) -> None:
         self._sel.unregister(sock)
@@ -92,13 +107,14 @@ class TelemetryHub:
             out.append((name, None))
         sock.close()
 
-    def send(self, name: str, msg: m.Message) -> bool:
-        """One message to ``name``; False when it is not connected or no longer reads."""
+    def send(self, name: str, msg: m.Message | dict) -> bool:
+        """One message (raw: a JSON object) to ``name``; False when it is not connected or no
+        longer reads."""
         sock = self._conn.get(name)
         if sock is None:
             return False
         try:
-            sock.sendall(m.line(msg))
+            sock.sendall(m.line(msg) if isinstance(msg, m.Message) else json.dumps(msg).encode() + b"\n")
             return True
         except OSError:
             return False

@@ -22,9 +22,14 @@ network         ``net.network.Network``         ``ClusterNetwork``
 ==============  ==============================  =======================================
 
 ``tests/test_site_conformance.py`` runs one test body against both (the second on the fake
-cluster).  What only one machine offers (the network's registry, changing a link in
-place, cutting a link, an idle child container) is not here: a caller that needs it (the
-extensions, ``testbed chaos``) names the concrete class and runs on one machine.  The
+cluster).  An extension's processes run through the same launcher: beside the network on
+the machine of a DC it names (``near``), talking over ``Launcher.socket`` paths (relayed
+between machines by the agents), their files read back with ``Launcher.read``; a link's
+delay line is reached by the process near the link's sending DC (``control_path``, ``lane``)
+and its statistics by ``delay_line_stats()`` on either side.  What only one machine offers
+(the network's registry, changing a link in place, cutting a link, an idle child container)
+is not here: a caller that needs it (``testbed chaos``, BubbleTea on CPUs) names the
+concrete class and runs on one machine.  The
 protocols are ``runtime_checkable``: ``isinstance`` checks that the members exist (not
 their signatures).
 """
@@ -88,10 +93,13 @@ class Launcher(Protocol):
         ...
 
     def start(self, name: str, module: str, config: dict, host: HostInfo | None = None, cgroup: Any = None,
-              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None) -> Process:
+              cpu: int | None = None, sched_idle: bool = False, env: dict | None = None,
+              near: str | None = None) -> Process:
         """Start ``module`` with ``config`` written as JSON, in ``host`` (None: beside the
-        network, one machine only), in the container ``cgroup`` (what ``Containers.make``
-        gave) before it starts a thread; its log is stdout and stderr together."""
+        network, on the machine of DC ``near``; the first DC's without one), in the container
+        ``cgroup`` (what ``Containers.make`` gave) before it starts a thread; its log is
+        stdout and stderr together.  A ``config["telemetry"]`` is the hub's path where it
+        runs (across machines each machine's agent sets its own)."""
         ...
 
     def pids(self) -> dict[str, int]: ...
@@ -107,6 +115,19 @@ class Launcher(Protocol):
     def file(self, name: str) -> Path:
         """A path beside the processes for a file they share (an emulated device, a
         board), recorded so ``testbed clean`` removes it."""
+        ...
+
+    def socket(self, name: str, near: str | None = None) -> Path:
+        """A path for a Unix datagram socket bound by a process that runs beside DC ``near``
+        (in one of its hosts, or beside its network): processes on every machine of the run
+        send to it at this path (across machines, each other machine's agent binds the path
+        and relays each datagram over the agents' SSH channels).  One way: a process that
+        answers sends to another ``socket()``, not to the sender's address."""
+        ...
+
+    def read(self, path: Path, near: str | None = None) -> bytes | None:
+        """The bytes of the file at ``path`` (a ``file()``) as a process beside DC ``near``
+        left it (None: there is none)."""
         ...
 
 

@@ -1,7 +1,9 @@
 """The wait board: a small shared file where a worker shows which wait for a peer it is in.
 
-How it fits: with BubbleTea its run extension creates one per worker (``create_board``, on
-the run's tmpfs state directory, which all namespaces share); the trainer ``show``s a wait's id
+How it fits: with BubbleTea its run extension names one per worker (a ``Launcher.file`` on
+the run's tmpfs state directory, which all namespaces of a machine share); whichever of the
+worker and its prefill server opens it first makes it, on their machine (``ensure_board``);
+the trainer ``show``s a wait's id
 (and when it began) when the wait begins and 0 when its data has arrived, and the prefill server
 beside it ``read``s the board between prefill chunks, so a prefill stops as soon as the wait it
 was sent for is over, without the round trip through the telemetry stream and the controller
@@ -38,6 +40,26 @@ def create_board(path: str | os.PathLike) -> None:
     os.mkfifo(bell, 0o600)
 
 
+def ensure_board(path: str | os.PathLike) -> None:
+    """The board and its doorbell unless they are there: a new board is written aside and
+    linked into place, so a reader never sees a file shorter than the layout."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.new"
+        with open(tmp, "wb") as fh:
+            fh.write(bytes(_SIZE))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        os.mkfifo(f"{path}.bell", 0o600)
+    except FileExistsError:
+        pass
+
+
 def wait_id(iteration: int, n: int) -> int:
     """A nonzero id for the ``n``-th wait of ``iteration`` (ids grow through a run)."""
     return iteration * 10_000 + n + 1
@@ -45,6 +67,7 @@ def wait_id(iteration: int, n: int) -> int:
 
 class WaitBoard:
     def __init__(self, path: str):
+        ensure_board(path)
         fd = os.open(path, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, _SIZE)

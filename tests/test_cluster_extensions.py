@@ -1,0 +1,109 @@
+"""Atlas and BubbleTea across machines, on the fake cluster of 3 (``tests/test_cluster.py``'s
+fixture), each beside the same experiment on this one machine.
+
+Atlas: a ``compare:`` of fair against temporal sharing on ``tests/data/atlas2.yaml`` (its one
+slow link's two DCs on two fake machines, so the link is a VXLAN between them).  The
+controller runs on dc1's machine; the agent of dc2's gateway runs on dc2's machine, so every
+plan and heartbeat it gets crossed machines (a ``Launcher.socket`` relayed by the agents),
+and the turns it gives are read back from its delay line (``delay_line_stats`` through
+dc2's agent).  BubbleTea: ``experiments/bubbletea-emulated.yaml`` (aws-us3, one DC per
+machine, interleaved): its controller on Virginia's machine places prefills in the bubbles of
+workers on all three, whose servers read their worker's wait board and occupy its emulated
+device there, and answer over relayed datagrams.
+
+Asserted: what shows the mechanism ran across machines (the plan applied by the remote
+agent, both pipelines' bytes through the scheduler of each direction of the crossing link,
+prefill jobs on every machine's servers, exact accounting, BubbleTea's slowdown within its
+own bound).  Printed: the key figures here and across machines (Atlas's temporal/fair
+iteration time; BubbleTea's filled bubble time, utilization and interleaved slowdown); the
+within-noise comparison is reported, not asserted (``test_cluster.py``'s emulated
+comparison says why).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_cluster import TESTBED, _head, _missing, _nothing_left, cluster  # noqa: F401  (cluster: the fake cluster fixture)
+
+pytestmark = [pytest.mark.slow, pytest.mark.network, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+REPO = Path(__file__).resolve().parent.parent
+
+_ATLAS = f"""name: atlas-cluster
+topology: {REPO / 'tests' / 'data' / 'atlas2.yaml'}
+device: emulated
+model: {{layers: 2, hidden: 256, heads: 4, seq_len: 128}}
+training: {{iterations: 8, microbatches: 4, microbatch_size: 2, seed: 3}}
+parallel: {{stages: 2, replicas: 2, schedule: 1f1b, slow_start_after_idle: false}}
+sim:
+  stage_times: [{{forward_s: 0.01, backward_s: 0.02}}, {{forward_s: 0.01, backward_s: 0.02}}]
+atlas: {{sharing: temporal, lease_s: 1.0, plan: fixed}}
+compare:
+  fair: {{sharing: fair, description: TCP fair sharing}}
+  temporal: {{sharing: temporal, description: Atlas's turns at the gateway}}
+"""
+
+
+def _steady_mean(metrics: dict) -> float:
+    steady = set(metrics["summary"]["steady_state_iterations"])
+    return statistics.mean(it["time_s"] for it in metrics["iterations"] if it["iteration"] in steady)
+
+
+def _both(cluster, exp: Path, out: Path) -> None:
+    here = subprocess.run([*TESTBED, "run", str(exp), "--out", str(out / "here")], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    assert here.returncode == 0, here.stderr[-3000:]
+    there = _head(cluster, ["run", str(exp), "--inventory", str(cluster.inventory_path), "--out", str(out / "there")])
+    assert there.returncode == 0, there.stderr[-3000:]
+
+
+def test_atlas_temporal_sharing_takes_turns_on_a_link_between_machines(cluster, tmp_path):
+    exp = tmp_path / "atlas.yaml"
+    exp.write_text(_ATLAS)
+    _both(cluster, exp, tmp_path)
+    ratio = {}
+    for where in ("here", "there"):
+        m = {v: json.loads((tmp_path / where / v / "metrics.json").read_text()) for v in ("fair", "temporal")}
+        ratio[where] = _steady_mean(m["temporal"]) / _steady_mean(m["fair"])
+        a = m["temporal"]["summary"]["atlas"]
+        print(f"atlas {where}: fair {_steady_mean(m['fair']):.3f} s, temporal {_steady_mean(m['temporal']):.3f} s "
+              f"(x{ratio[where]:.3f}); plans {a['plans_published']}, turns {a.get('gateway_bytes')}")
+        assert a["plans_published"] >= 1 and a["order"] == ["r0", "r1"], a
+        for link in ("dc1->dc2", "dc2->dc1"):  # each pipeline's bytes went through the scheduler's queues
+            assert set(a["gateway_bytes"][link]) == {"r0", "r1"} and min(a["gateway_bytes"][link].values()) > 0, a
+            assert a["gateway_drops"][link] == {"r0": 0, "r1": 0}, a
+    there = json.loads((tmp_path / "there" / "temporal" / "metrics.json").read_text())
+    assert there["cluster"]["placement"] == {"dc1": "m1", "dc2": "m2"}
+    # dc2's agent, on m2, got its plan from the controller on m1 (relayed) and applied it there
+    assert "plan applied on dc2->dc1" in (tmp_path / "there" / "temporal" / "atlas-logs" / "agent-dc2.log").read_text()
+    print(f"atlas temporal/fair: one machine x{ratio['here']:.3f}, across machines x{ratio['there']:.3f}")
+    _nothing_left(cluster)
+
+
+def test_bubbletea_fills_bubbles_on_every_machine(cluster, tmp_path):
+    data = yaml.safe_load((REPO / "experiments" / "bubbletea-emulated.yaml").read_text())
+    data["training"]["iterations"] = 9
+    data["bubbletea"]["interleave"] = True  # served against unserved iterations of the same run
+    exp = tmp_path / "bubbletea.yaml"
+    exp.write_text(yaml.safe_dump(data))
+    _both(cluster, exp, tmp_path)
+    keys = ("requests_arrived", "requests_completed", "bubble_time_filled", "utilization_without_prefill",
+            "utilization_with_prefill", "training_slowdown_interleaved")
+    for where in ("here", "there"):
+        s = json.loads((tmp_path / where / "metrics.json").read_text())["summary"]
+        print(f"bubbletea {where}: " + ", ".join(f"{k} {s[k]}" for k in keys))
+        assert s["accounting_exact"] and s["requests_in_flight_after_run"] == 0, s
+        assert s["requests_completed"] > 0 and s["bubble_time_filled"] > 0, s
+        assert abs(s["training_slowdown_interleaved"]) < 0.03, s  # its own bound (test_bubbletea_run.py)
+        intervals = json.loads((tmp_path / where / "bubbletea.json").read_text())["prefill_intervals"]
+        for stage in range(3):  # stage s in the s-th DC: each on its own machine across machines
+            assert any(intervals.get(f"s{stage}r{r}") for r in range(2)), (where, stage, sorted(intervals))
+    there = json.loads((tmp_path / "there" / "metrics.json").read_text())
+    assert there["cluster"]["placement"] == {"virginia": "m1", "ohio": "m2", "oregon": "m3"}
+    _nothing_left(cluster)
