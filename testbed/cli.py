@@ -172,12 +172,14 @@ def fidelity(
     dilation = f" (time dilation {time_dilation:g}: emulated terms)" if time_dilation != 1.0 else ""
     table = Table(title=f"{topo.name}: configured vs measured{dilation}")
     for col in ("link", "RTT ms: conf / meas (source)", "one-way ms: conf / meas", "goodput Mbit/s (of rate)",
-                "expected Mbit/s (loss)", "retr", "ok"):
+                "expected Mbit/s [5-95%] (loss)", "retr", "ok"):
         table.add_column(col, justify="right")
     for r in reports:
         source = "" if r.rtt_ms_source is None else f" ({r.rtt_ms_source:g})"
         owd = "-" if r.owd_ms_measured is None else f"{r.owd_ms_measured:.2f}"
         expected = "-" if r.goodput_mbps_expected is None else f"{r.goodput_mbps_expected:.1f}"
+        if r.goodput_mbps_expected_low is not None and r.goodput_mbps_expected_high is not None:
+            expected += f" [{r.goodput_mbps_expected_low:.1f}-{r.goodput_mbps_expected_high:.1f}]"
         if r.loss_configured > 0:
             expected += f" ({r.loss_configured:.3%})"
         table.add_row(f"{r.src}->{r.dst}", f"{r.rtt_ms_configured:.2f} / {r.rtt_ms_measured:.2f}{source}",

@@ -19,8 +19,9 @@ model instead sends each message a window at a time, each round a burst in the F
 drop-tail queue's losses (``rounds.RoundsChannel``; ``sim.tail_loss`` is not applied there).
 A third is on wherever a WAN path has random loss (``sim.loss_model``, default true:
 ``loss_cap``): each connection is held to what CUBIC sustains under that loss and round trip
-(``testbed/net/tcpmodel.py``: RFC 9438's average window, Padhye's Reno rate with timeouts as
-its floor), so a channel of N connections to N times that, with the window's cap (the lower).
+(``testbed/net/tcpmodel.py``: Linux's CUBIC driven by the random drops, a seeded Monte Carlo's
+long-run mean on the connection's share of the link), so a channel of N connections to N times
+that, with the window's cap (the lower).
 """
 
 from __future__ import annotations
@@ -235,11 +236,13 @@ def link_capacity(exp: Experiment) -> Callable[[Any], float]:
 
 def loss_cap(exp: Experiment, hops: list[str], rtt: float) -> float:
     """One connection's most (payload bytes/s) over the path ``hops`` under its random loss:
-    ``tcpmodel.loss_limited_rate`` of the path's loss (its hops' drops, independent) and round
-    trip ``rtt``; the RTO's rttvar is half the jitter summed over the round trip (the delay
-    line's jitter is uniform, +-jitter_ms).  ``inf`` on a lossless path or with
-    ``sim.loss_model`` off.  The loss on the way back (ACKs) is left out: cumulative ACKs
-    make a lost ACK nearly free."""
+    ``tcpmodel.loss_limited_rate`` (the loss-driven CUBIC window model's long-run mean) of the
+    path's loss (its hops' drops, independent) and round trip ``rtt``, the connection as if
+    alone on the bottleneck (its rate and queue: the window past that BDP plus queue overflows
+    it; the sharing among connections is the fluid model's); the RTO's rttvar is half the jitter summed over
+    the round trip (the delay line's jitter is uniform, +-jitter_ms).  ``inf`` on a lossless
+    path or with ``sim.loss_model`` off.  The loss on the way back (ACKs) is left out:
+    cumulative ACKs make a lost ACK nearly free."""
     if not exp.sim.loss_model:
         return float("inf")
     topo = exp.topo
@@ -248,7 +251,9 @@ def loss_cap(exp: Experiment, hops: list[str], rtt: float) -> float:
     if p <= 0:
         return float("inf")
     jitter = sum(topo.direction(x, y).jitter_ms + topo.direction(y, x).jitter_ms for x, y in pairs) / 1000.0
-    return loss_limited_rate(p, rtt, MSS, rttvar_s=jitter / 2)
+    bottleneck = min(link_capacity(exp)(topo.direction(x, y)) for x, y in pairs)
+    queue = min(default_queue_bytes(topo.direction(x, y), topo.rtt_ms(x, y)) for x, y in pairs)
+    return loss_limited_rate(p, rtt, MSS, rttvar_s=jitter / 2, link_rate=bottleneck, queue_bytes=queue)
 
 
 def _window_for(rate: float, rtt: float) -> float:

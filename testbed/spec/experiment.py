@@ -170,10 +170,11 @@ class SimSpec(_Strict):
                             "an extension gives the simulator a policy")
     loss_model: bool = Field(
         True, description="where a WAN path drops packets at random (a link's loss), hold each connection to what "
-                          "CUBIC sustains under that loss and round trip (RFC 9438's average window, Padhye et "
-                          "al.'s Reno rate with timeouts as its floor: testbed/net/tcpmodel.py), a channel to N "
-                          "times that; on by default (it is what TCP does), false for the loss-blind fluid model; "
-                          "a lossless path is unchanged either way; not yet validated on the emulator")
+                          "CUBIC sustains under that loss and round trip (Linux's CUBIC driven by the random drops, a "
+                          "seeded Monte Carlo's long-run mean on the connection's share of the link: "
+                          "testbed/net/tcpmodel.py), a channel to N times that; on by default (it is what TCP "
+                          "does), false for the loss-blind fluid model; a lossless path is unchanged either way; "
+                          "compared with 10 emulator measurements (docs/benchmarks.md), not validated")
 
 
 class _CoreExperiment(_Strict):
