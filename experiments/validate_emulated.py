@@ -83,7 +83,9 @@ def _extension_options(exp, run_dir: Path | None) -> dict:
     return options
 
 
-def _with_model(exp, model: str, ssthresh: int | None = None):
+def _with_model(exp, model: str, ssthresh: int | None = None, hystart: bool | None = None):
+    if hystart is not None:  # --hystart: CUBIC's HyStart in the window model (sim.tcp_hystart)
+        exp = exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_hystart": hystart})})
     if ssthresh is not None:  # --ssthresh: HyStart's threshold as a given (sim.tcp_ssthresh_segments)
         exp = exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_ssthresh_segments": ssthresh})})
     if model == "default":
@@ -150,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ssthresh", type=int, default=None,
                     help="sim.tcp_ssthresh_segments for the predictions (the window model's slow-start threshold "
                          "from the start, standing in for HyStart's exit; default: infinite)")
+    ap.add_argument("--hystart", choices=("on", "off"), default=None,
+                    help="sim.tcp_hystart for the predictions (CUBIC's HyStart ends the window model's slow "
+                         "start; default: the simulator's own)")
     args = ap.parse_args(argv)
     if args.plan and args.reuse:
         raise SystemExit("validate_emulated: --plan and --reuse exclude each other")
@@ -218,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                          "predicted_s": None, "error": None}
         run_dir = _run_dir(args.out, c)
         if c.name in finished:
-            exp = _with_model(load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations)), args.model, args.ssthresh)
+            exp = _with_model(load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations)), args.model, args.ssthresh,
+                             None if args.hystart is None else args.hystart == "on")
             measured = json.loads((run_dir / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
             predicted = _predict(exp, run_dir, args.iterations)
             row |= {"status": "finished", "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),

@@ -372,6 +372,8 @@ def sim(
     windows = list(dict.fromkeys((w["on"], w["why"]) for r in rows if (w := r["model"].get("tcp_window_model"))))
     for on, why in windows:
         out.print(f"tcp window model: {'on' if on else 'off'} ({why})", highlight=False)
+    for on, why in dict.fromkeys((h["on"], h["why"]) for r in rows if (h := r["model"].get("tcp_hystart"))):
+        out.print(f"tcp hystart: {'on' if on else 'off'} ({why})", highlight=False)
     warned: dict[str, list[str]] = {}
     for r in rows:
         point = ", ".join(f"{k}={r[k]}" for k in (sweep and [s.partition("=")[0] for s in sweep] or []))

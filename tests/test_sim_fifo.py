@@ -151,7 +151,7 @@ def test_on_linux_default_hosts_the_default_is_the_window_model(tmp_path):
     assert fifo.model["tcp_window_model"]["on"]
     assert "parallel.slow_start_after_idle: true" in fifo.model["tcp_window_model"]["why"]
     fair = simulate(_job(tmp_path, 8, 32, window=None), iterations=1)
-    assert [p["part"] for p in fair.model["parts"]] == ["fluid max-min sharing", "tcp_window_model"]
+    assert [p["part"] for p in fair.model["parts"]] == ["fluid max-min sharing", "tcp_window_model", "tcp_hystart"]
     off = simulate(_job(tmp_path, 8, 32), iterations=1).model["tcp_window_model"]
     assert off == {"on": False, "why": "sim.tcp_window_model: false"}
 

@@ -49,7 +49,7 @@ def test_a_run_inside_the_validated_range_gets_no_warning(tmp_path):
     range, and the window model's (on by default on these Linux-default hosts: the report says
     so and why); on WAN-tuned hosts the default leaves the window model off, and says that."""
     model = simulate(_job(tmp_path, 10.0)).model
-    assert [p["part"] for p in model["parts"]] == ["fluid max-min sharing", "tcp_window_model"]
+    assert [p["part"] for p in model["parts"]] == ["fluid max-min sharing", "tcp_window_model", "tcp_hystart"]
     assert all(p["inside"] for p in model["parts"]) and model["warnings"] == []
     assert tuple(model["parts"][0]["run"]["rtt_ms"]) == (20.0, 20.0)
     assert model["tcp_window_model"]["on"] and "on by default" in model["tcp_window_model"]["why"]
@@ -66,7 +66,7 @@ def test_a_run_inside_the_validated_range_gets_no_warning(tmp_path):
 def test_the_atlas_regime_lies_inside_the_ranges_its_tcp_models_were_validated_on():
     exp = load_experiment(REPO / "experiments" / "atlas-regime.yaml")
     model = simulate(exp, iterations=1).model
-    assert {p["part"] for p in model["parts"]} == {"fluid max-min sharing", "tcp_window_model", "tail_loss"}
+    assert {p["part"] for p in model["parts"]} == {"fluid max-min sharing", "tcp_window_model", "tcp_hystart", "tail_loss"}
     assert model["warnings"] == []
 
 
@@ -76,7 +76,7 @@ def test_a_long_haul_run_is_warned_naming_the_part_and_its_round_trip(tmp_path):
     RTT.  (262 ms, aws-longhaul3's, lies inside the window model's range now, with the slack.)"""
     model = simulate(_job(tmp_path, 160.0, tcp_window_model=True)).model
     warnings = model["warnings"]
-    assert len(warnings) == 2, warnings
+    assert len(warnings) == 3, warnings  # (tcp_hystart shares tcp_window_model's range)
     window = next(w for w in warnings if w.startswith("warning: tcp_window_model "))
     assert "validated for RTT 5-250 ms; this run's longest RTT is 320 ms" in window
     fluid = next(w for w in warnings if w.startswith("warning: fluid max-min sharing "))
@@ -88,11 +88,11 @@ def test_a_long_haul_run_is_warned_naming_the_part_and_its_round_trip(tmp_path):
 
 def test_a_lossy_run_uses_the_loss_model_and_is_warned(tmp_path):
     model = simulate(_job(tmp_path, 10.0, loss=0.0005)).model
-    assert [p["part"] for p in model["parts"]] == ["fluid max-min sharing", "tcp_window_model", "loss_model"]
+    assert [p["part"] for p in model["parts"]] == ["fluid max-min sharing", "tcp_window_model", "tcp_hystart", "loss_model"]
     assert "warning: loss_model not validated against the emulator" in model["warnings"]
     assert any("this run's highest path loss is 0.050%" in w for w in model["warnings"])
     off = simulate(_job(tmp_path, 10.0, loss=0.0005, loss_model=False)).model
-    assert [p["part"] for p in off["parts"]] == ["fluid max-min sharing", "tcp_window_model"]
+    assert [p["part"] for p in off["parts"]] == ["fluid max-min sharing", "tcp_window_model", "tcp_hystart"]
 
 
 def test_small_messages_many_pipelines_and_the_schedule_are_checked(tmp_path):
@@ -116,18 +116,18 @@ def test_sim_command_prints_the_parts_and_warnings_and_its_json_carries_them(tmp
     cmd = [sys.executable, "-m", "testbed.cli", "sim", str(spec)]
     text = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ | {"COLUMNS": "400"})
     assert text.returncode == 0, text.stderr
-    assert "model: fluid max-min sharing, tcp_window_model, loss_model" in text.stdout
+    assert "model: fluid max-min sharing, tcp_window_model, tcp_hystart, loss_model" in text.stdout
     assert ("tcp window model: on (on by default: the hosts restart slow start after idle "
             "(parallel.slow_start_after_idle: true, Linux's default)") in text.stdout
     assert "warning: loss_model not validated against the emulator" in text.stdout
     assert "this run's longest RTT is 262 ms" in text.stdout
     js = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=REPO)
     model = json.loads(js.stdout)["model"]
-    assert [p["part"] for p in model["parts"]] == ["fluid max-min sharing", "tcp_window_model", "loss_model"]
+    assert [p["part"] for p in model["parts"]] == ["fluid max-min sharing", "tcp_window_model", "tcp_hystart", "loss_model"]
     assert model["tcp_window_model"]["on"] is True
     # loss_model (not validated), the fluid model (262 ms > 100 ms) and the window model (its
     # 0.17 BDP messages are below the matrix's 1.1)
-    assert len(model["warnings"]) == 3, model["warnings"]
+    assert len(model["warnings"]) == 4, model["warnings"]  # (tcp_hystart shares tcp_window_model's range)
     assert any(w.startswith("warning: tcp_window_model validated for messages 1.1-105 BDP") for w in model["warnings"])
     tuned = exp.model_dump(mode="json") | {"topology": str(tmp_path / "t.yaml")}
     tuned["parallel"]["slow_start_after_idle"] = False

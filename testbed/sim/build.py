@@ -66,6 +66,21 @@ def window_model(exp: Experiment) -> tuple[bool, str]:
                    "sim.tcp_window_model: true turns it on")
 
 
+HYSTART_DEFAULT = True  # sim.tcp_hystart unset: HyStart in the window model (see ``hystart_model``)
+
+
+def hystart_model(exp: Experiment) -> tuple[bool, str]:
+    """Whether the window model ends slow start by CUBIC's HyStart (``TcpWindow._hystart``),
+    and why: ``sim.tcp_hystart`` if set, else ``HYSTART_DEFAULT`` (on: the 80-cell matrix re-predicted
+    7.6% / 25.3% / -5.6% -> 7.3% / 25.3% / -5.3%, mean / max / bias; the long haul's Linux-default runs
+    -44% -> -11.8% and -9.7% -> -8.4%, docs/benchmarks.md "HyStart in the window model")."""
+    chosen = exp.sim.tcp_hystart
+    if chosen is not None:
+        return chosen, f"sim.tcp_hystart: {str(chosen).lower()}"
+    return HYSTART_DEFAULT, ("on by default with the window model (Linux's CUBIC runs it; chosen 2026-12-06 on "
+                             "issue #30's matrix and the long haul); sim.tcp_hystart: false turns it off")
+
+
 def _profiled(exp: Experiment) -> bool:
     """Whether ``exp``'s devices take their times from its ``emulation`` section (its kind says)."""
     return device_kind(exp.device).profiled
@@ -411,6 +426,34 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     channels: dict[tuple[str, str], dict] = {}
     # a message a window at a time into drop-tail FIFOs (``rounds.RoundsChannel``)
     rounds = tcp and type(sim.policy) is FifoBurstPolicy
+    hystart = tcp and hystart_model(exp)[0]
+    flow_rtt: dict[int, float] = {}  # fid -> its path's round trip (WAN flows of the window model)
+    hystart_exits: list[tuple[int, str]] = []  # (the window HyStart set ssthresh to, how), every channel
+
+    def queued_ahead(path: list[Link], own=None) -> float:
+        """Seconds a segment entering ``path`` now waits in its queues (HyStart's delay sample): at
+        each link what its flows have put in flight and the link not yet served -- a message sent
+        whole all it has left, a window-limited one what its window holds beyond its rate's
+        round trip (``own``, the channel's flow, left out)."""
+        delay = 0.0
+        for link in path:
+            sim.backlog(link)  # (brings the link's flows up to now)
+            queued = 0.0
+            for f in link.flows:
+                if f is own:
+                    continue
+                if f.burst or f.fid not in flow_rtt:
+                    queued += f.remaining
+                else:
+                    rtt_f = flow_rtt[f.fid]
+                    queued += max(0.0, min(f.remaining, f.ceiling * rtt_f) - f.rate * rtt_f)
+            delay += queued / link.bandwidth
+        return delay
+
+    def round_rate(path: list[Link], own=None) -> float:
+        """The rate a round of a new flow on ``path`` leaves its bottleneck at: the link's
+        bandwidth over the flows sending there (max-min's equal share)."""
+        return min(link.bandwidth / (1 + sum(1 for f in link.flows if f is not own and f.rate > 0)) for link in path)
     # WAN messages sent whole in a window, in several rounds (``rounds``), larger ones shared
     # fairly; and (``rounds``) the segments the queues dropped
     counts = {"burst": 0, "rounds": 0, "bulk": 0, "lost": 0}
@@ -471,7 +514,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         channel = channels.get((w.name, kind))
         if channel is None:
             channel = channels[(w.name, kind)] = {"busy": False, "queue": [], "window": TcpWindow(
-                rtt, n_conn, cap, exp.parallel.slow_start_after_idle, sim_spec.tcp_ssthresh_segments)}
+                rtt, n_conn, cap, exp.parallel.slow_start_after_idle, sim_spec.tcp_ssthresh_segments, hystart)}
             if rounds:
                 channel["rounds"] = RoundsChannel(sim, path, routes[(peer.dc, w.dc)][0], ceiling, channel["window"],
                                                   n_conn, lambda link: routes_queue[id(link)], counts)
@@ -507,10 +550,20 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 return min(ceiling, win.rate())
 
             burst = win.segments(act_bytes) <= win.room(sim.now)  # the window as it is now holds all of it
+            if hystart:
+                # the first flight leaves at once, each connection's slice behind the one written
+                # before it: the typical connection's first segment waits behind half its siblings'
+                # (n - 1) slices and what the path's queues hold; its ACKs come a segment apart
+                first = min(win.segments(act_bytes), win.room(sim.now))
+                bottleneck = min(link.bandwidth for link in path)
+                win.sample_round(queued_ahead(path) + (win.n - 1) / 2 * first * MSS / bottleneck,
+                                 MSS / round_rate(path))
             counts["burst" if burst else "bulk"] += 1
             flow = sim.transfer(path, act_bytes, cap(act_bytes), arrived, owner=owner,
                                 on_sent=lambda t: left(channel), burst=burst)
             channel["flow"], channel["sent"] = flow, 0.0
+            if flow is not None:
+                flow_rtt[flow.fid] = rtt
             if sim_spec.tail_loss and flow is not None:
                 arrived.started(flow)
 
@@ -519,8 +572,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                     return
                 sim.settle(flow)
                 sent = act_bytes - flow.remaining  # what the message has sent so far
-                grew = win.grow((sent - channel.get("sent", 0.0)) / win.n)
+                grew = win.grow((sent - channel.get("sent", 0.0)) / win.n, sim.now)
                 channel["sent"] = sent
+                if hystart:  # the next round, ACK-clocked: the connections' segments interleave
+                    win.sample_round(queued_ahead(flow.links, flow), win.n * MSS / round_rate(flow.links, flow))
                 sim.set_ceiling(flow, cap(flow.remaining))
                 if grew or flow.ceiling < ceiling:
                     sim.at(sim.now + win.rtt, grow)
@@ -571,6 +626,13 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                                       [Interval(*e) for e in w.events], [Transfer(*t) for t in w.transfers],
                                       w.iteration_end)
     note = f"simulated {n_it} iteration(s), {sim.events_processed} events"
+    hystart_why = hystart_model(exp) if tcp else None
+    if hystart:
+        exits = [c["window"].hystart_exit for c in channels.values() if c["window"].hystart_exit]
+        segs = sorted(e[0] for e in exits)
+        note += (f"; HyStart ended slow start on {len(exits)} of {len(channels)} WAN channel(s)"
+                 + (f" (ssthresh {segs[0]}-{segs[-1]} segments: {sum(e[1] == 'delay' for e in exits)} by delay, "
+                    f"{sum(e[1] == 'train' for e in exits)} by ACK train)" if exits else ""))
     if fold_replicas:
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
     # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
@@ -581,13 +643,14 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         note += (f"; sharing fifo-bursts: {counts['burst'] + counts['rounds']} WAN message(s) served first-in "
                  f"first-out{split}, {counts['bulk']} shared max-min fairly")
     model = model_parts(exp, act_bytes, sim.policy, tcp_why, overhead,
-                        {"burst": counts["burst"] + counts["rounds"], "bulk": counts["bulk"]})
+                        {"burst": counts["burst"] + counts["rounds"], "bulk": counts["bulk"]}, hystart_why)
     return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share,
                      model=model)
 
 
 def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tcp: bool | tuple[bool, str],
-                overhead: float, messages: dict[str, int] | None = None) -> dict:
+                overhead: float, messages: dict[str, int] | None = None,
+                hystart: tuple[bool, str] | None = None) -> dict:
     """Which parts of the model a run of ``exp`` uses, each with the run's figures and its
     validated range (``validity.report``, which also names the sharing model that ran): the
     fluid sharing (fair, or the policy given; under fifo-bursts, FIFO for the messages sent
@@ -596,7 +659,9 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
     a WAN, the TCP models switched on, the loss model where a crossed path drops packets, the
     per-message latency where there is one, the WAN all-reduce where a stage spans DCs.
     ``tcp``: whether the window model ran, with why (``window_model``); the report carries
-    both under ``tcp_window_model`` ({"on": ..., "why": ...}) whether or not a WAN is crossed."""
+    both under ``tcp_window_model`` ({"on": ..., "why": ...}) whether or not a WAN is crossed;
+    ``hystart``: with the window model, whether HyStart ran in it and why (``hystart_model``),
+    carried under ``tcp_hystart``, and a part ``tcp_hystart`` where it ran on a WAN."""
     tcp, why = tcp if isinstance(tcp, tuple) else (tcp, "")
     boundary = validity.run_figures(exp, message_bytes, link_capacity(exp))
     parts: dict[str, validity.RunFigures] = {}
@@ -613,6 +678,8 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
             parts["fluid max-min sharing" if type(policy) is SharingPolicy else f"sharing policy {policy.name}"] = boundary
         if tcp:
             parts["tcp_window_model"] = boundary
+            if hystart is not None and hystart[0]:
+                parts["tcp_hystart"] = boundary
         if exp.sim.tail_loss:
             parts["tail_loss"] = boundary
         if exp.sim.loss_model and boundary.loss and boundary.loss[1] > 0:
@@ -622,7 +689,7 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
     ring = validity.ring_figures(exp)
     if ring.rtt_ms is not None:
         parts["wan_allreduce"] = ring
-    return validity.report(parts, sharing=policy.name, window=(tcp, why))
+    return validity.report(parts, sharing=policy.name, window=(tcp, why), hystart=hystart if tcp else None)
 
 
 def wan_utilization(result: SimResult) -> float:

@@ -38,10 +38,14 @@ What it models, as Linux and a drop-tail bottleneck do it:
 * **In order.** TCP hands the receiver a byte stream: a message whole before an earlier one
   of its channel is handed over with it.
 
+* **HyStart** (with ``sim.tcp_hystart``): each round tells its window the queueing delay its
+  first byte met (at the bottleneck and on the ACKs' way back) and how far apart its ACKs come,
+  for CUBIC's HyStart (``TcpWindow._hystart``).
+
 Left out: which flow's packets a full queue drops when bursts arrive together (the later
 round loses, whole tail first), the spread of a first round over the sender's own link,
-CUBIC's cubic growth (above ssthresh a segment per window of ACKs, Reno's), delayed ACKs,
-HyStart.  Validated on ``bench_emulated``'s four cases and ``validate_emulated``'s matrix
+CUBIC's return to its last maximum after a loss (above ssthresh after a loss a segment per
+window of ACKs, Reno's), delayed ACKs but for HyStart's ACK train.  Validated on ``bench_emulated``'s four cases and ``validate_emulated``'s matrix
 (docs/benchmarks.md, "fifo-bursts with the window model").
 """
 
@@ -117,6 +121,7 @@ class RoundsChannel:
         sim, win = self._sim, self._win
         sent_at, srtt = sim.now, self._srtt
         grows = 0.0 if recovery else size - min(size, clocked)
+        whole = not recovery and clocked <= 0  # sent into room the window had: all at once
         over = max(sim.backlog(link) + grows - self._queue_bytes(link) for link in self._path)
         mine = None
         lost = min(flight[1], -(-int(round(min(size, over) / self._n)) // MSS)) if over > 0 and size > 0 else 0
@@ -133,7 +138,16 @@ class RoundsChannel:
         def started(t: float) -> None:  # the round's first byte leaves the bottleneck
             # its ACKs queue behind what the way back holds (the peer's own bursts) then
             back = max((sim.backlog(link) / link.bandwidth for link in self._ack_path), default=0.0)
-            win.served(flight, t + back)
+            # HyStart's sample (``TcpWindow.sample_round``): the round trip's rise is both queues;
+            # a round sent into room at once leaves a connection's slice behind another (the
+            # typical connection behind half its siblings'), one released by ACKs interleaves them
+            bandwidth = min(link.bandwidth for link in self._path)
+            per_conn = flight[1] * MSS
+            if whole:
+                sample = ((t - sent_at) + back + (self._n - 1) / 2 * per_conn / bandwidth, MSS / bandwidth)
+            else:
+                sample = ((t - sent_at) + back, self._n * MSS / bandwidth)
+            win.served(flight, t + back, sample)
             sim.at(flight[0], self._pump)
             sample = (t - sent_at) + back + win.rtt  # its round trip, both queues included
             self._srtt = sample if self._srtt is None else 0.875 * self._srtt + 0.125 * sample

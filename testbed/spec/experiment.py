@@ -152,6 +152,15 @@ class SimSpec(_Strict):
                                 "segment a round trip, and a restart after idle keeps it (Linux's "
                                 "max(ssthresh, 3/4 cwnd)). None (the default): infinite until a loss. Measured on "
                                 "the long haul (parallel.tcp_trace): 36-120 segments, no loss (docs/benchmarks.md)")
+    tcp_hystart: bool | None = Field(
+        None, description="with tcp_window_model: CUBIC's HyStart ends each channel's slow start without loss "
+                          "as Linux does (net/ipv4/tcp_cubic.c, its defaults): from a window of 16 segments, "
+                          "where a round's first segments meet a queue 4-16 ms deep at the bottleneck "
+                          "(clamp(min_rtt / 8)), the other flows' and the channel's own, or its ACKs come "
+                          "as one train (<= 2 ms apart) over half the round trip; ssthresh = cwnd, then "
+                          "CUBIC's growth (at least 5% a round trip without loss). Unset (the default): "
+                          "see testbed/sim/build.py hystart_model; true / false: on / off "
+                          "(docs/benchmarks.md, 'HyStart in the window model')")
     tail_loss: bool = Field(
         False, description="a message in flight while its bottleneck FIFO overflows (the windows of the "
                            "channels sending there hold more than its BDP + queue) ends one tail-loss probe late "
