@@ -12,7 +12,14 @@ a WAN link is shaped at the sending gateway:
 * delay and jitter: netem (``kernel.py`` finds it) or, without netem, the userspace TUN
   delay line (``delayline.py``) that policy routing puts in the path;
 * rate and queue: HTB with a byte-limited leaf, through pyroute2 (``shaping.py``);
-* loss: netem, or an iptables ``statistic`` rule in the gateway, or the delay line.
+* loss: netem, or an iptables ``statistic`` rule in the gateway, or the delay line.  Each
+  drops a whole packet as it sees it, and a host's TCP hands the gateway GSO packets of 2-45
+  segments (veth keeps them whole), so a "0.05% of packets" link lost 0.05% of the segments
+  in bursts of two or more, half the loss events a path losing 0.05% of its packets has
+  (CUBIC's window goes as events^-0.75: 1.4-3.5x the goodput).  So wherever a WAN direction
+  has loss, at build or later, every host here sends single-segment packets
+  (``gso_max_segs`` 1 on its interface, ``_segment_senders``), as a real path's NIC puts them
+  on the wire.
 
 ``Network`` builds all of it, records every piece in the ``Registry`` as it appears, and
 removes it on ``stop()`` (also on Ctrl-C through the context manager; after SIGKILL,
@@ -202,6 +209,7 @@ class WanDirection:
     delay_client: _DelayLineClient | None = None
     _loss_chain: str | None = None
     _loss_installed: bool = field(default=False, repr=False)
+    on_loss: Callable[[], None] | None = field(default=None, repr=False)  # before loss is first set
 
     def set(self, **changes: float) -> Direction:
         """Change delay_ms, jitter_ms, loss, rate_mbps or queue_bytes in place, now.
@@ -272,6 +280,8 @@ class WanDirection:
                 self.delay_client.request(m.LaneSet(lane=self.lane, delay_ms=p.delay_ms, jitter_ms=p.jitter_ms))
             steps.append(("delay", ("delay_ms", "jitter_ms"), lambda: delay(new), lambda: delay(old)))
         if new.loss != old.loss:
+            if new.loss > 0 and self.on_loss is not None:
+                self.on_loss()  # lost per segment, as on a real path (module docstring)
             if self.backends.loss == "delayline":
                 def loss(value: float) -> None:
                     self.delay_client.request(m.LaneSet(lane=self.lane, loss=value))
@@ -391,6 +401,7 @@ class Network(HostIndex):
                 if a in self.local and b not in self.local and (a, b) not in self.tunnels:
                     raise NetworkError(f"WAN link {a} - {b}: {b} is on another machine and no tunnel leads there")
         self.mtu = mtu
+        self._senders_segmented = False
         self.caps = caps or probe()
         require_runtime(self.caps)
         self.backends = choose_backends(self.caps, delay_backend, loss_backend)
@@ -726,6 +737,23 @@ class Network(HostIndex):
                     if link.get_attr("IFLA_IFNAME") != "lo":
                         ipr.link("set", index=link["index"], mtu=self.mtu)
 
+    def _segment_senders(self) -> None:
+        """Every host here sends single-segment packets from now on (``gso_max_segs`` 1 on its
+        interface: TCP sizes its packets by the route's device), so loss hits segments, not
+        GSO bundles (module docstring).  Once per network; it costs the delay line a packet
+        per segment on the lossy network only."""
+        if self._senders_segmented:
+            return
+        from pyroute2 import IPRoute
+
+        for dc in self.local:
+            for h in self._hosts[dc]:
+                with IPRoute(netns=f"/proc/{h.node.pid}/ns/net", flags=0) as ipr:
+                    idx = ipr.link_lookup(ifname=f"{h.name}-eth0")
+                    if idx:
+                        ipr.link("set", index=idx[0], gso_max_segs=1)
+        self._senders_segmented = True
+
     def _make_tunnels(self) -> None:
         """Each WAN link to a DC on another machine: a unicast VXLAN made in this machine's
         own namespace on its underlay (its UDP socket stays there), then moved into the
@@ -844,6 +872,9 @@ class Network(HostIndex):
             )
             if self._lanes:
                 wd.lane = self._lane_name(src, dst)
+            wd.on_loss = self._segment_senders
+            if params.loss > 0:
+                self._segment_senders()
             if params.loss > 0 and self.backends.loss == "iptables":
                 wd._set_iptables_loss(params.loss)
             self._links[(src, dst)] = wd

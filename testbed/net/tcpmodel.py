@@ -24,14 +24,17 @@ trip, over many replicas at once (numpy), as Linux 6.x runs CUBIC (``tcp_cubic.c
 * the window grows only while used: it is held by the receiver's clamp (``window_bytes``: no
   loss) and, on a link of ``link_rate``, a window past its BDP queues (a longer round, the
   link's rate) and past BDP + ``queue_bytes`` overflows (a loss);
-* the drops: each *drop unit* is lost with probability p.  On the emulator that unit is a GSO
-  packet, not a segment: a host hands the gateway (veth keeps them whole) packets of
-  ``tcp_tso_autosize``'s size, max(2, pacing rate / 1024 / MSS) segments (pacing 1.2 x cwnd /
-  srtt, 2x in slow start; at most 45), and both the iptables rule and the delay line drop a
-  whole one.  So a segment is lost with probability p, as configured (the retransmits count
-  p), but loss *events* come at p / 2 or less per segment, each taking two or more adjacent
-  segments.  ``segments_per_drop`` sets a fixed unit instead (1: a real path's per-packet
-  loss);
+* the drops: each *drop unit* is lost with probability p: a segment by default, as on a real
+  path, whose NIC puts single segments on the wire.  ``segments_per_drop=None`` models what the
+  emulator did until 2026-12-06: a host handed the gateway (veth keeps them whole) GSO packets
+  of ``tcp_tso_autosize``'s size, max(2, pacing rate / 1024 / MSS) segments (pacing 1.2 x
+  cwnd / srtt, 2x in slow start; at most 45), and both the iptables rule and the delay line
+  dropped a whole one: a segment was lost with probability p, as configured (the retransmits
+  counted p), but loss *events* came at p / 2 or less per segment.  Measured on Sydney-London
+  alone (0.05%, 262 ms, 32.6 Mbit/s, iperf3 ~95 s, iptables): 11.12 and 7.26 Mbit/s with GSO
+  packets (this model with GSO drops: 11.3 [8.1-15.0]); 5.65 and 5.93 once the hosts sent
+  single segments (``network.py`` does so wherever a link has loss; this model per segment:
+  6.5 [4.8-8.3]);
 * a loss in a round of fewer than 4 segments waits for the RTO (srtt + max(4 rttvar, 200 ms)),
   doubled while the retransmission is lost, then slow start from one segment.
 
@@ -48,10 +51,10 @@ Why not the published response functions (kept below for comparison, ``rfc_loss_
 RFC 9438 section 5's average window ``(C (3 + beta) / (4 (1 - beta)))^(1/4) RTT^(3/4) / p^(3/4)``
 and Padhye et al.'s Reno rate (SIGCOMM 1998, b = 1: Linux counts acknowledged segments) assume
 evenly spaced losses of single segments.  On aws-longhaul3-lossy (0.05%, 148-262 ms) the
-emulator's flows carried 1.4-3.5x their figure; most of that is the drop unit (a GSO packet of
-two or more segments halves the loss events, and the window goes as events^-0.75), some the
-random spacing (a long interval's convex growth), and the rest the measurement's start and its
-spread (docs/benchmarks.md has the table).
+emulator's flows carried 1.4-3.5x their figure; most of that was the drop unit (a GSO packet of
+two or more segments halved the loss events, and the window goes as events^-0.75; measured,
+above), some the random spacing (a long interval's convex growth), and the rest the
+measurement's start and its spread (docs/benchmarks.md has the table).
 
 Not modelled: reordering (the delay line keeps order; netem's jitter would reorder), spurious
 retransmissions and their undo, delayed-ACK timing within a round (growth in whole rounds), the
@@ -180,7 +183,7 @@ def expected_goodput_estimate(rate_bytes_s: float, p: float, rtt_s: float, conne
 LINUX_CUBIC_BETA = 717 / 1024  # tcp_cubic.c: beta = 717 (of 1024)
 LINUX_CUBIC_C = 41 * 10 / 1024  # tcp_cubic.c: bic_scale = 41, C = bic_scale x 10 / 1024 = 0.4004
 RENO_GAIN = 8 / 15  # tcp_cubic.c's Reno estimate: +1 segment per cwnd x beta_scale / 8 acked (beta_scale 15)
-SEGMENTS_PER_DROP = None  # the emulator drops a host's GSO packet whole, sized by TSO autosizing (None)
+SEGMENTS_PER_DROP = 1  # a segment, as on a real path (and on the emulator since 2026-12-06); None: GSO packets
 MIN_DROP_SEGMENTS = 2  # tcp_min_tso_segs: the smallest GSO packet a bulk flow sends
 GSO_MAX_SEGMENTS = 45  # a GSO packet holds at most 64 KB: 45 segments
 DUP_THRESHOLD = 4  # a loss in a round of fewer segments than this waits for the RTO
