@@ -745,14 +745,20 @@ class Network(HostIndex):
         if self._senders_segmented:
             return
         from pyroute2 import IPRoute
+        from pyroute2.netlink.exceptions import NetlinkError
 
+        self._senders_segmented = True
         for dc in self.local:
             for h in self._hosts[dc]:
                 with IPRoute(netns=f"/proc/{h.node.pid}/ns/net", flags=0) as ipr:
                     idx = ipr.link_lookup(ifname=f"{h.name}-eth0")
-                    if idx:
-                        ipr.link("set", index=idx[0], gso_max_segs=1)
-        self._senders_segmented = True
+                    try:
+                        if idx:
+                            ipr.link("set", index=idx[0], gso_max_segs=1)
+                    except NetlinkError as exc:  # kernels before 5.19 cannot change it on a live link
+                        self._progress(f"warning: this kernel keeps GSO on {h.name} ({exc.args[-1]}): "
+                                       "loss will hit bundles of segments, not single ones")
+                        return
 
     def _make_tunnels(self) -> None:
         """Each WAN link to a DC on another machine: a unicast VXLAN made in this machine's
