@@ -236,6 +236,7 @@ def test_a_torchrun_job_across_machines_trains_as_on_one_machine(cluster, job_fo
     _nothing_left_soon(cluster)
 
 
+@pytest.mark.slow  # 18 s; README's test command (CI) read 14 min 8 s with it, against its 15 min budget
 def test_sigterm_ends_a_torchrun_job_on_every_machine(cluster, job_folder, tmp_path):
     out = tmp_path / "job"
     proc = subprocess.Popen(cluster.head_argv([*TESTBED, "torchrun", "aws-us3", "--ranks", RANKS, "--inventory",
