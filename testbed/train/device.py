@@ -30,22 +30,28 @@ _LAYOUT = struct.Struct("dd")  # free_at (CLOCK_MONOTONIC seconds), busy seconds
 _PR_SET_TIMERSLACK = 29
 
 
-def create_device(path: str | os.PathLike) -> None:
-    """An idle device file at ``path`` unless one is there: whichever of a device's clients
-    opens it first makes it, on its own machine (written aside, then linked into place, so a
-    client never sees a file shorter than the layout)."""
+def write_once(path: str | os.PathLike, data: bytes) -> None:
+    """``data`` at ``path`` unless a file is there: written aside, then linked into place, so
+    whichever of several processes (on any machine) comes first makes it and no reader ever
+    sees it shorter than ``data``."""
     path = Path(path)
     if path.exists():
         return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
     with open(tmp, "wb") as fh:
-        fh.write(_LAYOUT.pack(0.0, 0.0))
+        fh.write(data)
     try:
         os.link(tmp, path)
     except FileExistsError:
         pass
     finally:
         os.unlink(tmp)
+
+
+def create_device(path: str | os.PathLike) -> None:
+    """An idle device file at ``path`` unless one is there: whichever of a device's clients
+    opens it first makes it, on its own machine (``write_once``)."""
+    write_once(path, _LAYOUT.pack(0.0, 0.0))
 
 
 def _fine_timers() -> None:

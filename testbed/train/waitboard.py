@@ -27,6 +27,8 @@ import os
 import select
 import time
 
+from testbed.train.device import write_once
+
 _SIZE = 24
 
 
@@ -44,16 +46,7 @@ def ensure_board(path: str | os.PathLike) -> None:
     """The board and its doorbell unless they are there: a new board is written aside and
     linked into place, so a reader never sees a file shorter than the layout."""
     path = os.fspath(path)
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.new"
-        with open(tmp, "wb") as fh:
-            fh.write(bytes(_SIZE))
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
+    write_once(path, bytes(_SIZE))
     try:
         os.mkfifo(f"{path}.bell", 0o600)
     except FileExistsError:
