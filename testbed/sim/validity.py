@@ -87,8 +87,9 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
         misses="the matrix, default hosts: +5.2% to +7.9% where the run's restart after idle was partial (250 ms, "
                "1 pipeline, 1x BDP; 150 and 250 ms, 4 pipelines, temporal), -10% to -23% with 4-8 pipelines of "
                "1x BDP messages, fair sharing, 50-250 ms (the replicas drift apart); aws-longhaul3 (148-262 ms, the default job, Linux's "
-               "default hosts): -44% (bistable: the run sat "
-               "in the slow state, idle restarts every message, the simulator in the fast one; tuned hosts +2.1%); "
+               "default hosts): -44% without HyStart (bistable: the run sat "
+               "in the slow state, idle restarts every message, the simulator in the fast one; -11.8% with HyStart, "
+               "the default since; tuned hosts +2.1%); "
                "with fifo-bursts on 20 ms chains of 4-64 pipelines a link: -4.8% to +0.8% (a message a window at "
                "a time; before, served as one flow behind every later burst, 64x8 read +11.8%)"),
     Validated(
