@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from collections import Counter
 import threading
 import time
 from dataclasses import dataclass, field
@@ -362,12 +363,7 @@ class Emulation:
             rx.update({int(k): v for k, v in data["rx"].items()})
             sent.update({int(k): v for k, v in data["sent"].items()})
             stalls += data.get("stalls", [])
-        seen: dict[str, dict[int, int]] = {}
-        for name, client in self.sniffers.items():
-            path = self.workdir / f"routes-{policy}-{name}.json"
-            client.request(tm.Dump(path=str(path)))
-            for ifname, table in json.loads(path.read_text()).items():
-                seen[ifname] = {int(k): v for k, v in table.items()}
+        seen = self._route_counts(policy)
         load = self._slot_loads(samples, t0, links)
         pr = self._judge(policy, streams, rx, sent, seen, load, links)
         # the counter sampler's own gaps (the machine did not run it) share a gap's bytes
@@ -599,10 +595,10 @@ class Emulation:
                         d, route = int(real.dc[ci]), int(real.route[ci])
                         if route == INTERNET:
                             inet, every = _in_progress(live, now)
-                            for p, n in self._call_paths(ci, d).items():
-                                planned.append((now - t0, p, n))
+                            wants = self._call_paths(ci, d)
+                            planned += [(now - t0, p, n) for p, n in wants.items()]
                             if not all(_within(inet[p], every[p], n, controller.fraction(p))
-                                       for p, n in self._call_paths(ci, d).items()):
+                                       for p, n in wants.items()):
                                 route = WAN
                                 if opts.option_index(k, d, WAN) is None:
                                     d = opts[k].nearest
@@ -699,17 +695,23 @@ class Emulation:
                 "internet_share_calls": float((routes == INTERNET).mean()) if len(routes) else 0.0,
                 "max_backoff_steps": controller.max_backoff_steps}
 
+    def _route_counts(self, tag: str) -> dict[str, dict[int, int]]:
+        """Every route checker's counts so far: interface -> stream id -> packets (each dumps to
+        ``routes-TAG-NAME.json`` in the work folder)."""
+        seen: dict[str, dict[int, int]] = {}
+        for name, client in self.sniffers.items():
+            path = self.workdir / f"routes-{tag}-{name}.json"
+            client.request(tm.Dump(path=str(path)))
+            for ifname, table in json.loads(path.read_text()).items():
+                seen[ifname] = {int(k): v for k, v in table.items()}
+        return seen
+
     def _moved_streams_seen(self, moves: list[dict], calls: dict[int, "_LiveCall"]) -> dict:
         """The route counters' word on the calls moved: of the moved streams that still had
         0.1 s to run and had left on the Internet (before the move), how many left on a
         backbone link too (after it); counted by every router's and the hub's ``routecheck``."""
         time.sleep(0.3)  # what is in flight reaches the counters
-        seen: dict[str, dict[int, int]] = {}
-        for name, client in self.sniffers.items():
-            path = self.workdir / f"routes-controller-{name}.json"
-            client.request(tm.Dump(path=str(path)))
-            for ifname, table in json.loads(path.read_text()).items():
-                seen[ifname] = {int(k): v for k, v in table.items()}
+        seen = self._route_counts("controller")
         wan_ifs = {ln.ifname for ln in self.lab.net.links()}
         inet_ifs = set(seen) - wan_ifs
         checked = on_wan = 0
@@ -821,21 +823,15 @@ class _LiveCall:
 
 def _in_progress(live: dict[int, _LiveCall], now: float):
     """Per path: participants on the Internet, participants in all (calls in progress); ended calls leave."""
-    inet: dict = {}
-    every: dict = {}
+    inet: Counter = Counter()
+    every: Counter = Counter()
     for ci in [ci for ci, c in live.items() if c.end <= now]:
         del live[ci]
     for c in live.values():
-        for p, n in c.paths.items():
-            every[p] = every.get(p, 0) + n
-            if c.route == INTERNET:
-                inet[p] = inet.get(p, 0) + n
-    return _Zero(inet), _Zero(every)
-
-
-class _Zero(dict):
-    def __missing__(self, key):
-        return 0
+        every.update(c.paths)
+        if c.route == INTERNET:
+            inet.update(c.paths)
+    return inet, every
 
 
 def _within(inet: int, every: int, n: int, fraction: float) -> bool:
