@@ -16,7 +16,8 @@ a WAN link is shaped at the sending gateway:
   drops a whole packet as it sees it, and a host's TCP hands the gateway GSO packets of 2-45
   segments (veth keeps them whole), so a "0.05% of packets" link lost 0.05% of the segments
   in bursts of two or more, half the loss events a path losing 0.05% of its packets has
-  (CUBIC's window goes as events^-0.75: 1.4-3.5x the goodput).  So wherever a WAN direction
+  (CUBIC's window goes as events^-0.75; measured: 1.05-1.97x the goodput, four directions of
+  Sydney-London at 0.05%, one run each, docs/benchmarks.md).  So wherever a WAN direction
   has loss, at build or later, every host here sends single-segment packets
   (``gso_max_segs`` 1 on its interface, ``_segment_senders``), as a real path's NIC puts them
   on the wire.
@@ -755,7 +756,7 @@ class Network(HostIndex):
                     try:
                         if idx:
                             ipr.link("set", index=idx[0], gso_max_segs=1)
-                    except NetlinkError as exc:  # kernels before 5.19 cannot change it on a live link
+                    except NetlinkError as exc:  # a kernel that will not change it on a live link
                         self._progress(f"warning: this kernel keeps GSO on {h.name} ({exc.args[-1]}): "
                                        "loss will hit bundles of segments, not single ones")
                         return
