@@ -321,6 +321,10 @@ class Launcher:
         except FileNotFoundError:
             return None
 
+    def clock_offset(self, near: str | None = None) -> float:
+        """0: one machine, one clock (the run's)."""
+        return 0.0
+
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items()}
 

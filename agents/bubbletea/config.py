@@ -10,6 +10,12 @@ On emulated devices (``device: emulated``) a server and a decode worker get ``de
 (the emulated device they occupy: the worker's own for a server) and ``serving_profile``
 (``profile.py``'s JSON, read by ``timing.py``) with ``speedup`` (the experiment's
 ``emulation.speedup``): they then run no model and import no torch.
+
+Clocks: every instant in BubbleTea's messages and results is on the run's clock (the one
+telemetry is mapped onto).  Each process gets ``clock_offset_s``, its machine's
+CLOCK_MONOTONIC less the run's (``Launcher.clock_offset``: 0 on one machine; across machines
+the fake cluster's differ by seconds): it subtracts it from the instants it sends and adds it
+to those it is sent.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class ServerConfig:
     serving_profile: str | None = None  # emulated: profile.py's JSON (prefill and decode times, KV bytes)
     speedup: float = 1.0  # emulated: the device is this many times as fast as the profiled one
     device: str = "cpu"  # the real model's device: the worker's (cpu, cuda:N)
+    clock_offset_s: float = 0.0  # its machine's monotonic clock less the run's (``Launcher.clock_offset``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +82,7 @@ class DecodeConfig:
     device_file: str | None = None  # emulated: its own device, which decode steps occupy
     serving_profile: str | None = None
     speedup: float = 1.0
+    clock_offset_s: float = 0.0  # its machine's monotonic clock less the run's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,6 +123,7 @@ class ControllerConfig:
     max_jobs: int = 8  # requests one dispatch may carry
     dispatch_ahead: bool = True  # jobs for a worker's next wait, sent before it begins
     drain_s: float = 3.0  # after training, prefills and decodes under way may finish this long
+    clock_offset_s: float = 0.0  # its machine's monotonic clock less the run's (telemetry comes on the run's)
 
     def to_dict(self) -> dict:
         return asdict(self)

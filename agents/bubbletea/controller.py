@@ -93,6 +93,10 @@ class Controller:
         self.sock = None
         self.tell_run = lambda msg: None  # a line for the run's log (set by ``run``)
 
+    def now(self) -> float:
+        """The run's clock (telemetry's, and every instant BubbleTea's messages carry)."""
+        return time.monotonic() - self.cfg.clock_offset_s
+
     # -- inputs -------------------------------------------------------------------------
     def on_telemetry(self, msg: m.Message) -> None:
         if isinstance(msg, bt.Died):
@@ -109,7 +113,7 @@ class Controller:
             self.iterations_done[name] = msg.it + 1
         if self.t0 is None and len(self.iterations_done) == len(self.bubbles) and \
                 min(self.iterations_done.values()) >= self.cfg.warmup_iterations:
-            self.t0 = time.monotonic()
+            self.t0 = self.now()
             _log(f"serving from now: {len(self.requests)} requests over "
                  f"{self.cfg.workload.duration_s:.0f} s")
 
@@ -220,7 +224,7 @@ class Controller:
     # -- decisions ----------------------------------------------------------------------
     def _failure(self, component: str, reason: str, requests: int) -> None:
         self.failures.append({"component": component, "reason": reason, "requests": requests,
-                              "at_s": round(time.monotonic() - self.t0, 3) if self.t0 else None})
+                              "at_s": round(self.now() - self.t0, 3) if self.t0 else None})
         key = reason.split(":")[0]
         if key not in self._told:  # once per component and kind: the run's log names it
             self._told.add(key)
@@ -339,7 +343,7 @@ class Controller:
     def stop_serving(self) -> None:
         """Training has ended: nothing more is dispatched; the servers ship what they have."""
         if self.t_end is None:
-            self.t_end = time.monotonic()
+            self.t_end = self.now()
         for name in self.servers:
             self._send(name, bt.Drain())
 
@@ -363,7 +367,7 @@ class Controller:
             elif r["status"] not in FINAL:
                 self._reject(rid, f"run ended while {r['status']}")
         arrived = [r for r in self.state.values() if r["status"] != "not arrived"]
-        serving = (self.t_end or time.monotonic()) - self.t0 if self.t0 is not None else 0.0
+        serving = (self.t_end or self.now()) - self.t0 if self.t0 is not None else 0.0
         return {"requests": arrived, "prefill_intervals": self.prefill_intervals, "t0": self.t0,
                 "serving_s": round(serving, 6), "counts": dict(self.counts), "rejection_reasons": dict(self.reasons),
                 "failures": self.failures, "dispatched_ahead": dict(self.ahead),
@@ -425,7 +429,7 @@ def run(cfg: ControllerConfig) -> None:
         if ctl.ready and not told_ready:
             tel.sendall(m.line(m.Ready()))
             told_ready = True
-        ctl.tick(time.monotonic())
+        ctl.tick(ctl.now())
     # training is over: the servers ship what is prefilled, the decode workers finish (briefly)
     ctl.stop_serving()
     deadline = time.monotonic() + cfg.drain_s

@@ -136,8 +136,9 @@ def run(cfg: DecodeConfig) -> None:
                 continue
             done = time.monotonic()
             for (rid, _steps, _prompt, _blob, received), (tokens, token_times) in zip(batch, results):
-                tell(bt.Decoded(decoder=cfg.name, rid=rid, tokens=tokens, received=received, done=done,
-                                token_times=list(token_times)))
+                off = cfg.clock_offset_s  # instants in messages are on the run's clock
+                tell(bt.Decoded(decoder=cfg.name, rid=rid, tokens=tokens, received=received - off, done=done - off,
+                                token_times=[t - off for t in token_times]))
 
     def guarded() -> None:
         try:

@@ -148,7 +148,8 @@ class BubbleTeaExtension(RunExtension):
                 cgroup = ctx.containers.make(name, self.exp.topo.dc(dc).host.cpus)
                 if cgroup is not None:
                     CpuContainers.lower_weight(cgroup, 1 / 8)
-            cfg = DecodeConfig(model, ctl_sock, host.ip, _DECODE_PORT, name=name, **extra)
+            cfg = DecodeConfig(model, ctl_sock, host.ip, _DECODE_PORT, name=name,
+                               clock_offset_s=ctx.launcher.clock_offset(dc), **extra)
             self._start(ctx, name, "agents.bubbletea.decode", cfg.to_dict(), name, host=host, cgroup=cgroup,
                         near=dc)
             decoders[name] = [host.ip, _DECODE_PORT]
@@ -156,7 +157,7 @@ class BubbleTeaExtension(RunExtension):
         for name, w in ctx.workers.items():
             listen = str(ctx.launcher.socket(f"bubbletea-{name}.sock", near=w.slot.dc))
             cfg = ServerConfig(name, listen, ctl_sock, model, wait_board=str(ctx.launcher.file(f"{name}.board")),
-                               **emulated)
+                               clock_offset_s=ctx.launcher.clock_offset(w.slot.dc), **emulated)
             if self.emulated:  # the worker's own device: its chunks queue on the stream training ops use
                 cfg.device_file = str(w.device_file)
                 if spec.control:  # the control arm: a device of its own (the server makes it), all else the same
@@ -190,7 +191,7 @@ class BubbleTeaExtension(RunExtension):
             # the same requests, k times further apart (a trace's rate scale and a Poisson rate / k)
             workload=Workload(spec.source, spec.duration_s * k, spec.rate_scale / k, spec.token_scale,
                               spec.rate_per_s / k, spec.max_output_tokens),
-            drain_s=self._drain_s)
+            drain_s=self._drain_s, clock_offset_s=ctx.launcher.clock_offset(first))
         self._start(ctx, "controller", "agents.bubbletea.controller", ccfg.to_dict(), None, near=first)
         self._connected = True
         where = (f"on the workers' emulated devices ({self.profile.name}, speedup {exp.emulation.speedup:g})"

@@ -51,6 +51,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 from agents.bubbletea import messages as bt
 from agents.bubbletea.config import ServerConfig
@@ -199,6 +200,7 @@ def run(cfg: ServerConfig) -> None:
         os.unlink(cfg.listen)
     sock.bind(cfg.listen)
     controller = cfg.controller
+    off = cfg.clock_offset_s  # instants in messages are on the run's clock: this machine's less this
 
     def tell(msg: m.Message) -> None:
         try:
@@ -240,7 +242,7 @@ def run(cfg: ServerConfig) -> None:
                 tell(bt.KvFailed(worker=cfg.worker, rid=rid, error=f"{type(exc).__name__}: {exc}"))
                 continue
             tell(bt.Prefilled(worker=cfg.worker, rid=rid, kv_bytes=len(blob), kv_send_s=sent, first_token=first,
-                              at=finished))
+                              at=finished - off))
 
     for _ in range(cfg.kv_senders):  # a cache takes a few round trips: several at once
         threading.Thread(target=ship, daemon=True).start()
@@ -257,7 +259,7 @@ def run(cfg: ServerConfig) -> None:
                 gate.notify_all()
             continue
         if msg.lengths is not None:  # sent ahead: start when the wait does (the board's doorbell)
-            began = board.await_wait(msg.wait, msg.give_up, also=sock.fileno()) if board is not None else "timeout"
+            began = board.await_wait(msg.wait, msg.give_up + off, also=sock.fileno()) if board is not None else "timeout"
             if isinstance(began, str):  # passed, not in time, or a message came: hand the jobs back
                 for i, job in enumerate(msg.jobs):
                     state = states.get(job.rid)
@@ -267,7 +269,7 @@ def run(cfg: ServerConfig) -> None:
                 continue
             deadlines = [began + x for x in msg.lengths]
         else:
-            deadlines = list(msg.deadlines)
+            deadlines = [d + off for d in msg.deadlines]  # on this machine's clock
         deadline = deadlines.pop(0)
         with gate:
             bubble["deadline"] = deadline
@@ -301,7 +303,8 @@ def run(cfg: ServerConfig) -> None:
                     break
                 intervals.append(bt.Chunk(*backend.run_chunk(state, n)))
             done, total = backend.progress(state) if state is not None else (0, job.tokens)
-            tell(bt.Progress(worker=cfg.worker, rid=rid, done=done, total=total, intervals=intervals,
+            tell(bt.Progress(worker=cfg.worker, rid=rid, done=done, total=total,
+                             intervals=[replace(c, start=c.start - off, end=c.end - off) for c in intervals],
                              last=i == len(jobs) - 1))
             if state is not None and done == total:
                 finished = intervals[-1].end if intervals else time.monotonic()  # the first token exists now

@@ -493,6 +493,11 @@ class ClusterLauncher:
         data = self.cluster.agents[self.machine_of(near, str(path))].call("read_file", path=str(path))
         return None if data is None else base64.b64decode(data)
 
+    def clock_offset(self, near: str | None = None) -> float:
+        """DC ``near``'s machine's CLOCK_MONOTONIC less the orchestrator's, as measured when
+        the cluster started (what ``ClusterHub.map_times`` subtracts from its telemetry)."""
+        return self.cluster.offsets.get(self.machine_of(near, "clock_offset"), 0.0)
+
     def file(self, name: str) -> Path:
         """``name`` in the agents' process folder, the same path on every machine: a process
         that shares it makes it on its own machine (an emulated device does), and the agent's

@@ -130,6 +130,13 @@ class Launcher(Protocol):
         left it (None: there is none)."""
         ...
 
+    def clock_offset(self, near: str | None = None) -> float:
+        """CLOCK_MONOTONIC on DC ``near``'s machine less the run's clock (the orchestrator's,
+        which telemetry is mapped onto), in seconds: 0 on one machine.  A process that puts
+        instants in messages to processes on other machines subtracts it (the run's clock),
+        and adds it to the instants it is sent."""
+        ...
+
 
 @runtime_checkable
 class Hub(Protocol):
