@@ -35,6 +35,7 @@ interface on every machine gets the underlay's MTU less 50 (the VXLAN header): 1
 from __future__ import annotations
 
 import base64
+import collections
 import getpass
 import itertools
 import os
@@ -575,7 +576,7 @@ class ClusterHub:
         return machine
 
     def poll(self, timeout: float) -> list[tuple[str, Message | None]]:
-        return self.cluster.drain(timeout)
+        return self.cluster.take_telemetry(timeout)
 
     def send(self, name: str, msg: Message) -> bool:
         machine = self._machine(name)
@@ -629,6 +630,7 @@ class Cluster:
     hub: ClusterHub | None = None
     net: ClusterNetwork | None = None
     events: "queue.Queue" = field(default_factory=queue.Queue)
+    telemetry: "collections.deque" = field(default_factory=collections.deque)  # drained, for the hub
     _renewer: threading.Thread | None = None
     _report: dict | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -810,23 +812,34 @@ class Cluster:
                 pass
 
     # -- events -----------------------------------------------------------------------
-    def drain(self, timeout: float = 0.0) -> list[tuple[str, Message | None]]:
-        """Handle the agents' events that arrived (waiting up to ``timeout`` for the first);
-        telemetry comes back as the hub's (name, msg)."""
-        out: list[tuple[str, Message | None]] = []
+    def take_telemetry(self, timeout: float) -> list[tuple[str, Message | None]]:
+        """The telemetry drained so far and what arrives within ``timeout`` (none waited for
+        when some is already kept), as the hub's (name, msg), in order."""
+        self.drain(0.0 if self.telemetry else timeout)
+        out = list(self.telemetry)
+        self.telemetry.clear()
+        return out
+
+    def drain(self, timeout: float = 0.0) -> None:
+        """Handle the agents' events that arrived (waiting up to ``timeout`` for the first).
+        Telemetry is kept for the hub (``take_telemetry``), whoever drains: a network check or
+        a wait for a process's exit drains too, and once dropped what it found (a worker's
+        iteration end, lost: the run then failed in its summary)."""
         deadline = time.monotonic() + timeout
+        first = True
         while True:
             left = deadline - time.monotonic()
             try:
-                machine, ev = self.events.get(timeout=left) if left > 0 and not out else self.events.get_nowait()
+                machine, ev = self.events.get(timeout=left) if left > 0 and first else self.events.get_nowait()
             except queue.Empty:
-                return out
+                return
+            first = False
             if isinstance(ev, Telemetry):
                 name, msg = ev.name, ev.msg
                 if self.hub is not None and msg is not None:
                     self.hub.worker_machine.setdefault(name, machine)
                     msg = self.hub.map_times(name, machine, msg)
-                out.append((name, msg))
+                self.telemetry.append((name, msg))
             elif isinstance(ev, Output) and ev.name in self.ranks:
                 self.ranks[ev.name].output(ev.text)
             elif isinstance(ev, Exited) and ev.name in self.ranks:
