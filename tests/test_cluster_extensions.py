@@ -15,9 +15,10 @@ Asserted: what shows the mechanism ran across machines (the plan applied by the 
 agent, both pipelines' bytes through the scheduler of each direction of the crossing link,
 prefill jobs on every machine's servers, exact accounting, BubbleTea's slowdown within its
 own bound).  Printed: the key figures here and across machines (Atlas's temporal/fair
-iteration time; BubbleTea's filled bubble time, utilization and interleaved slowdown); the
-within-noise comparison is reported, not asserted (``test_cluster.py``'s emulated
-comparison says why).
+iteration time; BubbleTea's filled bubble time, utilization and interleaved slowdown).
+BubbleTea's filled bubble time across machines is asserted to be one machine's within what 9
+pairs spread; Atlas's ratio is reported (its gain in this small experiment is about nothing in
+both places: ``experiments/bench_cluster_parity.py`` repeats both).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ def test_bubbletea_fills_bubbles_on_every_machine(cluster, tmp_path):
         intervals = json.loads((tmp_path / where / "bubbletea.json").read_text())["prefill_intervals"]
         for stage in range(3):  # stage s in the s-th DC: each on its own machine across machines
             assert any(intervals.get(f"s{stage}r{r}") for r in range(2)), (where, stage, sorted(intervals))
+    filled = {w: json.loads((tmp_path / w / "metrics.json").read_text())["summary"]["bubble_time_filled"]
+              for w in ("here", "there")}
+    # across machines fills as one machine does: 9 pairs (2026-12-06) differed by -0.025 to -0.002;
+    # with the controller on another machine's clock than its telemetry, 0.31 against 0.70
+    assert filled["there"] >= filled["here"] - 0.04, filled
     there = json.loads((tmp_path / "there" / "metrics.json").read_text())
     assert there["cluster"]["placement"] == {"virginia": "m1", "ohio": "m2", "oregon": "m3"}
     _nothing_left(cluster)
