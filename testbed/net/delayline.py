@@ -108,7 +108,7 @@ class _Lane:
 _VNET_HDR = 10
 _BYPASS_BYTES = 256  # pure ACKs and pings skip the per-pipeline queues
 _ETH = 14
-_RATE_FACTOR = 0.97  # the line paces a little under the HTB cap behind it
+RATE_FACTOR = 0.97  # the line paces a little under the HTB cap behind it (the simulator models it: engine.PriorityPolicy)
 
 
 def _class_queue_bytes(rate_mbps: float, delay_s: float) -> int:
@@ -148,7 +148,7 @@ class _Scheduler:
 
     def set_rate(self, rate_mbps: float) -> None:
         """Pace to ``rate_mbps`` (a little under it: the HTB cap stays behind the line)."""
-        self.rate = rate_mbps * 1e6 / 8 * _RATE_FACTOR
+        self.rate = rate_mbps * 1e6 / 8 * RATE_FACTOR
         self.depth = max(2 * 65536 + 4096, self.rate * 0.002)
 
     def classify(self, pkt: bytes) -> str | None:
@@ -318,7 +318,7 @@ class DelayLine:
             if spec["classes"]:
                 # the link's own rate, as last set: an agent that reinstalls a scheduler after a
                 # restart must not pace at the rate the link had when the run began
-                rate = spec.get("rate_mbps") or lane.rate_mbps or (old.rate * 8 / 1e6 / _RATE_FACTOR if old else None)
+                rate = spec.get("rate_mbps") or lane.rate_mbps or (old.rate * 8 / 1e6 / RATE_FACTOR if old else None)
                 if not rate or rate <= 0:
                     raise ValueError("a scheduler needs rate_mbps > 0")
                 queue = spec.get("queue_bytes")

@@ -181,7 +181,9 @@ class PriorityPolicy(SharingPolicy):
     The highest-ranked pipeline with a flow on a link gets all it can use (up to its
     ceiling); the next gets what is left, and so on: work-conserving, one owner at a time,
     as the delay line's scheduler does.  ``order`` ranks flow owners ("r0", "r1", ..);
-    unknown owners rank last, in arrival order.
+    unknown owners rank last, in arrival order.  ``rate_factor``: the share of each link's rate
+    the scheduler gives out (the emulator's delay line paces at ``delayline.RATE_FACTOR``, 0.97,
+    so that the HTB behind it never queues; a real gateway at full rate: 1).
 
     ``allocate`` is the definition (every flow of the group, in key order); the engine calls
     ``allocate_queues``, which gives the same rates while visiting only the flows that get a
@@ -193,14 +195,15 @@ class PriorityPolicy(SharingPolicy):
     name = "temporal"
     ordered = True
 
-    def __init__(self, order: list[str]):
+    def __init__(self, order: list[str], rate_factor: float = 1.0):
         self.rank = {owner: i for i, owner in enumerate(order)}
+        self.rate_factor = rate_factor  # the scheduler paces at this share of each link's rate
 
     def key(self, flow: Flow) -> tuple[int, int]:
         return (self.rank.get(flow.owner, len(self.rank)), flow.fid)
 
     def allocate(self, flows: list[Flow], now: float) -> None:
-        remaining = {id(link): link.bandwidth for f in flows for link in f.links}
+        remaining = {id(link): link.bandwidth * self.rate_factor for f in flows for link in f.links}
         for f in sorted(flows, key=self.key):
             rate = min([f.ceiling] + [remaining[id(link)] for link in f.links])
             f.rate = max(0.0, rate)
@@ -212,7 +215,7 @@ class PriorityPolicy(SharingPolicy):
         a link's queue is left once the link has nothing left to give, since every flow behind
         it would get 0.  Sets and returns the flows visited; the others on ``links`` get 0."""
         if len(links) == 1:  # (then each of its flows crosses it alone)
-            return self._allocate_queue(links[0])
+            return self._allocate_queue(links[0], self.rate_factor)
         remaining: dict[int, float] = {}
         heads = [(link._queue[0][0], i, 0) for i, link in enumerate(links) if link._queue]
         heapq.heapify(heads)
@@ -226,21 +229,21 @@ class PriorityPolicy(SharingPolicy):
                 visited[f.fid] = f
                 rate = f.ceiling
                 for hop in f.links:
-                    left = remaining.get(id(hop), hop.bandwidth)
+                    left = remaining.get(id(hop), hop.bandwidth * self.rate_factor)
                     if left < rate:
                         rate = left
                 f.rate = max(0.0, rate)
                 for hop in f.links:
-                    remaining[id(hop)] = remaining.get(id(hop), hop.bandwidth) - f.rate
+                    remaining[id(hop)] = remaining.get(id(hop), hop.bandwidth * self.rate_factor) - f.rate
             pos += 1
-            if pos < len(queue) and remaining.get(id(link), link.bandwidth) > 0:
+            if pos < len(queue) and remaining.get(id(link), link.bandwidth * self.rate_factor) > 0:
                 heapq.heappush(heads, (queue[pos][0], i, pos))
         return list(visited.values())
 
     @staticmethod
-    def _allocate_queue(link: Link) -> list[Flow]:
+    def _allocate_queue(link: Link, rate_factor: float = 1.0) -> list[Flow]:
         """``allocate_queues`` for one link, whose flows cross it alone (no merge to make)."""
-        left = link.bandwidth
+        left = link.bandwidth * rate_factor
         visited = []
         for _, f in link._queue:
             rate = f.ceiling if f.ceiling <= left else left
