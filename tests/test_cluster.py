@@ -321,28 +321,6 @@ def test_bad_maps_are_one_line_errors(cluster, tmp_path):
     _nothing_left(cluster)
 
 
-def test_telemetry_drained_by_a_network_check_still_reaches_the_hub():
-    """The run's loop checks the network (which drains the agents' events for failures)
-    between its telemetry polls: what that drain finds is the hub's, in order.  It once was
-    dropped: a worker's iteration end lost, and the run failed in its summary (KeyError) in
-    2 of 10 runs across machines."""
-    from testbed import messages as m
-    from testbed.cluster.remote import Cluster, ClusterHub
-
-    cluster = Cluster(machines=[], placement={}, inventory=Path("none"))
-    cluster.offsets = {"m1": 5.0}
-    cluster.hub = ClusterHub(cluster, sender_of=lambda name, kind: None)
-    ends = [m.Events(it=k, events=[], transfers=[], end=10.0 + k, iteration_done=True) for k in range(3)]
-    for k, msg in enumerate(ends):
-        cluster.events.put(("m1", m.Telemetry(name="s0r0", msg=msg, t=0.0)))
-        if k == 1:
-            cluster.drain()  # what ClusterNetwork.check does
-    cluster.events.put(("m1", m.Exited(name="other", rc=0)))
-    got = cluster.hub.poll(0.0)
-    assert [(n, msg.it, msg.end) for n, msg in got] == [("s0r0", k, 5.0 + k) for k in range(3)]  # on the run's clock
-    assert cluster.hub.poll(0.0) == []
-
-
 def test_drift_between_the_clock_samples_moves_timestamps_in_proportion():
     """Runs without the fake cluster's machines: the correction is arithmetic on records."""
     from testbed.cluster.remote import correct_drift

@@ -154,6 +154,28 @@ def test_a_drifting_clock_is_measured_and_mapped_within_its_uncertainty(cluster,
     _nothing_left_soon(cluster)
 
 
+def test_telemetry_drained_by_a_network_check_still_reaches_the_hub():
+    """The run's loop checks the network (which drains the agents' events for failures)
+    between its telemetry polls: what that drain finds is the hub's, in order.  It once was
+    dropped: a worker's iteration end lost, and the run failed in its summary (KeyError) in
+    2 of 10 runs across machines."""
+    from testbed import messages as m
+    from testbed.cluster.remote import Cluster, ClusterHub
+
+    cluster = Cluster(machines=[], placement={}, inventory=Path("none"))
+    cluster.offsets = {"m1": 5.0}
+    cluster.hub = ClusterHub(cluster, sender_of=lambda name, kind: None)
+    ends = [m.Events(it=k, events=[], transfers=[], end=10.0 + k, iteration_done=True) for k in range(3)]
+    for k, msg in enumerate(ends):
+        cluster.events.put(("m1", m.Telemetry(name="s0r0", msg=msg, t=0.0)))
+        if k == 1:
+            cluster.drain()  # what ClusterNetwork.check does
+    cluster.events.put(("m1", m.Exited(name="other", rc=0)))
+    got = cluster.hub.poll(0.0)
+    assert [(n, msg.it, msg.end) for n, msg in got] == [("s0r0", k, 5.0 + k) for k in range(3)]  # on the run's clock
+    assert cluster.hub.poll(0.0) == []
+
+
 def test_clean_removes_the_agent_logs_of_orchestrators_that_are_gone(tmp_path, monkeypatch):
     """A SIGKILLed orchestrator never closes its cluster: its agents' log folder stays in the
     temp folder until ``testbed clean`` sees its PID gone; a live one's stays."""
