@@ -6,7 +6,8 @@ slow link's two DCs on two fake machines, so the link is a VXLAN between them). 
 controller runs on dc1's machine; the agent of dc2's gateway runs on dc2's machine, so every
 plan and heartbeat it gets crossed machines (a ``Launcher.socket`` relayed by the agents),
 and the turns it gives are read back from its delay line (``delay_line_stats`` through
-dc2's agent).  BubbleTea: ``experiments/bubbletea-emulated.yaml`` (aws-us3, one DC per
+dc2's agent); and its turns at the senders (``enforce: senders``: each DC's turn server on
+its machine, both pipelines taking turns one at a time in both directions).  BubbleTea: ``experiments/bubbletea-emulated.yaml`` (aws-us3, one DC per
 machine, interleaved): its controller on Virginia's machine places prefills in the bubbles of
 workers on all three, whose servers read their worker's wait board and occupy its emulated
 device there, and answer over relayed datagrams.
@@ -84,6 +85,27 @@ def test_atlas_temporal_sharing_takes_turns_on_a_link_between_machines(cluster, 
     # dc2's agent, on m2, got its plan from the controller on m1 (relayed) and applied it there
     assert "plan applied on dc2->dc1" in (tmp_path / "there" / "temporal" / "atlas-logs" / "agent-dc2.log").read_text()
     print(f"atlas temporal/fair: one machine x{ratio['here']:.3f}, across machines x{ratio['there']:.3f}")
+    _nothing_left(cluster)
+
+
+def test_atlas_turns_at_the_senders_run_across_machines(cluster, tmp_path):
+    """``enforce: senders`` across machines: each DC's turn server runs beside its senders on
+    their machine; both pipelines take turns in both directions, one holder at a time (each
+    link's turns are on one machine's clock)."""
+    data = yaml.safe_load(_ATLAS)
+    data.pop("compare")
+    data["atlas"]["enforce"] = "senders"
+    exp = tmp_path / "senders.yaml"
+    exp.write_text(yaml.safe_dump(data))
+    there = _head(cluster, ["run", str(exp), "--inventory", str(cluster.inventory_path), "--out", str(tmp_path / "out")])
+    assert there.returncode == 0, there.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "metrics.json").read_text())["summary"]
+    assert summary["atlas"]["enforce"] == "senders" and set(summary["atlas"]["turns"]) == {"dc1->dc2", "dc2->dc1"}
+    turns = json.loads((tmp_path / "out" / "atlas-turns.json").read_text())
+    for link, rec in turns.items():
+        exclusive = sorted((t for t in rec["turns"] if t[5]), key=lambda t: t[2])
+        assert rec["order"] == ["r0", "r1"] and {t[0] for t in exclusive} == {"r0", "r1"}, (link, len(exclusive))
+        assert all(b[2] >= a[3] for a, b in zip(exclusive, exclusive[1:])), link  # one holder at a time
     _nothing_left(cluster)
 
 
