@@ -44,6 +44,7 @@ def _topology():
                            "wan": [{"a": "east", "b": "west", "delay_ms": 10, "rate_mbps": RATE_MBPS}]})
 
 
+@pytest.mark.slow  # 20-22 s; test_atlas_run.py's enforced plan keeps the gateway's turns in the quick suite
 @pytest.mark.fidelity  # under 16-19% CPU steal the delay line starved and the two shared the link
 @pytest.mark.network(delay="tun")
 def test_the_owner_gets_the_link_in_the_order_given(tmp_path):

@@ -222,6 +222,7 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(ln)["loss"] for ln in text.splitlines() if ln.startswith("{")]
 
 
+@pytest.mark.slow  # 30-33 s; the suite reached 15.5 min on a slow evening (2026-12-06 20:52 UTC)
 def test_a_torchrun_job_across_machines_trains_as_on_one_machine(cluster, job_folder, tmp_path):
     one, many = tmp_path / "one", tmp_path / "many"
     job = [str(job_folder / "job.py"), *DDP_ARGS]
