@@ -41,20 +41,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
+from test_cluster import _EMULATED  # noqa: E402  (the tests' experiments, run as they run them)
+from test_cluster_extensions import _ATLAS, _steady_mean  # noqa: E402
 from testbed.cluster import fake  # noqa: E402
 
 TESTBED = [sys.executable, "-m", "testbed.cli"]
 OFFSETS = [5.0, 0.0, -3.0]
 
 
-def _steady_mean(metrics: dict) -> float:
-    steady = set(metrics["summary"]["steady_state_iterations"])
-    return statistics.mean(it["time_s"] for it in metrics["iterations"] if it["iteration"] in steady)
-
-
 def _emulated(folder: Path) -> tuple[Path, callable]:
-    from test_cluster import _EMULATED
-
     data = yaml.safe_load(_EMULATED)
     data.pop("compare")
     exp = folder / "emulated.yaml"
@@ -72,8 +67,6 @@ def _bubbletea(folder: Path) -> tuple[Path, callable]:
 
 
 def _atlas(folder: Path) -> tuple[Path, callable]:
-    from test_cluster_extensions import _ATLAS
-
     exp = folder / "atlas.yaml"
     exp.write_text(_ATLAS)
 
@@ -134,7 +127,8 @@ def main() -> int:
                         r = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=900)
                         if r.returncode != 0:  # kept, said, and left out of the figures
                             kept = Path(tempfile.mkdtemp(prefix=f"gtb-parity-failed-{case}-{where}-"))
-                            shutil.copytree(out, kept / "out", dirs_exist_ok=True) if out.exists() else None
+                            if out.exists():
+                                shutil.copytree(out, kept / "out", dirs_exist_ok=True)
                             (kept / "stderr.txt").write_text(r.stderr)
                             failed.append({"case": case, "where": where, "run": i, "kept": str(kept),
                                            "error": (r.stderr.strip().splitlines() or ["?"])[-1]})

@@ -135,8 +135,8 @@ def run(cfg: DecodeConfig) -> None:
                 print(traceback.format_exc(), file=sys.stderr, flush=True)
                 continue
             done = time.monotonic()
+            off = cfg.clock_offset_s  # instants in messages are on the run's clock
             for (rid, _steps, _prompt, _blob, received), (tokens, token_times) in zip(batch, results):
-                off = cfg.clock_offset_s  # instants in messages are on the run's clock
                 tell(bt.Decoded(decoder=cfg.name, rid=rid, tokens=tokens, received=received - off, done=done - off,
                                 token_times=[t - off for t in token_times]))
 
