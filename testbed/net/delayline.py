@@ -62,9 +62,10 @@ being read, once between its due instant and its release.  Three things take it 
   keeps to the configured one without releasing packets early on a punctual machine.
 
 Measured on the 2-core VM (``experiments/bench_wan.py --only rtt``, docs/benchmarks.md):
-the min-RTT error of 10 probes 0.2 s apart went from +0.3..+3.4 ms to 0.0..+0.9 ms.  What
-is left is the host's: the first milliseconds after a long idle run slow whatever the line
-does (a 5 ms link probed once a second still reads 5-10 ms over).
+the min-RTT error of 10 probes 0.2 s apart at 5-50 ms one-way went from +0.57..+2.03 ms to
++0.11..+1.21 ms.  What is left is the host's: the first milliseconds after a long idle run
+slow whatever the line does (a 5 ms link probed once a second reads 8-11 ms over its RTT on
+the mean: the process stalls while running).
 
 Run as ``python -m testbed.net.delayline CONFIG.json``; it prints ``ready`` once every TUN
 exists and exits on SIGTERM.
