@@ -31,8 +31,9 @@ run's Atlas controller published, through the extension's ``predict`` hook).
   fluid model alone, the default before); ``fair-window`` keeps the experiment's sharing and
   turns the window model on for every host (on WAN-tuned hosts it changes nothing here, so
   it reads as ``default``); ``fifo-window`` predicts with ``sim.sharing: fifo-bursts`` and the
-  window model instead of the experiment's own (fair sharing); temporal cells keep Atlas's
-  policy.
+  window model instead of the experiment's own (fair sharing); ``spread[=SIGMA]`` predicts with
+  ``sim.sharing: spread`` (flows weighted by lognormal draws, unequal over a message); temporal
+  cells keep Atlas's policy.
 
 The earlier 12-cell matrix (4.2 ms, 100 Mbit/s, fair) is ``--rtt 4.2 --message-bdp 10,100
 --sharing fair``: the same experiments, its old run folders read as those cells'.
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -93,6 +95,11 @@ def _with_model(exp, model: str, ssthresh: int | None = None, hystart: bool | No
     if model in ("no-window", "fair-window"):
         window = model == "fair-window"
         return exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_window_model": window})})
+    if model.startswith("spread"):  # spread[=SIGMA]: fair sharing unequal over a message (SpreadPolicy)
+        update = {"sharing": "spread"}
+        if "=" in model:
+            update["share_spread"] = float(model.split("=", 1)[1])
+        return exp.model_copy(update={"sim": exp.sim.model_copy(update=update)})
     sim = exp.sim.model_copy(update={"sharing": "fifo-bursts", "tcp_window_model": True})
     return exp.model_copy(update={"sim": sim})
 
@@ -145,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-cell-seconds", type=float, default=None,
                     help="leave out cells whose estimated emulated duration exceeds this")
     ap.add_argument("--iterations", type=int, default=5, help="per run (the first 2 are warm-up)")
-    ap.add_argument("--model", choices=("default", "no-window", "fair-window", "fifo-window"), default="default",
-                    help="the simulator's network model for the predictions (default: the simulator's own, the "
-                         "window model on hosts with Linux's slow start after idle; no-window: the window model "
-                         "off, the default before 2026-12-06)")
+    ap.add_argument("--model", default="default",
+                    help="the simulator's network model for the predictions: default (the simulator's own, the "
+                         "window model on hosts with Linux's slow start after idle), no-window (the window model "
+                         "off, the default before 2026-12-06), fair-window, fifo-window, or spread[=SIGMA] "
+                         "(sim.sharing: spread, sim.share_spread: SIGMA)")
     ap.add_argument("--ssthresh", type=int, default=None,
                     help="sim.tcp_ssthresh_segments for the predictions (the window model's slow-start threshold "
                          "from the start, standing in for HyStart's exit; default: infinite)")
@@ -156,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="sim.tcp_hystart for the predictions (CUBIC's HyStart ends the window model's slow "
                          "start; default: the simulator's own)")
     args = ap.parse_args(argv)
+    if args.model not in ("default", "no-window", "fair-window", "fifo-window") and not \
+            re.fullmatch(r"spread(=[0-9.]+)?", args.model):
+        raise SystemExit(f"validate_emulated: --model {args.model!r}: choose default, no-window, fair-window, "
+                         f"fifo-window or spread[=SIGMA]")
     if args.plan and args.reuse:
         raise SystemExit("validate_emulated: --plan and --reuse exclude each other")
     if args.iterations < 3:

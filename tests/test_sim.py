@@ -85,6 +85,25 @@ def test_a_flow_finishing_gives_its_share_back():
     assert done["big"] == pytest.approx(0.4)  # then the whole link: 100 kB + 200 kB
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_spread_sharing_keeps_the_link_full_but_flows_started_together_end_apart(k):
+    from testbed.sim.engine import SpreadPolicy
+
+    ends = {}
+    for sigma in (0.0, 0.5):
+        sim = Simulator(SpreadPolicy(sigma, seed=7))
+        link = Link("a->b", bandwidth=1e6, delay=0.0)
+        done = []
+        for _ in range(k):
+            sim.transfer([link], 100_000, float("inf"), done.append)
+        sim.run()
+        ends[sigma] = sorted(done)
+    assert ends[0.0] == [pytest.approx(k * 0.1)] * k  # sigma 0: fair sharing
+    spread = ends[0.5]
+    assert spread[-1] == pytest.approx(k * 0.1)  # the link stays full: the last ends when fair sharing's all do
+    assert spread[0] < 0.9 * k * 0.1  # the first well before
+
+
 def test_message_latency_delays_every_hand_off_by_exactly_that_much():
     exp = _exp(2, 1, "1f1b", intra_dc_gbps=1e12)
     base = summarise(simulate(exp, message_overhead_s=0.0))["summary"]["mean_iteration_time_s"]

@@ -12,7 +12,10 @@ activation takes, serialisation at the link's rate included.
                                    (TIMEOUT_S for the first; after it, IDLE_S without one ends it)
     python -m testbed.net.owd send HOST PORT COUNT INTERVAL_S
     python -m testbed.net.owd msg-recv PORT COUNT SIZE TIMEOUT_S   -> one delay (ms) per message
-    python -m testbed.net.owd msg-send HOST PORT COUNT SIZE INTERVAL_S
+    python -m testbed.net.owd msg-send HOST PORT COUNT SIZE INTERVAL_S [START_AT]
+                                   (START_AT: the shared clock's instant of the first message; then
+                                   one every INTERVAL_S from it, so senders in several hosts send
+                                   together: how flows share a link, ``experiments/measure_shares.py``)
 """
 
 from __future__ import annotations
@@ -82,13 +85,16 @@ def msg_recv(port: int, count: int, size: int, timeout_s: float) -> None:
         print(f"{(now - sent) * 1000.0:.4f}", flush=True)
 
 
-def msg_send(host: str, port: int, count: int, size: int, interval_s: float) -> None:
+def msg_send(host: str, port: int, count: int, size: int, interval_s: float, start_at: float | None = None) -> None:
     conn = socket.create_connection((host, port))
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     body = bytes(size)
-    for _ in range(count):
+    for k in range(count):
+        if start_at is not None:
+            time.sleep(max(0.0, start_at + k * interval_s - time.monotonic()))
         conn.sendall(struct.pack("!d", time.monotonic()) + body)
-        time.sleep(interval_s)
+        if start_at is None:
+            time.sleep(interval_s)
     conn.close()
 
 
@@ -101,4 +107,5 @@ if __name__ == "__main__":
     elif cmd == "msg-recv":
         msg_recv(int(args[0]), int(args[1]), int(args[2]), float(args[3]))
     else:
-        msg_send(args[0], int(args[1]), int(args[2]), int(args[3]), float(args[4]))
+        msg_send(args[0], int(args[1]), int(args[2]), int(args[3]), float(args[4]),
+                 float(args[5]) if len(args) > 5 else None)

@@ -40,7 +40,8 @@ from testbed.spec.experiment import Experiment
 from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
 from testbed.sim import validity
-from testbed.sim.engine import FifoBurstPolicy, Link, PipelineJob, SharingPolicy, Simulator, StageTimes, Worker
+from testbed.sim.engine import (FifoBurstPolicy, Link, PipelineJob, SharingPolicy, Simulator, SpreadPolicy,
+                                StageTimes, Worker)
 from testbed.sim.rounds import RoundsChannel
 from testbed.sim.tcpwindow import INIT_SEGMENTS, INITIAL_WINDOW, TcpWindow  # noqa: F401 (also this module's names)
 
@@ -314,11 +315,14 @@ def wan_can_contend(exp: Experiment) -> bool:
     return any(total > capacity(topo.direction(*pair)) * (1 + 1e-9) for pair, total in load.items())
 
 
-SHARING = {"fair": SharingPolicy, "fifo-bursts": FifoBurstPolicy}  # sim.sharing -> its policy
+SHARING = {"fair": SharingPolicy, "fifo-bursts": FifoBurstPolicy, "spread": SpreadPolicy}  # sim.sharing -> its policy
 
 
 def sharing_policy(exp: Experiment) -> SharingPolicy:
-    """The sharing policy ``sim.sharing`` names (a fresh one)."""
+    """The sharing policy ``sim.sharing`` names (a fresh one; spread's weights seeded by the
+    training seed)."""
+    if exp.sim.sharing == "spread":
+        return SpreadPolicy(exp.sim.share_spread, seed=exp.training.seed)
     return SHARING[exp.sim.sharing]()
 
 

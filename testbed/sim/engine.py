@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable
@@ -92,32 +93,35 @@ class SharingPolicy:
             f.rate = rate[f.fid]
 
     @staticmethod
-    def _max_min(flows: list[Flow], remaining: dict[int, float]) -> dict[int, float]:
+    def _max_min(flows: list[Flow], remaining: dict[int, float],
+                 weights: dict[int, float] | None = None) -> dict[int, float]:
         """Progressive filling of ``flows`` over what ``remaining`` (id(link) -> bytes/s) says
         their links have left, each flow capped by its ceiling; the rates by fid (``remaining``
-        is used up)."""
+        is used up).  ``weights`` (fid -> weight): weighted max-min, each flow's share in
+        proportion to its weight (``SpreadPolicy``); without, the unweighted filling as it was."""
         unfixed = set(f.fid for f in flows)
         rate = {f.fid: 0.0 for f in flows}
         by_id = {f.fid: f for f in flows}
         while unfixed:
-            # the smallest equal share any link can give its unfixed flows
+            # the smallest share per unit of weight any link can give its unfixed flows
             share = float("inf")
-            counts: dict[int, int] = {}
+            counts: dict[int, float] = {}
             for fid in unfixed:
+                w = 1 if weights is None else weights[fid]
                 for link in by_id[fid].links:
-                    counts[id(link)] = counts.get(id(link), 0) + 1
+                    counts[id(link)] = counts.get(id(link), 0) + w
             for key, n in counts.items():
                 share = min(share, remaining[key] / n)
             fixed_now = []
             for fid in unfixed:
                 f = by_id[fid]
                 cap = f.ceiling - rate[fid]
-                if cap <= share + 1e-12:
+                if (cap if weights is None else cap / weights[fid]) <= share + 1e-12:
                     fixed_now.append((fid, cap))
             if not fixed_now:
                 # the bottleneck links saturate: fix every flow crossing one of them
                 bottlenecks = {key for key, n in counts.items() if remaining[key] / n <= share + 1e-9}
-                fixed_now = [(fid, share) for fid in unfixed
+                fixed_now = [(fid, share if weights is None else share * weights[fid]) for fid in unfixed
                              if any(id(link) in bottlenecks for link in by_id[fid].links)]
             for fid, inc in fixed_now:
                 rate[fid] += inc
@@ -173,6 +177,33 @@ class FifoBurstPolicy(SharingPolicy):
             rate = self._max_min(bulk, remaining)
             for f in bulk:
                 f.rate = rate[f.fid]
+
+
+class SpreadPolicy(SharingPolicy):
+    """Fair in the long run, unequal over a message: each flow draws a weight when it starts
+    (lognormal: exp(sigma x N(0, 1)), from a seeded generator) and its links divide among their
+    flows in proportion to the weights (weighted max-min).  TCP flows that start together on a
+    shaped link do not finish together: ``experiments/measure_shares.py`` measures how far
+    apart, and sigma is fitted to it.  With sigma 0 this is fair sharing.  What it is for:
+    under fair sharing DP replicas move in lockstep; in the emulator they drift apart and the
+    all-reduce waits for the slowest (docs/benchmarks.md)."""
+
+    name = "spread"
+
+    def __init__(self, sigma: float, seed: int = 0):
+        self.sigma = sigma
+        self._rng = random.Random(seed)
+        self._weights: dict[int, float] = {}
+
+    def allocate(self, flows: list[Flow], now: float) -> None:
+        weights = self._weights
+        for f in flows:
+            if f.fid not in weights:
+                weights[f.fid] = math.exp(self.sigma * self._rng.gauss(0.0, 1.0))
+        remaining = {id(link): link.bandwidth for f in flows for link in f.links}
+        rate = self._max_min(flows, remaining, weights)
+        for f in flows:
+            f.rate = rate[f.fid]
 
 
 class PriorityPolicy(SharingPolicy):

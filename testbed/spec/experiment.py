@@ -167,7 +167,7 @@ class SimSpec(_Strict):
                            "(RFC 8985: 2 x the smoothed round trip, the full queue's delay included): lost last "
                            "segments get no duplicate ACKs; validated on one regime only, window-clamped senders "
                            "(docs/benchmarks.md)")
-    sharing: Literal["fair", "fifo-bursts"] = Field(
+    sharing: Literal["fair", "fifo-bursts", "spread"] = Field(
         "fair", description="how flows share a WAN link: fair = max-min fair among all flows (TCP's long-run "
                             "sharing); fifo-bursts = a message its channel puts in flight whole (size <= "
                             "connections x window, the window held to the path's BDP + queue) is served first-in "
@@ -175,8 +175,13 @@ class SimSpec(_Strict):
                             "messages share what is left max-min fairly (testbed/sim/engine.py FifoBurstPolicy; "
                             "docs/benchmarks.md compares the two); with tcp_window_model every message goes a "
                             "window at a time, each window first-in first-out, into drop-tail queues that lose "
-                            "what overflows (testbed/sim/rounds.py; tail_loss is not applied then). Ignored where "
+                            "what overflows (testbed/sim/rounds.py; tail_loss is not applied then); spread = fair in "
+                            "the long run but unequal over a message, each flow weighted by a lognormal draw "
+                            "(share_spread; testbed/sim/engine.py SpreadPolicy). Ignored where "
                             "an extension gives the simulator a policy")
+    share_spread: float = Field(
+        0.3, ge=0, le=2, description="sharing: spread: the sigma of each flow's lognormal weight (0: fair "
+                                     "sharing); fitted to experiments/measure_shares.py (docs/benchmarks.md)")
     loss_model: bool = Field(
         True, description="where a WAN path drops packets at random (a link's loss), hold each connection to what "
                           "CUBIC sustains under that loss and round trip (Linux's CUBIC driven by the random drops, a "
