@@ -74,6 +74,7 @@ exists and exits on SIGTERM.
 from __future__ import annotations
 
 import collections
+import ctypes
 import fcntl
 import json
 import os
@@ -309,9 +310,12 @@ class _ArrivalTap:
     process wakes up to read it.  A classic BPF filter keeps only outgoing packets (those bound
     for the line, not those it writes back) of at most ``_BYPASS_BYTES`` (probes, ACKs, small
     messages: the packets whose delay a reader measures one by one), cut to ``_TAP_KEY``
-    bytes.  The loop drains it before a long sleep and reads it after one, so its buffer holds
-    only what arrived while the line slept; while the line is busy the kernel drops the
-    copies when the small buffer fills (cheap: nothing is read)."""
+    bytes.  The loop drains it before a long sleep (at most every ``_TAP_EVERY_S``) and reads it
+    after one, so its buffer holds little but what arrived while the line slept; while the line
+    is busy the kernel drops the copies once the small buffer fills (cheap: nothing is read).
+    By hand (a six-instruction classic BPF program, the constants of <linux/filter.h> and
+    <asm/socket.h>): no maintained Python package attaches a filter to a packet socket or
+    reads its ``SCM_TIMESTAMPNS``."""
 
     _SO_ATTACH_FILTER = 26
     _SO_TIMESTAMPNS = 35
@@ -319,8 +323,6 @@ class _ArrivalTap:
     _ETH_P_ALL = 0x0003
 
     def __init__(self, ifname: str):
-        import ctypes
-
         prog = [  # (code, jt, jf, k)
             (0x20, 0, 0, 0xFFFFF004),  # ld pkttype (SKF_AD_OFF + SKF_AD_PKTTYPE)
             (0x15, 0, 3, 4),  # jeq PACKET_OUTGOING, else drop
