@@ -233,7 +233,6 @@ def run(
 
             for v in [exp.variant(n) for n in exp.compare] if exp.compare else [exp]:
                 refused = (f"device: {v.device}" if device_kind(v.device).one_machine_only else
-                           "time_dilation" if v.time_dilation != 1.0 else
                            ", ".join(e.name for e in in_use(v) if not e.across_machines))
                 if refused:
                     raise ClusterError(f"--inventory: {refused} runs on one machine only, for now"

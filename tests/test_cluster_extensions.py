@@ -12,6 +12,10 @@ machine, interleaved): its controller on Virginia's machine places prefills in t
 workers on all three, whose servers read their worker's wait board and occupy its emulated
 device there, and answer over relayed datagrams.
 
+Time dilation (k = 2, emulated devices, one link between two machines): the WAN check reads the
+topology's delays in emulated terms (the agents dilated the wire), and the iteration time is
+printed beside one machine's.
+
 Asserted: what shows the mechanism ran across machines (the plan applied by the remote
 agent, both pipelines' bytes through the scheduler of each direction of the crossing link,
 prefill jobs on every machine's servers, exact accounting, BubbleTea's slowdown within its
@@ -134,4 +138,31 @@ def test_bubbletea_fills_bubbles_on_every_machine(cluster, tmp_path):
     assert filled["there"] >= filled["here"] - 0.04, filled
     there = json.loads((tmp_path / "there" / "metrics.json").read_text())
     assert there["cluster"]["placement"] == {"virginia": "m1", "ohio": "m2", "oregon": "m3"}
+    _nothing_left(cluster)
+
+
+_DILATED = f"""name: dil-cluster
+topology: {REPO / 'tests' / 'data' / 'dil2.yaml'}
+device: emulated
+time_dilation: 2
+model: {{layers: 4, hidden: 128, heads: 4, seq_len: 64}}
+training: {{iterations: 8, warmup_iterations: 2, microbatches: 4, microbatch_size: 4, seed: 3}}
+parallel: {{stages: 2, replicas: 1, schedule: 1f1b, connections: 2, tcp_window_bytes: 65536}}
+sim:
+  stage_times: [{{forward_s: 0.06, backward_s: 0.12, optimizer_s: 0.01}}, {{forward_s: 0.06, backward_s: 0.12, optimizer_s: 0.01}}]
+"""
+
+
+def test_time_dilation_runs_across_machines(cluster, tmp_path):
+    exp = tmp_path / "dil.yaml"
+    exp.write_text(_DILATED)
+    _both(cluster, exp, tmp_path)
+    here, there = (json.loads((tmp_path / w / "metrics.json").read_text()) for w in ("here", "there"))
+    assert there["cluster"]["placement"] == {"east": "m1", "west": "m2"}  # the link crosses machines
+    for m in (here, there):
+        assert m["summary"]["time_dilation"] == 2.0
+        # emulated terms: 15 + 20 ms; an agent that built its part undilated reads 17.5
+        assert [(c["src"], c["dst"], c["ok"]) for c in m["wan_check"]] == [("east", "west", True), ("west", "east", True)]
+        assert all(abs(c["rtt_ms_measured"] - 35.0) <= 0.7 for c in m["wan_check"]), m["wan_check"]
+    print(f"dilated k=2, steady iteration: here {_steady_mean(here):.3f} s, across machines {_steady_mean(there):.3f} s")
     _nothing_left(cluster)

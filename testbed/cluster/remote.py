@@ -55,13 +55,13 @@ from testbed.messages import (AgentGone, Answer, Call, Datagram, Done, Events, E
                                Telemetry, Wait, Xfer)
 from testbed.net.shaping import ClassCounters, Counters
 from testbed.net.surface import HostIndex, HostInfo, NetworkError
-from testbed.spec.topology import Topology
+from testbed.spec.topology import Topology, dilated
 from testbed.cluster import wire
 from testbed.cluster.build import version
 from testbed.cluster.inventory import ClusterError, Machine
 
 VXLAN_OVERHEAD = 50
-_NETWORK_OPTIONS = {"scheduling"}  # what a run's extensions may ask of the network across machines (each agent's)
+_NETWORK_OPTIONS = {"scheduling", "time_dilation"}  # what a run may ask of each agent's network across machines
 LOGS_PREFIX = "gtb-agent-logs-"  # + the orchestrator's PID: the agents' logs while it runs (tempfile's folder)
 CLOCK_BOUND_MS = 1.0
 _VNI_BASE = 4096
@@ -324,9 +324,13 @@ class _Backends:
 class ClusterNetwork(HostIndex):
     """The topology built across machines, used as ``network.Network`` is."""
 
-    def __init__(self, cluster: "Cluster", topo: Topology):
+    def __init__(self, cluster: "Cluster", topo: Topology, time_dilation: float = 1.0):
         self.cluster = cluster
-        self.topo = topo
+        # as on one machine (``Network``): ``topo`` is what the wire carries, k times slower
+        # under time dilation, and ``emulated_topo`` the topology as given
+        self.time_dilation = float(time_dilation)
+        self.emulated_topo = topo
+        self.topo = dilated(topo, self.time_dilation)
         self._hosts: dict[str, list[HostInfo]] = {}
         self.backends = None
         self.startup_s = 0.0
@@ -757,14 +761,18 @@ class Cluster:
         mtus = {m: self.agents[m].call("underlay_mtu", address=by_name[m].underlay) for m in self.agents}
         mtu = min(1500, min(mtus.values())) - VXLAN_OVERHEAD
         self.underlay["mtu"] = mtus
-        # each crossing link's delay less half the underlay's round trip, per direction
-        data = topo.model_dump()
+        # each crossing link's delay less half the underlay's round trip, per direction; the
+        # agents get the topology as given and dilate it themselves (``time_dilation`` in
+        # ``options``), so the underlay's real delay is taken off in emulated terms: owd / k
+        k = getattr(net, "time_dilation", 1.0)
+        data = getattr(net, "emulated_topo", topo).model_dump()
         for n, link in crossing:
             a, b = sorted((self.placement[link.a], self.placement[link.b]))
-            owd = self.underlay[f"{a}-{b}"]["rtt_ms"] / 2
-            data["wan"][n]["delay_ms"] = max(0.0, link.delay_ms - owd)
-            if data["wan"][n].get("reverse"):
-                data["wan"][n]["reverse"]["delay_ms"] = max(0.0, link.reverse.delay_ms - owd)
+            owd = self.underlay[f"{a}-{b}"]["rtt_ms"] / 2 / k
+            given = data["wan"][n]
+            given["delay_ms"] = max(0.0, given["delay_ms"] - owd)
+            if given.get("reverse"):
+                given["reverse"]["delay_ms"] = max(0.0, given["reverse"]["delay_ms"] - owd)
         self.progress(f"building {len(topo.dcs)} DCs on {len(self.agents)} machines "
                       f"({len(crossing)} WAN link(s) over VXLAN, MTU {mtu})")
         results = {}
@@ -901,8 +909,8 @@ class ClusterSite:
         if unknown:
             raise ClusterError(f"a run across machines does not take {', '.join(unknown)} yet (on one machine only, "
                                "for now)")
-        self.cluster.check_clocks(topo)
-        self.net = ClusterNetwork(self.cluster, topo)
+        self.cluster.check_clocks(dilated(topo, options.get("time_dilation", 1.0)))
+        self.net = ClusterNetwork(self.cluster, topo, options.get("time_dilation", 1.0))
         self.net.delay_backend = delay_backend
         self.net.options = dict(options)
         return ClusterLab(self.cluster, self.net)
