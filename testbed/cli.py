@@ -143,16 +143,16 @@ def fidelity(
     cluster = None
     try:
         topo = load_topology(resolve_topology(topology))
-        if time_dilation != 1.0 and inventory is not None:
-            _fail("--time-dilation: on one machine only, for now (not with --inventory)")
         with console.status("building the network") as status:
             if inventory is not None:
                 from testbed.cluster.remote import ClusterNetwork, open_cluster
 
                 cluster = open_cluster(topo, inventory, machines, progress=lambda m: status.update(m))
-                cluster.check_clocks(topo)
-                net = ClusterNetwork(cluster, topo)
+                net = ClusterNetwork(cluster, topo, time_dilation)
+                cluster.check_clocks(net.topo)  # the wire's delays (k times the topology's)
                 net.delay_backend = delay_backend
+                if time_dilation != 1.0:
+                    net.options = {"time_dilation": time_dilation}  # each agent dilates its part
             else:
                 net = Network(topo, delay_backend=delay_backend, loss_backend=loss_backend,
                               progress=lambda m: status.update(m), time_dilation=time_dilation)

@@ -12,9 +12,9 @@ machine, interleaved): its controller on Virginia's machine places prefills in t
 workers on all three, whose servers read their worker's wait board and occupy its emulated
 device there, and answer over relayed datagrams.
 
-Time dilation (k = 2, emulated devices, one link between two machines): the WAN check reads the
-topology's delays in emulated terms (the agents dilated the wire), and the iteration time is
-printed beside one machine's.
+Time dilation (k = 2, emulated devices, one link between two machines): the WAN check and
+``testbed fidelity --time-dilation 2`` read the topology's delays in emulated terms (the agents
+dilated the wire), and the iteration time is printed beside one machine's.
 
 Asserted: what shows the mechanism ran across machines (the plan applied by the remote
 agent, both pipelines' bytes through the scheduler of each direction of the crossing link,
@@ -165,4 +165,10 @@ def test_time_dilation_runs_across_machines(cluster, tmp_path):
         assert [(c["src"], c["dst"], c["ok"]) for c in m["wan_check"]] == [("east", "west", True), ("west", "east", True)]
         assert all(abs(c["rtt_ms_measured"] - 35.0) <= 0.7 for c in m["wan_check"]), m["wan_check"]
     print(f"dilated k=2, steady iteration: here {_steady_mean(here):.3f} s, across machines {_steady_mean(there):.3f} s")
+    fid = _head(cluster, ["fidelity", str(REPO / "tests" / "data" / "dil2.yaml"), "--inventory", str(cluster.inventory_path),
+                          "--time-dilation", "2", "--seconds", "2", "--json"])
+    assert fid.returncode == 0, fid.stderr[-2000:]
+    got = {(d["src"], d["dst"]): d for d in json.loads(fid.stdout)}
+    for (src, dst), owd in ((("east", "west"), 15.0), (("west", "east"), 20.0)):  # emulated terms, each way
+        assert abs(got[(src, dst)]["rtt_ms_measured"] - 35.0) <= 0.7 and abs(got[(src, dst)]["owd_ms_measured"] - owd) <= 0.5, got
     _nothing_left(cluster)
