@@ -63,6 +63,17 @@ def test_a_run_inside_the_validated_range_gets_no_warning(tmp_path):
     assert off["tcp_window_model"] == {"on": False, "why": "sim.tcp_window_model: false"}
 
 
+def test_the_spread_model_says_it_ran_and_warns_that_it_reads_worse(tmp_path):
+    """Inside every validated range but for its sharing: ``sim.sharing: spread`` measured worse
+    than fair sharing on issue #30's matrix, and a run that uses it is told so."""
+    model = simulate(_job(tmp_path, 10.0, sharing="spread")).model
+    assert model["sharing"] == "spread" and "lognormal" in model["sharing_rule"]
+    row = next(p for p in model["parts"] if p["part"] == "sharing policy spread")
+    assert row["validated"] is False and not row["inside"]
+    assert model["warnings"] == [f"warning: sharing policy spread is not validated: "
+                                 f"{validity.NOT_VALIDATED['sharing policy spread']}"]
+
+
 def test_the_atlas_regime_lies_inside_the_ranges_its_tcp_models_were_validated_on():
     exp = load_experiment(REPO / "experiments" / "atlas-regime.yaml")
     model = simulate(exp, iterations=1).model

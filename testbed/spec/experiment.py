@@ -177,7 +177,8 @@ class SimSpec(_Strict):
                             "window at a time, each window first-in first-out, into drop-tail queues that lose "
                             "what overflows (testbed/sim/rounds.py; tail_loss is not applied then); spread = fair in "
                             "the long run but unequal over a message, each flow weighted by a lognormal draw "
-                            "(share_spread; testbed/sim/engine.py SpreadPolicy). Ignored where "
+                            "(share_spread; testbed/sim/engine.py SpreadPolicy; not validated: it reads worse than fair on "
+                            "the validation matrix, and a run that uses it is warned). Ignored where "
                             "an extension gives the simulator a policy")
     share_spread: float = Field(
         0.3, ge=0, le=2, description="sharing: spread: the sigma of each flow's lognormal weight (0: fair "
