@@ -764,8 +764,8 @@ class Cluster:
         # each crossing link's delay less half the underlay's round trip, per direction; the
         # agents get the topology as given and dilate it themselves (``time_dilation`` in
         # ``options``), so the underlay's real delay is taken off in emulated terms: owd / k
-        k = getattr(net, "time_dilation", 1.0)
-        data = getattr(net, "emulated_topo", topo).model_dump()
+        k = net.time_dilation
+        data = net.emulated_topo.model_dump()
         for n, link in crossing:
             a, b = sorted((self.placement[link.a], self.placement[link.b]))
             owd = self.underlay[f"{a}-{b}"]["rtt_ms"] / 2 / k
@@ -909,8 +909,9 @@ class ClusterSite:
         if unknown:
             raise ClusterError(f"a run across machines does not take {', '.join(unknown)} yet (on one machine only, "
                                "for now)")
-        self.cluster.check_clocks(dilated(topo, options.get("time_dilation", 1.0)))
-        self.net = ClusterNetwork(self.cluster, topo, options.get("time_dilation", 1.0))
+        net = ClusterNetwork(self.cluster, topo, options.get("time_dilation", 1.0))
+        self.cluster.check_clocks(net.topo)  # the wire's delays (k times the topology's)
+        self.net = net
         self.net.delay_backend = delay_backend
         self.net.options = dict(options)
         return ClusterLab(self.cluster, self.net)

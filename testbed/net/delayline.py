@@ -377,7 +377,7 @@ class _ArrivalTap:
 def _open_tap(ifname: str) -> _ArrivalTap | None:
     try:
         return _ArrivalTap(ifname)
-    except (OSError, ImportError) as exc:
+    except OSError as exc:
         print(f"{ifname}: no arrival stamps ({exc}); a packet's delay starts when the line reads it",
               file=sys.stderr, flush=True)
         return None
@@ -578,7 +578,7 @@ class DelayLine:
         monotonic = time.monotonic
         write = os.write
         spun = False  # this pass reached its release instant by spinning (no aim needed)
-        tapped_at = 0.0  # when the taps were last emptied
+        tapped_at = 0.0  # when a tap was last emptied (all of them before a sleep, or one read after it)
         while self._running:
             now = monotonic()
             next_wake = None  # the scheduler's and the lease's instants (not aimed)
