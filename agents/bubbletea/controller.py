@@ -80,7 +80,10 @@ class Controller:
         self.bubbles = {name: WorkerBubbles() for name in cfg.servers}
         self.prefill_intervals: dict[str, list] = {name: [] for name in cfg.servers}
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.ahead = {"sent": 0, "handed_back": 0}  # dispatches sent ahead of their wait
+        # dispatches sent ahead of their wait, and those handed back unrun, by why: the wait had
+        # passed when the server read its board, did not begin in time, a message came first, or
+        # it began but ended before a chunk fitted ("no_room")
+        self.ahead = {"sent": 0, "handed_back": 0, "passed": 0, "timeout": 0, "interrupted": 0, "no_room": 0}
         self.reasons: dict[str, int] = {}  # rejected, by reason (the text before its first colon)
         self.failures: list[dict] = []  # what failed, when, and how many requests it took
         self.t0: float | None = None
@@ -144,8 +147,15 @@ class Controller:
             srv = self.servers[name]
             srv["ran"] = srv.get("ran") or bool(msg.intervals)
             if msg.last:
-                if srv.pop("ahead", False) and not srv["ran"]:
-                    self.ahead["handed_back"] += 1  # its wait had passed, or did not come in time
+                wait = srv.pop("ahead", None)
+                if wait is not None and not srv["ran"]:
+                    self.ahead["handed_back"] += 1
+                    self.ahead[msg.handed_back if msg.handed_back in self.ahead else "no_room"] += 1
+                    if msg.handed_back in ("passed", "timeout"):
+                        # never again for this wait: the telemetry saying it began may still be
+                        # on its way, and until it comes the wait looks ahead (on a loaded
+                        # machine a send and hand back went round ~1,000 times in one wait)
+                        srv["spent"] = wait
                 srv["busy"] = None
             if msg.done == 0:
                 srv["sticky"].discard(rid)  # not started there: any server may take it
@@ -280,7 +290,7 @@ class Controller:
                 ahead = None
             else:  # not in a bubble a chunk fits in: the jobs for the next one, sent ahead of it
                 ahead = self._ahead(name, srv) if self.cfg.dispatch_ahead else None
-                if ahead is None:
+                if ahead is None or ahead[0] == srv.get("spent"):
                     continue
                 room = ahead[1][-1]
             mine = [rid for rid in srv["sticky"] if rid in self.queue]
@@ -320,7 +330,7 @@ class Controller:
                                             decode=decode, jobs=job_list))
             else:  # the server starts them when the board shows the wait begin, at most an iteration from now
                 self.ahead["sent"] += 1
-                srv["ahead"] = True
+                srv["ahead"] = ahead[0]
                 period = self.bubbles[name].period or 1.0
                 self._send(name, bt.Prefill(deadlines=[], chunk=chunk, wait=ahead[0], decode=decode, jobs=job_list,
                                             lengths=[round(x, 6) for x in ahead[1]], give_up=round(now + period, 6)))

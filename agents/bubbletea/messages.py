@@ -93,7 +93,8 @@ class Chunk(Record):
 @dataclass
 class Progress(Message):
     """A job's state after a ``Prefill``: ``done`` of ``total`` tokens; ``last``: the server is
-    free again."""
+    free again; ``handed_back``: why jobs sent ahead of a wait were handed back unrun
+    ("passed", "timeout" or "interrupted", as ``WaitBoard.await_wait`` says), else empty."""
 
     kind: ClassVar[str] = "bubbletea.progress"
     worker: str
@@ -102,6 +103,7 @@ class Progress(Message):
     total: int
     intervals: list[Chunk]
     last: bool = True
+    handed_back: str = ""
 
 
 @dataclass

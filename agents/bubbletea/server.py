@@ -265,7 +265,7 @@ def run(cfg: ServerConfig) -> None:
                     state = states.get(job.rid)
                     done, total = backend.progress(state) if state is not None else (0, job.tokens)
                     tell(bt.Progress(worker=cfg.worker, rid=job.rid, done=done, total=total, intervals=[],
-                                     last=i == len(msg.jobs) - 1))
+                                     last=i == len(msg.jobs) - 1, handed_back=began))
                 continue
             deadlines = [began + x for x in msg.lengths]
         else:

@@ -24,6 +24,7 @@ from testbed.train.device import EmulatedDevice, timing_report
 from testbed.train.ring import Ring
 
 BUSY = ("forward", "backward", "optimizer")
+_KEPT_OPS = 4096  # the device intervals of the last this many training ops go in the report
 
 
 class EmulatedCompute:
@@ -35,6 +36,10 @@ class EmulatedCompute:
             raise ValueError("device: emulated needs an emulation section in the worker's config")
         me = cfg.worker
         self.device = EmulatedDevice(em.device_file)
+        # [kind, start, end] of each training op as the device scheduled it (the worker's own
+        # spans end when its sleep woke, a wake-up latency later): what a co-tenant's work on
+        # the same device is checked against
+        self.device_ops: list[list] = []
         self.times = em.times
         self.rng = random.Random(f"{em.seed}:{me.stage}:{me.replica}")
         self.shared_rng = random.Random(f"{em.seed}:{me.stage}")  # the same draws on every rank of the stage
@@ -63,7 +68,11 @@ class EmulatedCompute:
     def _occupy(self, kind: str) -> None:
         seconds = self._draw(kind)
         if seconds > 0:
-            self.device.run(seconds)
+            start, end = self.device.run(seconds)
+            if kind in BUSY:
+                self.device_ops.append([kind, round(start, 6), round(end, 6)])
+                if len(self.device_ops) > 2 * _KEPT_OPS:
+                    del self.device_ops[:-_KEPT_OPS]
 
     def start_iteration(self, it: int) -> None:
         pass
@@ -119,7 +128,8 @@ class EmulatedCompute:
         pass
 
     def report(self) -> dict:
-        return {"op_timing": timing_report(self.device.errors), "device_busy_s": round(self.device.busy_seconds(), 6)}
+        return {"op_timing": timing_report(self.device.errors), "device_busy_s": round(self.device.busy_seconds(), 6),
+                "device_ops": self.device_ops[-_KEPT_OPS:]}
 
     def close(self) -> None:
         if self.ring is not None:
