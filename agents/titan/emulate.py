@@ -4,9 +4,13 @@ How it fits: ``prepare`` builds the small world (``EmulationSpec``: a few user r
 DCs; the backbone among them from the Azure matrix), synthesises history days and one
 evaluated day of calls (``workload.py``), and asks every policy for its per-call placement
 exactly as the offline study does (``placement.py``, ``lp.py``): the LPs plan on the
-history's forecast (Titan-Next also on the day's actual demand, as an oracle), and the
-plan is realised call by call with quota counters.  It also evaluates each realisation on
-the model, so the emulator's measurements can be set beside the model's numbers.
+history's forecast (Titan-Next also on the day's actual demand, as an oracle), with the
+study's planning knobs (``spec._Planning``: configurations by media, the headroom
+tie-break), and each LP's plan is realised call by call as the study realises it
+(``placement.realise_plan``: by default guarded, the Internet share caps kept and the WAN
+links held to the plan's peaks); the rule policies by quota counters.  It also evaluates
+each realisation on the model, so the emulator's measurements can be set beside the
+model's numbers.
 
 ``run`` then builds a testbed ``Lab`` of the world (``emunet.topology_data``) with the
 Internet paths on it (``emunet.InternetPaths``), starts every media agent and route checker
@@ -70,8 +74,8 @@ from agents.titan import workload as wl
 from agents.titan.controller import Quality, TitanController
 from agents.titan.emunet import HUB_NS, InternetPaths, participant_hosts, server_host, topology_data
 from agents.titan.media import INTERNET_TOS, PORT, ip_bytes_per_packet
-from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, Plan, Realisation, evaluate, incidence, realise,
-                        realise_greedy, rule_plan)
+from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, PeakGuard, Plan, Realisation, evaluate,
+                                    incidence, realise, realise_greedy, realise_plan, rule_plan)
 from agents.titan.regions import World, build_world
 from agents.titan.spec import EmulationSpec, TitanError
 from testbed.run.lab import Lab
@@ -81,6 +85,7 @@ ETH_BYTES = 14
 _SAMPLE_S = 0.02
 _LEAD_S = 1.0
 ALL_POLICIES = ("nearest-wan", "wan-lp", "titan", "greedy-internet", "titan-next", "titan-next-oracle")
+LP_POLICIES = ("wan-lp", "titan-next", "titan-next-oracle")  # planned by an LP, realised as the study does
 
 
 def internet_model(spec: EmulationSpec):
@@ -144,7 +149,7 @@ def prepare(spec: EmulationSpec) -> Prepared:
     wire = np.vectorize(lambda k: wire_kbps(k, spec.packets_per_s))
     calls.up_kbps = wire(ip_up)
     calls.down_kbps = wire(ip_down)
-    configs = wl.Configs()
+    configs = wl.Configs(by_media=spec.configs_by_media)
     cfg = configs.of_calls(calls)
     prov = configs.provisional_of_calls(calls)
     options = Options(world, configs, spec.latency)
@@ -155,6 +160,7 @@ def prepare(spec: EmulationSpec) -> Prepared:
                for d in wl.same_kind_days(spec.history_days, range(spec.history_days))]
     t0 = spec.history_days * wl.DAY_S
     forecast = wl.predict(history, t0)
+    plan_on = forecast if spec.forecast_quantile is None else wl.predict(history, t0, spec.forecast_quantile)
     in_day = (calls.start_s >= t0) & (calls.start_s < t0 + wl.DAY_S)
     day = calls.select(in_day)
     day.start_s = day.start_s - t0
@@ -162,7 +168,7 @@ def prepare(spec: EmulationSpec) -> Prepared:
     ip_up, ip_down = ip_up[in_day], ip_down[in_day]
     cfg_day, prov_day = cfg[in_day], prov[in_day]
     actual = wl.demand(day, cfg_day, 0.0, slot_s, slots)
-    forecast.t0 = 0.0
+    forecast.t0 = plan_on.t0 = 0.0
     horizon = wl.demand(calls, cfg, 0.0, slot_s, slots * (spec.history_days + 1))
     capacity = lp.capacities(world, options, horizon, spec.capacity_headroom)
     all_cfg = np.concatenate((cfg_day, prov_day))
@@ -178,15 +184,21 @@ def prepare(spec: EmulationSpec) -> Prepared:
         elif name == "greedy-internet":
             plans[name] = Plan(name)  # realised call by call (realise_greedy)
         else:
-            demand = actual if name == "titan-next-oracle" else forecast
+            demand = actual if name == "titan-next-oracle" else plan_on
             routes = (WAN,) if name == "wan-lp" else (WAN, INTERNET)
-            problem = lp.DayProblem(demand, set(np.unique(demand.config).tolist()), capacity)
-            plans[name] = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver="simplex")
+            problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity)
+            plans[name] = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver="simplex",
+                                       tie_break=spec.tie_break)
     incid = incidence(world)
     realised, model = {}, {}
     for name, plan in plans.items():
         if name == "greedy-internet":
             realised[name] = realise_greedy(options, day, cfg_day, prov_day, 0.0, slot_s)
+        elif name in LP_POLICIES:  # as the offline study realises them (``realisation``, the guard)
+            routes = (WAN,) if name == "wan-lp" else (WAN, INTERNET)
+            realised[name] = realise_plan(plan, options, day, cfg_day, prov_day, 0.0, slot_s, spec.realisation,
+                                          PeakGuard(world, spec.guard_keeps_caps), plan.stats["planned_peaks"],
+                                          routes, spec.move_at)
         else:
             realised[name] = realise(plan, options, day, cfg_day, prov_day, 0.0, slot_s)
         model[name] = evaluate(world, options, day, cfg_day, realised[name], 0.0, slot_s, slots, incid)

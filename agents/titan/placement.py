@@ -452,6 +452,25 @@ def realise_guarded(plan: Plan, options: Options, calls: Calls, config_ids: np.n
     return Realisation(dc, route, migrated, planned, np.array(moves, dtype=np.float64).reshape(-1, 4))
 
 
+def realise_plan(plan: Plan, options: Options, calls: Calls, config_ids: np.ndarray, provisional_ids: np.ndarray,
+                 t0: float, slot_s: float, how: str, guard: PeakGuard, limits: np.ndarray,
+                 routes: tuple[int, ...] = (WAN, INTERNET), move_at: float | None = None) -> Realisation:
+    """An LP's plan as calls, the way ``how`` says (the specs' ``realisation``): ``quota``
+    counters alone (``realise``); ``capped``, the guard with no peak limits (the caps alone);
+    ``guarded``, the guard holding the WAN links to ``limits`` (the plan's peaks, or those the
+    billing period allows), with moves at slot boundaries from ``move_at``.  The offline study
+    and the emulator both realise through here."""
+    if how == "quota":
+        return realise(plan, options, calls, config_ids, provisional_ids, t0, slot_s)
+    if how == "capped":
+        guard.set_limits(np.full(options.world.n_links, np.inf))
+        return realise_guarded(plan, options, calls, config_ids, provisional_ids, t0, slot_s, guard, routes)
+    if how != "guarded":
+        raise TitanError(f"realisation: {how!r} is not quota, capped or guarded")
+    guard.set_limits(limits)
+    return realise_guarded(plan, options, calls, config_ids, provisional_ids, t0, slot_s, guard, routes, move_at)
+
+
 def realise_greedy(options: Options, calls: Calls, config_ids: np.ndarray, provisional_ids: np.ndarray,
                    t0: float, slot_s: float) -> Realisation:
     """Greedy Internet-whenever-eligible: each call, in start order, at its nearest DC, over

@@ -82,7 +82,21 @@ class _CapMixin:
         return self.internet_cap if self.titan_fraction is None else self.titan_fraction
 
 
-class StudySpec(_CapMixin, _Strict):
+class _Planning(_Strict):
+    """How Titan-Next's LPs plan and how their plans become calls: the same knobs in the
+    offline study and the emulator, so the emulator runs the study's realisation."""
+
+    max_configs: int = Field(200, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
+    tie_break_eps: float = Field(1e-3, ge=0, description="tie-break re-solve keeps sum of peaks <= (1+eps) x optimum")
+    configs_by_media: bool = Field(True, description="the LPs plan audio, video and HD calls of the same regions as configurations of their own (the caps count participants, the peaks kbps: the costly media go over the Internet first)")
+    tie_break: Literal["latency", "headroom"] = Field("headroom", description="each slot's placement under the peaks found: the lowest RTT (fills every link up to its peak), or the least WAN traffic (leaves headroom for a day above its forecast; RTT second)")
+    realisation: Literal["quota", "capped", "guarded"] = Field("guarded", description="how the LP policies' plans become calls: quota counters alone; capped (the quota counters' order, an Internet placement only within the caps); guarded (capped, and each call at the first such placement that keeps every WAN link within the plan's peaks)")
+    forecast_quantile: float | None = Field(None, gt=0, lt=1, description="plan the forecast LPs on this quantile of the past same-kind days' traffic per (slot, region) instead of their mean (the mix of configurations stays the mean's); None: the mean")
+    move_at: float | None = Field(None, gt=0, le=1, description="guarded realisation: at every slot boundary, WAN calls in progress that cross a link loaded at or above move_at x its limit move to the Internet at their DC where the latency rule and the caps (counted from the calls in progress) allow; each move is a migration. None: calls stay where they started")
+    guard_keeps_caps: bool = Field(True, description="the guarded realisation puts a call on the Internet only within every path's share cap (counted over the calls in progress)")
+
+
+class StudySpec(_CapMixin, _Planning):
     """The offline study: a week of calls over Azure regions, every policy."""
 
     name: str = "titan-week"
@@ -97,15 +111,7 @@ class StudySpec(_CapMixin, _Strict):
     capacity_headroom: float = Field(1.25, ge=1.0, description="DC capacity = headroom x the nearest-DC policy's peak over the horizon")
     internet_cap: float = Field(0.5, gt=0, le=1, description="Titan's guardrail: the largest share of a (region, DC) path's participants on the Internet, where its quality meets the targets")
     titan_fraction: float | None = Field(None, ge=0, le=1, description="Titan baseline: share of eligible calls offloaded (default: internet_cap)")
-    max_configs: int = Field(200, ge=1, description="configurations planned one by one (most forecast traffic); the rest share a mix per allowed-placement set")
-    tie_break_eps: float = Field(1e-3, ge=0, description="tie-break re-solve keeps sum of peaks <= (1+eps) x optimum")
-    configs_by_media: bool = Field(True, description="the LPs plan audio, video and HD calls of the same regions as configurations of their own (the caps count participants, the peaks kbps: the costly media go over the Internet first)")
-    tie_break: Literal["latency", "headroom"] = Field("headroom", description="each slot's placement under the peaks found: the lowest RTT (fills every link up to its peak), or the least WAN traffic (leaves headroom for a day above its forecast; RTT second)")
-    realisation: Literal["quota", "capped", "guarded"] = Field("guarded", description="how the LP policies' plans become calls: quota counters alone; capped (the quota counters' order, an Internet placement only within the caps); guarded (capped, and each call at the first such placement that keeps every WAN link within the plan's peaks)")
     billing: Literal["day", "period"] = Field("period", description="what a link's peak is billed over: each day alone, or the study's evaluated days as one period (each day's LP then counts only the excess over the period's realised peak so far)")
-    forecast_quantile: float | None = Field(None, gt=0, lt=1, description="plan the forecast LPs on this quantile of the past same-kind days' traffic per (slot, region) instead of their mean (the mix of configurations stays the mean's); None: the mean")
-    move_at: float | None = Field(None, gt=0, le=1, description="guarded realisation: at every slot boundary, WAN calls in progress that cross a link loaded at or above move_at x its limit move to the Internet at their DC where the latency rule and the caps (counted from the calls in progress) allow; each move is a migration. None: calls stay where they started")
-    guard_keeps_caps: bool = Field(True, description="the guarded realisation puts a call on the Internet only within every path's share cap (counted over the calls in progress)")
     targets: Targets = Targets()
 
     @model_validator(mode="after")
@@ -145,7 +151,7 @@ class FaultSpec(_Strict):
         return self
 
 
-class EmulationSpec(_CapMixin, _Strict):
+class EmulationSpec(_CapMixin, _Planning):
     """The emulated run: a few regions and DCs, hundreds of calls, a day compressed into seconds."""
 
     name: str = "titan-emu"
@@ -168,7 +174,6 @@ class EmulationSpec(_CapMixin, _Strict):
     internet_cap: float = Field(0.5, gt=0, le=1)
     titan_fraction: float | None = Field(None, ge=0, le=1)
     policies: list[str] = Field(default_factory=lambda: ["nearest-wan", "wan-lp", "titan", "greedy-internet", "titan-next"])
-    tie_break_eps: float = Field(1e-3, ge=0)
     targets: Targets = Targets()
     controller_seconds: float = Field(0.0, ge=0, description="also run Titan's controller live this long (0: not)")
     controller_window_s: float = Field(1.0, gt=0)

@@ -52,7 +52,7 @@ import numpy as np
 from agents.titan import lp
 from agents.titan import workload as wl
 from agents.titan.placement import (INTERNET, WAN, Evaluation, Options, PeakGuard, Realisation, evaluate, incidence,
-                                    plan_loads, realise, realise_greedy, realise_guarded, rule_plan)
+                                    plan_loads, realise, realise_greedy, realise_plan, rule_plan)
 from agents.titan.regions import World, build_world
 from agents.titan.spec import StudySpec
 
@@ -122,15 +122,9 @@ def run_study(spec: StudySpec, log: Callable[[str], None] | None = None, solver:
             solves[name].append(stats)
             log(f"day {e - H + 1}/{N}: {name} LP {plan.stats['variables']:,} variables, {plan.solve_s:.1f} s")
             planned[name].append(plan.stats["sum_of_peaks_after_tiebreak_kbps"])
-            if spec.realisation == "capped":  # the guard without limits: the caps alone
-                guards[name].set_limits(np.full(world.n_links, np.inf))
-                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes)
-            elif spec.realisation == "guarded":
-                guards[name].set_limits(plan.stats["planned_peaks"] if paid is None else plan.stats["peak_limits"])
-                got = realise_guarded(plan, options, day, dcfg, dprov, t0, slot_s, guards[name], routes,
-                                      spec.move_at)
-            else:
-                got = realise(plan, options, day, dcfg, dprov, t0, slot_s)
+            limits = plan.stats["planned_peaks"] if paid is None else plan.stats["peak_limits"]
+            got = realise_plan(plan, options, day, dcfg, dprov, t0, slot_s, spec.realisation, guards[name], limits,
+                               routes, spec.move_at)
             real[name].append(got)
             if spec.billing == "period":
                 billed[name] += evaluate(world, options, day, dcfg, got, t_eval, slot_s, T * N, incid).link_load
