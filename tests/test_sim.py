@@ -102,6 +102,7 @@ def test_spread_sharing_keeps_the_link_full_but_flows_started_together_end_apart
     spread = ends[0.5]
     assert spread[-1] == pytest.approx(k * 0.1)  # the link stays full: the last ends when fair sharing's all do
     assert spread[0] < 0.9 * k * 0.1  # the first well before
+    assert sim.policy._weights == {}  # a finished flow's weight is not kept (a paper-scale run has millions)
 
 
 def test_message_latency_delays_every_hand_off_by_exactly_that_much():

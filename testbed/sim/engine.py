@@ -92,6 +92,9 @@ class SharingPolicy:
         for f in flows:
             f.rate = rate[f.fid]
 
+    def forget(self, flow: Flow) -> None:
+        """``flow`` has left its links (done): whatever the policy keeps for it can go."""
+
     @staticmethod
     def _max_min(flows: list[Flow], remaining: dict[int, float],
                  weights: dict[int, float] | None = None) -> dict[int, float]:
@@ -204,6 +207,9 @@ class SpreadPolicy(SharingPolicy):
         rate = self._max_min(flows, remaining, weights)
         for f in flows:
             f.rate = rate[f.fid]
+
+    def forget(self, flow: Flow) -> None:
+        self._weights.pop(flow.fid, None)
 
 
 class PriorityPolicy(SharingPolicy):
@@ -446,6 +452,7 @@ class Simulator:
             link._rated.pop(flow.fid, None)
             if key is not None:
                 del link._queue[bisect.bisect_left(link._queue, (key,))]
+        self.policy.forget(flow)
 
     @staticmethod
     def _reach(links) -> dict[int, Link]:
