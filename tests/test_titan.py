@@ -156,6 +156,8 @@ def test_bad_spec_field_is_one_line():
         got = CliRunner().invoke(_cli(), ["titan", "study", "--days", "1", "--users", "uksouth,eastus", "--dcs",
                                           "westeurope", flag, value])
         assert got.exit_code == 2 and f"{field}:" in got.output and len(got.output.strip().splitlines()) == 1
+    with pytest.raises(TitanError, match="^<defaults>: move_at: the emulator does not move calls"):
+        load_spec(EmulationSpec, None, {"move_at": 0.9})  # its policy runs play a call on one route
 
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class TitanError(ValueError):
@@ -185,6 +185,13 @@ class EmulationSpec(_CapMixin, _Planning):
                                     "during the controller run (one per path)")
     fault: FaultSpec | None = Field(None, description="one fault: the same as faults: [it]")
     latency_allowance_ms: float = Field(1.5, ge=0, description="emulator overhead allowed over a call's latency bound")
+
+    @field_validator("move_at")
+    @classmethod
+    def _no_planned_moves(cls, v):
+        if v is not None:  # the policy runs play each call on one route from start to end
+            raise ValueError("the emulator does not move calls at slot boundaries (the offline study does)")
+        return v
 
     @model_validator(mode="after")
     def _one_fault_per_path(self):
