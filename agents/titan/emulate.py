@@ -85,7 +85,8 @@ ETH_BYTES = 14
 _SAMPLE_S = 0.02
 _LEAD_S = 1.0
 ALL_POLICIES = ("nearest-wan", "wan-lp", "titan", "greedy-internet", "titan-next", "titan-next-oracle")
-LP_POLICIES = ("wan-lp", "titan-next", "titan-next-oracle")  # planned by an LP, realised as the study does
+# the policies planned by an LP (and realised as the study realises them), and the routes each may use
+_LP_ROUTES = {"wan-lp": (WAN,), "titan-next": (WAN, INTERNET), "titan-next-oracle": (WAN, INTERNET)}
 
 
 def internet_model(spec: EmulationSpec):
@@ -185,20 +186,18 @@ def prepare(spec: EmulationSpec) -> Prepared:
             plans[name] = Plan(name)  # realised call by call (realise_greedy)
         else:
             demand = actual if name == "titan-next-oracle" else plan_on
-            routes = (WAN,) if name == "wan-lp" else (WAN, INTERNET)
             problem = lp.DayProblem(demand, lp.top_configs(demand, spec.max_configs), capacity)
-            plans[name] = lp.solve_day(world, options, problem, name, routes, spec.tie_break_eps, solver="simplex",
-                                       tie_break=spec.tie_break)
+            plans[name] = lp.solve_day(world, options, problem, name, _LP_ROUTES[name], spec.tie_break_eps,
+                                       solver="simplex", tie_break=spec.tie_break)
     incid = incidence(world)
     realised, model = {}, {}
     for name, plan in plans.items():
         if name == "greedy-internet":
             realised[name] = realise_greedy(options, day, cfg_day, prov_day, 0.0, slot_s)
-        elif name in LP_POLICIES:  # as the offline study realises them (``realisation``, the guard)
-            routes = (WAN,) if name == "wan-lp" else (WAN, INTERNET)
+        elif name in _LP_ROUTES:  # as the offline study realises them (``realisation``, the guard)
             realised[name] = realise_plan(plan, options, day, cfg_day, prov_day, 0.0, slot_s, spec.realisation,
                                           PeakGuard(world, spec.guard_keeps_caps), plan.stats["planned_peaks"],
-                                          routes, spec.move_at)
+                                          _LP_ROUTES[name], spec.move_at)
         else:
             realised[name] = realise(plan, options, day, cfg_day, prov_day, 0.0, slot_s)
         model[name] = evaluate(world, options, day, cfg_day, realised[name], 0.0, slot_s, slots, incid)

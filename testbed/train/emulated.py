@@ -16,6 +16,7 @@ There is no model, hence no loss.
 
 from __future__ import annotations
 
+import collections
 import random
 import time
 
@@ -39,7 +40,7 @@ class EmulatedCompute:
         # [kind, start, end] of each training op as the device scheduled it (the worker's own
         # spans end when its sleep woke, a wake-up latency later): what a co-tenant's work on
         # the same device is checked against
-        self.device_ops: list[list] = []
+        self.device_ops: collections.deque = collections.deque(maxlen=_KEPT_OPS)
         self.times = em.times
         self.rng = random.Random(f"{em.seed}:{me.stage}:{me.replica}")
         self.shared_rng = random.Random(f"{em.seed}:{me.stage}")  # the same draws on every rank of the stage
@@ -71,8 +72,6 @@ class EmulatedCompute:
             start, end = self.device.run(seconds)
             if kind in BUSY:
                 self.device_ops.append([kind, round(start, 6), round(end, 6)])
-                if len(self.device_ops) > 2 * _KEPT_OPS:
-                    del self.device_ops[:-_KEPT_OPS]
 
     def start_iteration(self, it: int) -> None:
         pass
@@ -129,7 +128,7 @@ class EmulatedCompute:
 
     def report(self) -> dict:
         return {"op_timing": timing_report(self.device.errors), "device_busy_s": round(self.device.busy_seconds(), 6),
-                "device_ops": self.device_ops[-_KEPT_OPS:]}
+                "device_ops": list(self.device_ops)}
 
     def close(self) -> None:
         if self.ring is not None:
