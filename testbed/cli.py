@@ -128,8 +128,15 @@ def fidelity(
     min_goodput: float = typer.Option(0.90, "--min-goodput", min=0.0, max=1.01,
                                       help="the goodput a direction must reach, as a fraction of its rate"),
     judge_loss: bool = typer.Option(False, "--judge-loss", help="judge a lossy direction's goodput against what "
-                                    "TCP can expect under its loss and round trip (within 10%), measured for at "
-                                    "least 20 loss epochs; without it a lossy direction's goodput is reported only"),
+                                    "TCP can expect under its loss and round trip (within 10%), measured for as "
+                                    "long as the model says a measurement needs to land within 10% of its mean 95% "
+                                    "of the time (minutes at long round trips; --parallel); without it a lossy "
+                                    "direction's goodput is reported only"),
+    max_loss_seconds: float = typer.Option(2400.0, "--max-loss-seconds", min=1.0,
+                                           help="with --judge-loss: measure a lossy direction for this long at most"),
+    parallel: bool = typer.Option(False, "--parallel", help="run every direction's goodput flow at once (each on "
+                                  "its own link; delays still measured one at a time): a long --judge-loss "
+                                  "measurement takes as long as its longest direction"),
 ) -> None:
     """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down; exit 1 when a
     direction is out of tolerance.  Beside each direction's rate: the goodput its flow can
@@ -160,7 +167,8 @@ def fidelity(
                 console.print(f"built {topo.name} in {net.startup_s:.2f} s (delay: {net.backends.delay}, "
                               f"loss: {net.backends.loss})")
                 reports = measure_all(net, seconds=seconds, pings=pings,
-                                      progress=lambda m: status.update(f"measuring {m}"), judge_loss=judge_loss)
+                                      progress=lambda m: status.update(f"measuring {m}"), judge_loss=judge_loss,
+                                      parallel=parallel, max_loss_seconds=max_loss_seconds)
     except _user_errors() as exc:
         _fail(str(exc))
     except KeyboardInterrupt as exc:

@@ -219,3 +219,31 @@ def test_a_lossy_flow_is_measured_for_twenty_loss_epochs_when_judged():
     assert omit == pytest.approx(12 * 0.262) and measure == pytest.approx(20 * 2 * 1448 * 8 / 9.9e6 / 0.0005)
     assert steady_state_seconds(262.0, 3.0, 0.01, 100.0)[1] == pytest.approx(20 * 0.262)
     assert steady_state_seconds(262.0, 3.0, 0.00001, 5.0)[1] == 120.0
+
+
+def test_a_judged_lossy_flow_is_measured_until_the_model_expects_it_within_ten_percent():
+    """``confident_seconds`` takes the shortest length (the start, then the ladder's) at which
+    a measurement lands within 10% of its mean ``LOSS_CONFIDENCE`` of the time, never past the
+    most asked; by the loss model at 0.05% and 262 ms that is minutes (a 120 s measurement
+    lands within 10% about half the time)."""
+    from testbed.net import fidelity, tcpmodel
+
+    asked = []
+
+    def within(s):
+        asked.append(s)
+        return min(1.0, s / 1000.0)
+
+    assert fidelity.confident_seconds(within, 120.0, 2400.0, confidence=0.95) == 1200.0
+    assert asked == [120.0, 300.0, 600.0, 900.0, 1200.0]
+    assert fidelity.confident_seconds(within, 120.0, 700.0, confidence=0.95) == 700.0  # none reaches it: the most
+    assert fidelity.confident_seconds(within, 1500.0, 700.0, confidence=0.95) == 1500.0  # never below the start
+    assert fidelity.confident_seconds(lambda s: 1.0, 93.6, 2400.0) == 93.6
+
+    rate, rtt = 32.6e6 / 8 * tcpmodel.PAYLOAD_FRACTION, 0.262
+
+    def model(s):
+        return tcpmodel.cubic_goodput(0.0005, rtt, rate, None, rate * rtt, s, 3.1, replicas=400).within_10pct
+
+    chosen = fidelity.confident_seconds(model, 120.0, 2400.0)
+    assert model(120.0) < 0.7 and 600.0 < chosen < 2400.0 and model(chosen) >= fidelity.LOSS_CONFIDENCE

@@ -6,7 +6,7 @@ machines: anything that satisfies ``surface.NetworkSurface``), calls ``measure_a
 configured against measured; every ``testbed run`` calls ``check_wan`` before training (a
 second or two) and records it in metrics.json; the tests call the single-measurement
 helpers on networks they build.  Measurements run one at a time (the machine has two
-cores) from the first host of the source DC to the first host of the destination DC, so
+cores; ``parallel`` runs the goodput flows at once, the delays still one at a time) from the first host of the source DC to the first host of the destination DC, so
 each crosses exactly the WAN link under test.
 
 Per direction: the round trip (min of a ping series) against the configured round trip and,
@@ -29,8 +29,11 @@ percentile, and how often it lands within 10% of the mean).  Its goodput is not 
 against the rate; with ``judge_loss`` it is judged against that expectation, within 10%
 (``goodput_under_loss_ok``), and measured for at least 20 loss epochs
 (``steady_state_seconds``), since a CUBIC flow's rate is an average over the cycles between
-its losses.  At 0.05% loss on 150-260 ms round trips a 90 s measurement spreads +-30% (5th-95th
-percentile): the 10% bar is met in about two directions in five (docs/benchmarks.md).
+its losses, and then for as long as the model says a measurement needs to land within 10% of
+its mean 95% of the time (``confident_seconds``, 40 minutes at most by default).  At 0.05%
+loss on 150-260 ms round trips a 90 s measurement spreads +-30% (5th-95th percentile): the
+10% bar would be met in about two directions in five; 10-20 minutes meet it in 19 of 20
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -54,7 +57,11 @@ RTT_TOLERANCE_FRAC = 0.02
 GOODPUT_RANGE = (0.90, 1.01)
 LOSS_GOODPUT_TOLERANCE = 0.10  # judge_loss: a lossy direction's goodput within 10% of what TCP can expect
 LOSS_EPOCHS = 20  # judge_loss: measure a lossy direction for at least this many loss epochs ...
-LOSS_MEASURE_MAX_S = 120.0  # ... or this long (seconds on the wire), whichever is shorter
+LOSS_MEASURE_MAX_S = 120.0  # ... or this long (seconds on the wire), whichever is shorter; then:
+LOSS_CONFIDENCE = 0.95  # judge_loss: long enough that a measurement lands within 10% of the mean this often ...
+LOSS_MEASURE_CONFIDENT_MAX_S = 2400.0  # ... by the model (tcpmodel), or this long at most (emulated seconds)
+LOSS_SECONDS_LADDER = (300.0, 600.0, 900.0, 1200.0, 1800.0, 2400.0, 3600.0, 5400.0, 7200.0)
+_PARALLEL_PORT = 5310  # measure_all(parallel=True): direction i's goodput flow on this port + i
 _PING_RTT = re.compile(r"time=([0-9.]+) ms")
 _IPERF_PORT = 5201
 _INTERVAL_S = 0.5
@@ -277,38 +284,64 @@ def steady_goodput(net: NetworkSurface, src: HostInfo, dst: HostInfo, seconds: f
     (``goodput.py``): ``omit_s`` left out, then at least ``seconds`` measured; returns the
     goodput (Mbit/s, from the receiver's own intervals), the sender's retransmissions while
     measured and the seconds measured, as ``iperf3`` does."""
-    total = omit_s + seconds + 2 * _INTERVAL_S  # the last interval is a partial one
-    timeout = total + 30.0
-    recv = net.popen(dst, [sys.executable, "-m", "testbed.net.goodput", "recv", str(port), str(int(clamp_bytes)),
-                           str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if recv.stdout.readline().strip() != "listening":
-            raise NetworkError(f"goodput receiver on {dst.name} did not start: {recv.stderr.read()[-200:]}")
-        out = src.node.cmd(f"{sys.executable} -m testbed.net.goodput send {dst.ip} {port} {total:.3f} 2>&1")
+    return _GoodputFlow(net, src, dst, seconds, omit_s, clamp_bytes, port).result()
+
+
+class _GoodputFlow:
+    """A ``steady_goodput`` flow started (its receiver listening, its sender running), so that
+    several can run at once (``measure_all(parallel=True)``); ``result`` waits for it.  Both
+    ends are processes of their own (``net.popen``): no host's shell is shared between flows."""
+
+    def __init__(self, net: NetworkSurface, src: HostInfo, dst: HostInfo, seconds: float, omit_s: float,
+                 clamp_bytes: int, port: int):
+        self.src, self.dst, self.omit_s = src, dst, omit_s
+        total = omit_s + seconds + 2 * _INTERVAL_S  # the last interval is a partial one
+        self.timeout = total + 30.0
+        self.recv = net.popen(dst, [sys.executable, "-m", "testbed.net.goodput", "recv", str(port),
+                                    str(int(clamp_bytes)), str(self.timeout)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.send = None
         try:
-            sent = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise NetworkError(f"goodput flow {src.name} -> {dst.name}: {out.strip()[-200:]}") from None
-        stdout, stderr = recv.communicate(timeout=timeout + 5)
+            if self.recv.stdout.readline().strip() != "listening":
+                raise NetworkError(f"goodput receiver on {dst.name} did not start: {self.recv.stderr.read()[-200:]}")
+            self.send = net.popen(src, [sys.executable, "-m", "testbed.net.goodput", "send", dst.ip, str(port),
+                                        f"{total:.3f}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for proc in (self.send, self.recv):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+    def result(self) -> dict:
+        src, dst, omit_s = self.src, self.dst, self.omit_s
         try:
-            intervals = json.loads(stdout.strip().splitlines()[-1])["intervals"]
-        except (ValueError, IndexError, KeyError):
-            raise NetworkError(f"goodput receiver on {dst.name}: {stderr.strip()[-200:]}") from None
-    finally:
-        if recv.poll() is None:
-            recv.kill()
-            recv.communicate()
-    steady = _after([{"seconds": t, "bytes": n} for t, n in intervals[:-1]], omit_s)
-    seconds_in = sum(i["seconds"] for i in steady)
-    if seconds_in <= 0:
-        raise NetworkError(f"goodput flow {src.name} -> {dst.name}: nothing measured after {omit_s:.1f} s")
-    samples = sent["retransmits"]
-    at_omit = max((r for t, r in samples if t <= omit_s), default=0)
-    return {
-        "goodput_mbps": sum(i["bytes"] for i in steady) * 8 / seconds_in / 1e6,
-        "retransmits": samples[-1][1] - at_omit,
-        "seconds": seconds_in,
-    }
+            out, _ = self.send.communicate(timeout=self.timeout + 5)
+            try:
+                sent = json.loads(out.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                raise NetworkError(f"goodput flow {src.name} -> {dst.name}: {out.strip()[-200:]}") from None
+            stdout, stderr = self.recv.communicate(timeout=self.timeout + 5)
+            try:
+                intervals = json.loads(stdout.strip().splitlines()[-1])["intervals"]
+            except (ValueError, IndexError, KeyError):
+                raise NetworkError(f"goodput receiver on {dst.name}: {stderr.strip()[-200:]}") from None
+        finally:
+            self.close()
+        steady = _after([{"seconds": t, "bytes": n} for t, n in intervals[:-1]], omit_s)
+        seconds_in = sum(i["seconds"] for i in steady)
+        if seconds_in <= 0:
+            raise NetworkError(f"goodput flow {src.name} -> {dst.name}: nothing measured after {omit_s:.1f} s")
+        samples = sent["retransmits"]
+        at_omit = max((r for t, r in samples if t <= omit_s), default=0)
+        return {
+            "goodput_mbps": sum(i["bytes"] for i in steady) * 8 / seconds_in / 1e6,
+            "retransmits": samples[-1][1] - at_omit,
+            "seconds": seconds_in,
+        }
 
 
 def _after(intervals: list[dict], omit_s: float) -> list[dict]:
@@ -404,10 +437,42 @@ def steady_state_seconds(rtt_ms: float, seconds: float, loss: float = 0.0,
     return omit, measure
 
 
-def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, pings: int = 20,
-                 rtt_ms: float | None = None, judge_loss: bool = False) -> LinkReport:
-    """One direction's report; ``judge_loss``: a lossy direction is measured for long enough to
-    be judged against what TCP can expect under its loss (``steady_state_seconds``)."""
+def confident_seconds(within_at: Callable[[float], float], start: float, maximum: float,
+                      confidence: float = LOSS_CONFIDENCE) -> float:
+    """The shortest measurement, from ``start`` up to ``maximum`` seconds (``LOSS_SECONDS_LADDER``'s
+    lengths between them), at which ``within_at(seconds)``, how often a measurement that long
+    lands within 10% of what it expects, reaches ``confidence``; ``maximum`` where none does
+    (never less than ``start``).  At 0.05% loss the model asks 600-1200 s of a 148-262 ms
+    round trip (docs/benchmarks.md)."""
+    lengths = [start] + [x for x in LOSS_SECONDS_LADDER if start < x < maximum] + [max(start, maximum)]
+    for length in lengths:
+        if within_at(length) >= confidence:
+            return length
+    return lengths[-1]
+
+
+@dataclass
+class _Direction:
+    """What ``measure_link`` knows of a direction before its goodput flow: the delays measured,
+    the flow's window and length, and what it can expect."""
+
+    src: str
+    dst: str
+    conf: float
+    rtt_ms: float
+    owds: list[float]
+    params: Direction
+    window: int
+    omit: float
+    measure: float
+    k: float
+    expected: float
+    spread: tcpmodel.GoodputEstimate | None
+    per_connection: float
+
+
+def _plan_direction(net: NetworkSurface, src: str, dst: str, seconds: float, pings: int, rtt_ms: float | None,
+                    judge_loss: bool, max_loss_seconds: float) -> _Direction:
     a, b = net.host(src), net.host(dst)
     params = net.link(src, dst).params
     if rtt_ms is None:
@@ -425,38 +490,63 @@ def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, 
     back = back.model_copy(update={"jitter_ms": back.jitter_ms / k})
     long_run = expected_goodput_mbps(emulated, conf / k, back, streams=1, window_bytes=window)
     omit, measure = steady_state_seconds(conf, seconds * k, params.loss if judge_loss else 0.0, long_run / k)
+
+    def spread_for(wire_seconds: float) -> tcpmodel.GoodputEstimate:
+        return expected_goodput_spread(emulated, conf / k, back, window_bytes=window, seconds=wire_seconds / k,
+                                       omit_s=omit / k)
+
+    if judge_loss and params.loss > 0:  # long enough that a right emulator reads within 10%, mostly
+        measure = k * confident_seconds(lambda s: spread_for(s * k).within_10pct, measure / k,
+                                        max_loss_seconds)
     # what this measurement (its length, after its omitted start) reads under the loss: mean and spread
-    spread = (expected_goodput_spread(emulated, conf / k, back, window_bytes=window, seconds=measure / k,
-                                      omit_s=omit / k) if params.loss > 0 else None)
+    spread = spread_for(measure) if params.loss > 0 else None
     expected = long_run if spread is None else spread.mean * 8 / 1e6
     per_connection = tcpmodel.loss_limited_rate(params.loss, conf / k / 1000.0, rttvar_s=_rttvar_s(emulated, back),
                                                 link_rate=emulated.rate_mbps * 1e6 / 8 * tcpmodel.PAYLOAD_FRACTION,
                                                 queue_bytes=default_queue_bytes(emulated, conf / k))
-    perf = steady_goodput(net, a, b, seconds=measure, omit_s=omit, clamp_bytes=window)
-    source = net.topo.source_rtt_ms(src, dst)
+    return _Direction(src, dst, conf, rtt_ms, owds, params, window, omit, measure, k, expected, spread,
+                      per_connection)
+
+
+def _report(net: NetworkSurface, d: _Direction, perf: dict) -> LinkReport:
+    source = net.topo.source_rtt_ms(d.src, d.dst)
+    k, spread = d.k, d.spread
     return LinkReport(
-        src=src,
-        dst=dst,
-        rtt_ms_configured=round(conf / k, 3),
-        rtt_ms_measured=round(rtt_ms / k, 3),
-        rtt_error_ms=round((rtt_ms - conf) / k, 3),
+        src=d.src,
+        dst=d.dst,
+        rtt_ms_configured=round(d.conf / k, 3),
+        rtt_ms_measured=round(d.rtt_ms / k, 3),
+        rtt_error_ms=round((d.rtt_ms - d.conf) / k, 3),
         rtt_ms_source=None if source is None else source / k,
-        owd_ms_configured=round(net.topo.one_way_delay_ms(src, dst) / k, 3),
-        owd_ms_measured=round(delay_estimate(owds, _jittery(net, src, dst, both_ways=False)) / k, 3) if owds else None,
-        rate_mbps_configured=round(params.rate_mbps * k, 6),
+        owd_ms_configured=round(net.topo.one_way_delay_ms(d.src, d.dst) / k, 3),
+        owd_ms_measured=(round(delay_estimate(d.owds, _jittery(net, d.src, d.dst, both_ways=False)) / k, 3)
+                         if d.owds else None),
+        rate_mbps_configured=round(d.params.rate_mbps * k, 6),
         goodput_mbps_measured=round(perf["goodput_mbps"] * k, 2),
-        goodput_ratio=round(perf["goodput_mbps"] / params.rate_mbps, 4),
+        goodput_ratio=round(perf["goodput_mbps"] / d.params.rate_mbps, 4),
         goodput_seconds=round(perf["seconds"] / k, 2),
         retransmits=perf["retransmits"],
-        loss_configured=params.loss,
-        window_bytes=window,
+        loss_configured=d.params.loss,
+        window_bytes=d.window,
         time_dilation=k,
-        goodput_mbps_expected=round(expected, 3),
-        loss_cap_mbps_per_connection=None if params.loss <= 0 else round(per_connection * 8 / 1e6, 3),
+        goodput_mbps_expected=round(d.expected, 3),
+        loss_cap_mbps_per_connection=None if d.params.loss <= 0 else round(d.per_connection * 8 / 1e6, 3),
         goodput_mbps_expected_low=None if spread is None else round(spread.low * 8 / 1e6, 3),
         goodput_mbps_expected_high=None if spread is None else round(spread.high * 8 / 1e6, 3),
         goodput_expected_within_tolerance=None if spread is None else round(spread.within_10pct, 3),
     )
+
+
+def measure_link(net: NetworkSurface, src: str, dst: str, seconds: float = 3.0, pings: int = 20,
+                 rtt_ms: float | None = None, judge_loss: bool = False,
+                 max_loss_seconds: float = LOSS_MEASURE_CONFIDENT_MAX_S) -> LinkReport:
+    """One direction's report; ``judge_loss``: a lossy direction is measured for long enough to
+    be judged against what TCP can expect under its loss: 20 loss epochs (``steady_state_seconds``)
+    and then as long as the model says a measurement needs to land within 10% of its mean with
+    probability ``LOSS_CONFIDENCE`` (``confident_seconds``), ``max_loss_seconds`` at most."""
+    d = _plan_direction(net, src, dst, seconds, pings, rtt_ms, judge_loss, max_loss_seconds)
+    perf = steady_goodput(net, net.host(src), net.host(dst), seconds=d.measure, omit_s=d.omit, clamp_bytes=d.window)
+    return _report(net, d, perf)
 
 
 def _dilation(net: NetworkSurface) -> float:
@@ -465,24 +555,48 @@ def _dilation(net: NetworkSurface) -> float:
 
 
 def measure_all(net: NetworkSurface, seconds: float = 3.0, pings: int = 20,
-                progress: Callable[[str], None] | None = None, judge_loss: bool = False) -> list[LinkReport]:
+                progress: Callable[[str], None] | None = None, judge_loss: bool = False,
+                parallel: bool = False, max_loss_seconds: float = LOSS_MEASURE_CONFIDENT_MAX_S) -> list[LinkReport]:
     """Every WAN direction: the RTT of its link (one ping series per link; ``delay_estimate``:
     the minimum, the median where jittery), one-way delay and steady-state goodput
-    (``judge_loss``: see ``measure_link``)."""
-    reports = []
+    (``judge_loss``: see ``measure_link``).  ``parallel``: the delays are measured one
+    direction at a time as ever, then every direction's goodput flow runs at once, each on its
+    own link and port, so a long measurement (``judge_loss``) takes as long as the longest
+    direction's instead of their sum; opposite directions of a link then share it with each
+    other's ACKs."""
+    plans = []
     rtt_of_pair: dict[frozenset, float] = {}
     for wd in net.links():
         if progress:
-            progress(f"{wd.src} -> {wd.dst}")
+            progress(f"{wd.src} -> {wd.dst}" + (" (delays)" if parallel else ""))
         pair = frozenset((wd.src, wd.dst))
         if pair not in rtt_of_pair:
             rtts = ping(net.host(wd.src), net.host(wd.dst).ip, count=pings)
             if not rtts:
                 raise NetworkError(f"{wd.src} -> {wd.dst}: no ping reply")
             rtt_of_pair[pair] = delay_estimate(rtts, _jittery(net, wd.src, wd.dst, both_ways=True))
-        reports.append(measure_link(net, wd.src, wd.dst, seconds=seconds, rtt_ms=rtt_of_pair[pair],
-                                    judge_loss=judge_loss))
-    return reports
+        d = _plan_direction(net, wd.src, wd.dst, seconds, pings, rtt_of_pair[pair], judge_loss, max_loss_seconds)
+        if not parallel:
+            perf = steady_goodput(net, net.host(d.src), net.host(d.dst), seconds=d.measure, omit_s=d.omit,
+                                  clamp_bytes=d.window)
+            plans.append(_report(net, d, perf))
+        else:
+            plans.append(d)
+    if not parallel:
+        return plans
+    flows: list[_GoodputFlow] = []
+    try:
+        for i, d in enumerate(plans):
+            flows.append(_GoodputFlow(net, net.host(d.src), net.host(d.dst), d.measure, d.omit, d.window,
+                                      _PARALLEL_PORT + i))
+        longest = max(d.omit + d.measure for d in plans) / _dilation(net)
+        if progress:
+            until = time.strftime("%H:%M:%S", time.localtime(time.time() + longest))
+            progress(f"{len(flows)} goodput flows at once, {longest:.0f} s (until {until})")
+        return [_report(net, d, flow.result()) for d, flow in zip(plans, flows)]
+    finally:
+        for flow in flows:
+            flow.close()
 
 
 @dataclass
