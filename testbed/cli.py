@@ -136,7 +136,8 @@ def fidelity(
                                            help="with --judge-loss: measure a lossy direction for this long at most"),
     parallel: bool = typer.Option(False, "--parallel", help="run every direction's goodput flow at once (each on "
                                   "its own link; delays still measured one at a time): a long --judge-loss "
-                                  "measurement takes as long as its longest direction"),
+                                  "measurement takes as long as its longest direction; the machine's CPUs must carry "
+                                  "the flows' sum"),
 ) -> None:
     """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down; exit 1 when a
     direction is out of tolerance.  Beside each direction's rate: the goodput its flow can
