@@ -134,10 +134,13 @@ def fidelity(
                                     "direction's goodput is reported only"),
     max_loss_seconds: float = typer.Option(2400.0, "--max-loss-seconds", min=1.0,
                                            help="with --judge-loss: measure a lossy direction for this long at most"),
-    parallel: bool = typer.Option(False, "--parallel", help="run every direction's goodput flow at once (each on "
-                                  "its own link; delays still measured one at a time): a long --judge-loss "
-                                  "measurement takes as long as its longest direction; the machine's CPUs must carry "
-                                  "the flows' sum"),
+    parallel: bool = typer.Option(False, "--parallel", help="run the links' goodput flows at once, one direction "
+                                  "of each, then the other (delays still measured one at a time): a long "
+                                  "--judge-loss measurement takes twice its longest direction; the machine's CPUs "
+                                  "must carry the flows' sum"),
+    both_ways: bool = typer.Option(False, "--both-ways", help="with --parallel: both directions of a link at once "
+                                   "(one wave); right only where loss holds the flows well below their rates, since "
+                                   "each flow's ACKs queue behind the other direction's data"),
 ) -> None:
     """Build TOPOLOGY, measure every WAN link's RTT and goodput, tear down; exit 1 when a
     direction is out of tolerance.  Beside each direction's rate: the goodput its flow can
@@ -147,6 +150,8 @@ def fidelity(
     from testbed.net.network import Network
     from testbed.spec.topology import load_topology, resolve_topology
 
+    if both_ways and not parallel:
+        _fail("--both-ways: only with --parallel (it says which flows run together)")
     signal.signal(signal.SIGTERM, _on_sigterm)
     cluster = None
     try:
@@ -169,7 +174,8 @@ def fidelity(
                               f"loss: {net.backends.loss})")
                 reports = measure_all(net, seconds=seconds, pings=pings,
                                       progress=lambda m: status.update(f"measuring {m}"), judge_loss=judge_loss,
-                                      parallel=parallel, max_loss_seconds=max_loss_seconds)
+                                      parallel=parallel, both_ways=both_ways,
+                                      max_loss_seconds=max_loss_seconds)
     except _user_errors() as exc:
         _fail(str(exc))
     except KeyboardInterrupt as exc:
