@@ -247,3 +247,29 @@ def test_a_judged_lossy_flow_is_measured_until_the_model_expects_it_within_ten_p
 
     chosen = fidelity.confident_seconds(model, 120.0, 2400.0)
     assert model(120.0) < 0.7 and 600.0 < chosen < 2400.0 and model(chosen) >= fidelity.LOSS_CONFIDENCE
+
+
+def test_a_message_that_loses_a_segment_arrives_late_by_its_recovery(tmp_path):
+    """0.2% loss, 100 ms, 4 connections of 24 segments each (32 KiB slices and their headers),
+    messages the loss-limited windows hold: a message arrives at the fluid time, or, where a
+    slice lost a segment (1 - 0.998^96 = 17.5% of messages), one RACK recovery later (1.25
+    round trips: 125 ms) or, for a lost last segment, one RTO later (100 + 200 ms); drawn
+    seeded, so the count is binomial (200 messages: 35 expected, sd 5.4).  Off with
+    ``sim.loss_model: false``, and never on a lossless link."""
+    import collections
+
+    def times(loss, **sim):
+        exp = _two_dc_job(tmp_path, loss, 4, rate_mbps=100.0, **sim)
+        exp = exp.model_copy(update={"training": exp.training.model_copy(update={"iterations": 100})})
+        return _transfer_times(simulate(exp))
+
+    got = times(0.002)
+    base = min(got)
+    late = collections.Counter(round(t - base, 3) for t in got if t > base + 1e-6)
+    assert set(late) <= {0.125, 0.3}, late
+    assert 35 - 4 * 5.4 <= sum(late.values()) <= 35 + 4 * 5.4, late
+    assert late[0.125] > late[0.3]  # a lost last segment is one in 24
+    off = times(0.002, loss_model=False)
+    assert max(off) - min(off) < 1e-9 and len(off) == len(got)
+    clean = times(0.0)
+    assert max(clean) - min(clean) < 1e-9

@@ -6,8 +6,9 @@ machines: anything that satisfies ``surface.NetworkSurface``), calls ``measure_a
 configured against measured; every ``testbed run`` calls ``check_wan`` before training (a
 second or two) and records it in metrics.json; the tests call the single-measurement
 helpers on networks they build.  Measurements run one at a time (the machine has two
-cores; ``parallel`` runs the links' goodput flows at once, the delays still one at a time) from the first host of the source DC to the first host of the destination DC, so
-each crosses exactly the WAN link under test.
+cores; ``parallel`` runs the links' goodput flows at once, the delays still one at a time)
+from the first host of the source DC to the first host of the destination DC, so each
+crosses exactly the WAN link under test.
 
 Per direction: the round trip (min of a ping series) against the configured round trip and,
 where the topology names a measured source (``source_rtt_ms``), against that; the one-way

@@ -21,12 +21,17 @@ A third is on wherever a WAN path has random loss (``sim.loss_model``, default t
 ``loss_cap``): each connection is held to what CUBIC sustains under that loss and round trip
 (``testbed/net/tcpmodel.py``: Linux's CUBIC driven by the random drops, a seeded Monte Carlo's
 long-run mean on the connection's share of the link), so a channel of N connections to N times
-that, with the window's cap (the lower).
+that, with the window's cap (the lower); and a message its windows hold, sent in a flight or a
+few, arrives late by the recovery of a segment it loses (``_late_if_lost``: RACK, 1.25 round
+trips, or for a lost last segment the RTO; seeded draws), in order behind it on its channel.
+Random loss is not in ``rounds.RoundsChannel`` (fifo-bursts with the window model): its losses
+are the queues' own.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -413,6 +418,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     n_conn = exp.parallel.connections
 
     routes = {}  # (src DC, dst DC) -> (links crossed, one flow's ceiling): computed once
+    route_loss: dict[tuple[str, str], float] = {}  # (src DC, dst DC) -> the path's random loss (sim.loss_model)
+    loss_draws = random.Random(1_000_003 * (exp.training.seed if seed is None else seed) + 7)
     for a in topo.dcs:
         for b in topo.dcs:
             if a.name == b.name:
@@ -426,6 +433,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             # loss the window that sustains the loss-limited rate (slow start ends there)
             cap = connection_window(exp, hops, rtt)
             routes[(a.name, b.name)] = (path, ceiling, rtt, cap)
+            if sim_spec.loss_model:
+                route_loss[(a.name, b.name)] = path_loss(topo.direction(x, y).loss for x, y in zip(hops, hops[1:]))
 
     channels: dict[tuple[str, str], dict] = {}
     # a message a window at a time into drop-tail FIFOs (``rounds.RoundsChannel``)
@@ -460,7 +469,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         return min(link.bandwidth / (1 + sum(1 for f in link.flows if f is not own and f.rate > 0)) for link in path)
     # WAN messages sent whole in a window, in several rounds (``rounds``), larger ones shared
     # fairly; and (``rounds``) the segments the queues dropped
-    counts = {"burst": 0, "rounds": 0, "bulk": 0, "lost": 0}
+    counts = {"burst": 0, "rounds": 0, "bulk": 0, "lost": 0, "loss_recoveries": 0}
     in_flight: dict[int, float] = {}  # fid -> the bytes its channel's windows hold (sim.tail_loss)
     lossy: set[int] = set()  # fids in flight while their bottleneck overflowed (sim.tail_loss)
     routes_queue = {id(links[(s, d)]): default_queue_bytes(p, topo.rtt_ms(s, d)) for s, d, p in topo.directions()}
@@ -492,6 +501,40 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 lossy.update(rated)
 
         late.started = started
+        return late
+
+    def _late_if_lost(channel: dict, p: float, rtt: float, segments: int, arrived):
+        """``arrived`` later by the recovery of a segment its connections lose at random
+        (``sim.loss_model``; the path's loss ``p``, each of the channel's connections carrying a
+        slice of ``segments``, drawn seeded), for a message its windows hold (sent in a flight or
+        a few: a longer transfer's recoveries are in the loss-limited rate it is held to,
+        ``loss_cap``, a long-run mean over many loss epochs): a lost segment that later ones of its slice
+        follow is found by RACK (RFC 8985: their SACKs, plus a reordering window of a quarter
+        round trip) and sent again, 1.25 round trips late; a lost last segment has none after
+        it and waits for the probe or the timeout: RTO (RTT + 200 ms) late.  The slowest slice
+        decides.  TCP hands the receiver its bytes in order, so a message of the same channel
+        after a late one arrives no earlier than it (``channel["in_order"]``)."""
+        extra = 0.0
+        if p > 0 and segments > 0:
+            hit = 1.0 - (1.0 - p) ** segments
+            for _ in range(n_conn):
+                if loss_draws.random() < hit:
+                    last = loss_draws.random() < 1.0 / segments
+                    extra = max(extra, rtt + RTO_MIN_S if last else 1.25 * rtt)
+                    counts["loss_recoveries"] += 1
+        if extra <= 0 and "in_order" not in channel:
+            return arrived
+
+        def late(t):
+            due = max(t + extra, channel.get("in_order", t))
+            if extra > 0:
+                channel["in_order"] = max(channel.get("in_order", 0.0), due)
+            if due > t:
+                sim.at(due, lambda: arrived(sim.now))
+            else:
+                arrived(t)
+
+        late.started = getattr(arrived, "started", None)
         return late
 
     def send(w: Worker, kind: str, mb: int, it: int, on_arrival) -> None:
@@ -534,6 +577,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 return
             if sim_spec.tail_loss:
                 arrived = _late_if_overflowing(path, rtt, n_conn * window, arrived)
+            p_loss = route_loss.get((w.dc, peer.dc), 0.0) if whole else 0.0
+            if p_loss > 0 or "in_order" in channel:
+                arrived = _late_if_lost(channel, p_loss, rtt, win.segments(act_bytes) if tcp else
+                                        -(-int(round(act_bytes / n_conn)) // MSS) + 1, arrived)
             if not tcp:
                 # sent whole (FifoBurstPolicy serves it first-in first-out) if the channel's windows hold it
                 flow = sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel),
@@ -639,6 +686,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                     f"{sum(e[1] == 'train' for e in exits)} by ACK train)" if exits else ""))
     if fold_replicas:
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
+    if route_loss and any(route_loss.values()):
+        note += (f"; {counts['loss_recoveries']} WAN slice(s) lost a segment at random and arrived late by its "
+                 f"recovery (RACK or the timeout)")
     # the result's experiment says how many iterations were simulated (metrics.summarise reads it)
     ran = exp if n_it == exp.training.iterations else exp.with_iterations(n_it)
     if type(sim.policy) is FifoBurstPolicy:

@@ -187,7 +187,9 @@ class SimSpec(_Strict):
         True, description="where a WAN path drops packets at random (a link's loss), hold each connection to what "
                           "CUBIC sustains under that loss and round trip (Linux's CUBIC driven by the random drops, a "
                           "seeded Monte Carlo's long-run mean on the connection's share of the link: "
-                          "testbed/net/tcpmodel.py), a channel to N times that; on by default (it is what TCP "
+                          "testbed/net/tcpmodel.py), a channel to N times that, and a message its windows "
+                          "hold arrives late by the recovery of a segment it loses (RACK, 1.25 round trips; a "
+                          "lost last segment, the RTO; seeded draws); on by default (it is what TCP "
                           "does), false for the loss-blind fluid model; a lossless path is unchanged either way; "
                           "compared with 10 emulator measurements (docs/benchmarks.md), not validated")
 
