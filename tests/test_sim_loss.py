@@ -273,3 +273,21 @@ def test_a_message_that_loses_a_segment_arrives_late_by_its_recovery(tmp_path):
     assert max(off) - min(off) < 1e-9 and len(off) == len(got)
     clean = times(0.0)
     assert max(clean) - min(clean) < 1e-9
+
+
+def test_the_simulator_keeps_each_messages_starting_window(tmp_path):
+    """``SimResult.windows``: with the window model, one row per WAN message (what
+    ``experiments/trace_windows.py`` sets against a traced run): the first message of each
+    channel starts at Linux's 10 segments with no idle before it, and a later one after an idle
+    gap longer than the RTO starts from a restarted window; none without the window model."""
+    exp = _two_dc_job(tmp_path, 0.0, 1, rate_mbps=100.0, tcp_window_model=True)
+    result = simulate(exp)
+    rows = result.windows
+    assert len(rows) == 2 * exp.training.iterations  # an activation and a gradient each iteration
+    firsts = [r for r in rows if r["iteration"] == 0]
+    assert {r["kind"] for r in firsts} == {"send_act", "send_grad"}
+    assert all(r["cwnd"] == 10 and r["idle_s"] is None for r in firsts)
+    later = [r for r in rows if r["iteration"] > 0]
+    assert all(r["idle_s"] > 0.1 + 0.2 for r in later)  # a whole iteration apart: longer than the RTO
+    assert all(r["cwnd"] <= r["cwnd_before"] for r in later) and any(r["restarts"] for r in later)
+    assert simulate(_two_dc_job(tmp_path, 0.0, 1, rate_mbps=100.0)).windows == []

@@ -245,6 +245,8 @@ class SimResult(RunRecord):
     events_processed: int = 0
     folded: int = 1
     model: dict = field(default_factory=dict)  # the parts of the model used, and their validated ranges
+    # the window model under fair sharing: each WAN message's channel window as it started (``window_trace``)
+    windows: list[dict] = field(default_factory=list)
 
 
 def link_capacity(exp: Experiment) -> Callable[[Any], float]:
@@ -437,6 +439,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 route_loss[(a.name, b.name)] = path_loss(topo.direction(x, y).loss for x, y in zip(hops, hops[1:]))
 
     channels: dict[tuple[str, str], dict] = {}
+    window_trace: list[dict] = []  # SimResult.windows
     # a message a window at a time into drop-tail FIFOs (``rounds.RoundsChannel``)
     rounds = tcp and type(sim.policy) is FifoBurstPolicy
     hystart = tcp and hystart_model(exp)[0]
@@ -589,7 +592,13 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 if sim_spec.tail_loss and flow is not None:
                     arrived.started(flow)
                 return
+            before = win.segs
+            idle = None if win.last_sent is None else sim.now - win.last_sent
             win.begin(sim.now, act_bytes)
+            if record:  # what the traced emulator run reports per slice (parallel.tcp_trace), per message
+                window_trace.append({"sender": w.name, "kind": kind, "iteration": it, "microbatch": mb,
+                                     "t": sim.now, "cwnd_before": before, "cwnd": win.segs,
+                                     "idle_s": idle, "restarts": win.restarts})
 
             def cap(remaining: float) -> float:
                 # a round whose window, less what the channel still has in flight, holds what is
@@ -699,7 +708,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     model = model_parts(exp, act_bytes, sim.policy, tcp_why, overhead,
                         {"burst": counts["burst"] + counts["rounds"], "bulk": counts["bulk"]}, hystart_why)
     return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share,
-                     model=model)
+                     model=model, windows=window_trace)
 
 
 def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tcp: bool | tuple[bool, str],
