@@ -492,15 +492,14 @@ def _plan_direction(net: NetworkSurface, src: str, dst: str, seconds: float, pin
     long_run = expected_goodput_mbps(emulated, conf / k, back, streams=1, window_bytes=window)
     omit, measure = steady_state_seconds(conf, seconds * k, params.loss if judge_loss else 0.0, long_run / k)
 
-    def spread_for(wire_seconds: float) -> tcpmodel.GoodputEstimate:
-        return expected_goodput_spread(emulated, conf / k, back, window_bytes=window, seconds=wire_seconds / k,
+    def spread_for(seconds: float) -> tcpmodel.GoodputEstimate:  # (emulated seconds)
+        return expected_goodput_spread(emulated, conf / k, back, window_bytes=window, seconds=seconds,
                                        omit_s=omit / k)
 
     if judge_loss and params.loss > 0:  # long enough that a right emulator reads within 10%, mostly
-        measure = k * confident_seconds(lambda s: spread_for(s * k).within_10pct, measure / k,
-                                        max_loss_seconds)
+        measure = k * confident_seconds(lambda s: spread_for(s).within_10pct, measure / k, max_loss_seconds)
     # what this measurement (its length, after its omitted start) reads under the loss: mean and spread
-    spread = spread_for(measure) if params.loss > 0 else None
+    spread = spread_for(measure / k) if params.loss > 0 else None
     expected = long_run if spread is None else spread.mean * 8 / 1e6
     per_connection = tcpmodel.loss_limited_rate(params.loss, conf / k / 1000.0, rttvar_s=_rttvar_s(emulated, back),
                                                 link_rate=emulated.rate_mbps * 1e6 / 8 * tcpmodel.PAYLOAD_FRACTION,
@@ -571,7 +570,8 @@ def measure_all(net: NetworkSurface, seconds: float = 3.0, pings: int = 20,
     costs a flow that fills its link its rate (two DCs at 20 Mbit/s, both ways at once: 0.71
     of the rate), and not one that loss holds well below it (aws-longhaul3-lossy's flows at
     6 of 32-58 Mbit/s read 0.99-1.10 of their expectation so)."""
-    plans = []
+    in_turn: list[LinkReport] = []  # one direction after another
+    plans: list[_Direction] = []  # parallel: the directions whose flows run at once, below
     rtt_of_pair: dict[frozenset, float] = {}
     for wd in net.links():
         if progress:
@@ -582,15 +582,14 @@ def measure_all(net: NetworkSurface, seconds: float = 3.0, pings: int = 20,
             if not rtts:
                 raise NetworkError(f"{wd.src} -> {wd.dst}: no ping reply")
             rtt_of_pair[pair] = delay_estimate(rtts, _jittery(net, wd.src, wd.dst, both_ways=True))
-        d = _plan_direction(net, wd.src, wd.dst, seconds, pings, rtt_of_pair[pair], judge_loss, max_loss_seconds)
-        if not parallel:
-            perf = steady_goodput(net, net.host(d.src), net.host(d.dst), seconds=d.measure, omit_s=d.omit,
-                                  clamp_bytes=d.window)
-            plans.append(_report(net, d, perf))
+        if parallel:
+            plans.append(_plan_direction(net, wd.src, wd.dst, seconds, pings, rtt_of_pair[pair], judge_loss,
+                                         max_loss_seconds))
         else:
-            plans.append(d)
+            in_turn.append(measure_link(net, wd.src, wd.dst, seconds=seconds, pings=pings, rtt_ms=rtt_of_pair[pair],
+                                        judge_loss=judge_loss, max_loss_seconds=max_loss_seconds))
     if not parallel:
-        return plans
+        return in_turn
     first: set[frozenset] = set()
     waves: list[list[int]] = [[], []]
     for i, d in enumerate(plans):

@@ -582,8 +582,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 arrived = _late_if_overflowing(path, rtt, n_conn * window, arrived)
             p_loss = route_loss.get((w.dc, peer.dc), 0.0) if whole else 0.0
             if p_loss > 0 or "in_order" in channel:
-                arrived = _late_if_lost(channel, p_loss, rtt, win.segments(act_bytes) if tcp else
-                                        -(-int(round(act_bytes / n_conn)) // MSS) + 1, arrived)
+                arrived = _late_if_lost(channel, p_loss, rtt, win.segments(act_bytes), arrived)
             if not tcp:
                 # sent whole (FifoBurstPolicy serves it first-in first-out) if the channel's windows hold it
                 flow = sim.transfer(path, act_bytes, ceiling, arrived, owner=owner, on_sent=lambda t: left(channel),
