@@ -3,7 +3,7 @@
     .venv/bin/python experiments/validate_emulated.py [--out DIR] [--plan | --reuse]
         [--rtt 5,50,150,250] [--pipelines 1,4,8] [--message-bdp 1,10,100]
         [--hosts default,tuned] [--sharing fair,temporal] [--max-cell-seconds S]
-        [--iterations N] [--model default|no-window|fair-window|fifo-window]
+        [--iterations N] [--model default|no-window|fair-window|fifo-window|packets]
 
 How it fits: ``validation_matrix.py`` says what each cell is (the matrix, its link rates and
 messages, its experiment file) and what it will cost; this command plans, runs and reports.
@@ -95,6 +95,8 @@ def _with_model(exp, model: str, ssthresh: int | None = None, hystart: bool | No
     if model in ("no-window", "fair-window"):
         window = model == "fair-window"
         return exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_window_model": window})})
+    if model == "packets":  # every WAN message as TCP segments (sim.sharing: packets; testbed/sim/packets.py)
+        return exp.model_copy(update={"sim": exp.sim.model_copy(update={"sharing": "packets"})})
     if model.startswith("spread"):  # spread[=SIGMA]: fair sharing unequal over a message (SpreadPolicy)
         update = {"sharing": "spread"}
         if "=" in model:
@@ -155,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default",
                     help="the simulator's network model for the predictions: default (the simulator's own, the "
                          "window model on hosts with Linux's slow start after idle), no-window (the window model "
-                         "off, the default before 2026-12-06), fair-window, fifo-window, or spread[=SIGMA] "
-                         "(sim.sharing: spread, sim.share_spread: SIGMA)")
+                         "off, the default before 2026-12-06), fair-window, fifo-window, packets (sim.sharing: "
+                         "packets, a packet-level TCP), or spread[=SIGMA] (sim.sharing: spread, sim.share_spread: SIGMA)")
     ap.add_argument("--ssthresh", type=int, default=None,
                     help="sim.tcp_ssthresh_segments for the predictions (the window model's slow-start threshold "
                          "from the start, standing in for HyStart's exit; default: infinite)")
@@ -164,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="sim.tcp_hystart for the predictions (CUBIC's HyStart ends the window model's slow "
                          "start; default: the simulator's own)")
     args = ap.parse_args(argv)
-    if args.model not in ("default", "no-window", "fair-window", "fifo-window") and not \
+    if args.model not in ("default", "no-window", "fair-window", "fifo-window", "packets") and not \
             re.fullmatch(r"spread(=[0-9.]+)?", args.model):
         raise SystemExit(f"validate_emulated: --model {args.model!r}: choose default, no-window, fair-window, "
-                         f"fifo-window or spread[=SIGMA]")
+                         f"fifo-window, packets or spread[=SIGMA]")
     if args.plan and args.reuse:
         raise SystemExit("validate_emulated: --plan and --reuse exclude each other")
     if args.iterations < 3:

@@ -44,9 +44,10 @@ from testbed.spec import schedules as sch
 from testbed.spec.experiment import Experiment
 from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
-from testbed.sim import validity
+from testbed.sim import packets, validity
 from testbed.sim.engine import (FifoBurstPolicy, Link, PipelineJob, SharingPolicy, Simulator, SpreadPolicy,
                                 StageTimes, Worker)
+from testbed.sim.packets import PacketSharing
 from testbed.sim.rounds import RoundsChannel
 from testbed.sim.tcpwindow import INIT_SEGMENTS, INITIAL_WINDOW, TcpWindow  # noqa: F401 (also this module's names)
 
@@ -117,7 +118,8 @@ def profiled_stage_times(timeline: Path, exp: Experiment, skip_iterations: int =
     """Per-stage times from an emulator run of ``exp``, and the transport's per-message latency.
 
     Per stage: the medians of forward/backward/optimizer (with every observed duration as
-    ``samples`` when ``distributions``) and of the per-message hand-off costs on the
+    ``samples`` when ``distributions``, and each op of the first ``skip_iterations`` as its
+    ``warmup``, by worker: a simulated run starts as slowly as this one did) and of the per-message hand-off costs on the
     worker's own CPU: ``send`` (the send intervals) and ``recv`` (receive intervals whose
     data had already arrived when they began, so all of the interval is taking the tensor
     out of the transport).
@@ -150,12 +152,16 @@ def profiled_stage_times(timeline: Path, exp: Experiment, skip_iterations: int =
         elif tid.startswith("s") and " " not in tid:
             ops.setdefault(tid, []).append(e)
     waited: set[tuple[str, str, int, int]] = set()  # transfers that arrived while the receiver waited
+    warm: dict[int, dict[tuple[str, int, str, int], float]] = {}  # stage -> its workers' warm-up ops
     for tid, events in ops.items():
         stage = int(tid[1:].split("r")[0])
         events.sort(key=lambda e: e["ts"])
         for e, nxt in zip(events, events[1:] + [None]):
             it = e["args"].get("iteration") or 0
             if it < skip_iterations:
+                if e["cat"] in ("forward", "backward", "optimizer"):
+                    mb = e["args"].get("microbatch")
+                    warm.setdefault(stage, {})[(tid, it, e["cat"], -1 if mb is None else mb)] = e["dur"] / 1e6
                 continue
             kind = e["cat"]
             if kind in ("forward", "backward", "optimizer", "send"):
@@ -179,8 +185,10 @@ def profiled_stage_times(timeline: Path, exp: Experiment, skip_iterations: int =
             return statistics.median(values)
         samples = {k: tuple(per[(s, k)]) for k in ("forward", "backward", "optimizer")
                    if distributions and per.get((s, k))}
+        warmup = warm.get(s, {}) if distributions else {}
         times.append(StageTimes(med("forward"), med("backward"), med("optimizer"),
-                                send=med("send", False), recv=med("recv", False), samples=samples))
+                                send=med("send", False), recv=med("recv", False), samples=samples,
+                                warmup=warmup))
     return times, _message_latency(exp, transfers, waited)
 
 
@@ -322,7 +330,8 @@ def wan_can_contend(exp: Experiment) -> bool:
     return any(total > capacity(topo.direction(*pair)) * (1 + 1e-9) for pair, total in load.items())
 
 
-SHARING = {"fair": SharingPolicy, "fifo-bursts": FifoBurstPolicy, "spread": SpreadPolicy}  # sim.sharing -> its policy
+SHARING = {"fair": SharingPolicy, "fifo-bursts": FifoBurstPolicy, "spread": SpreadPolicy,
+           "packets": PacketSharing}  # sim.sharing -> its policy
 
 
 def sharing_policy(exp: Experiment) -> SharingPolicy:
@@ -381,8 +390,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     topo = exp.topo
     n_it = iterations or exp.training.iterations
     tcp_why = window_model(exp) if tcp is None else (tcp, f"simulate(tcp={tcp})")
-    tcp = tcp_why[0]
     sim = Simulator(policy if policy is not None else sharing_policy(exp))
+    if type(sim.policy) is PacketSharing:  # every connection runs segment by segment: no window model
+        tcp_why = (False, PACKETS_WHY)
+    tcp = tcp_why[0]
     D = exp.parallel.replicas
     act_bytes = exp.training.microbatch_size * exp.model.seq_len * exp.model.hidden * sim_spec.dtype_bytes
     if fold_replicas is None:
@@ -442,6 +453,15 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     window_trace: list[dict] = []  # SimResult.windows
     # a message a window at a time into drop-tail FIFOs (``rounds.RoundsChannel``)
     rounds = tcp and type(sim.policy) is FifoBurstPolicy
+    # every WAN message as TCP segments through the delay lines and drop-tail queues (``packets``)
+    packet_net = None
+    packet_counts = packets.new_counts()
+    packet_hystart = hystart_model(exp)
+    if type(sim.policy) is PacketSharing:
+        packet_net = packets.PacketNet(sim, seed=1_000_003 * (exp.training.seed if seed is None else seed) + 11,
+                                       host_rate=intra)
+        for s, d, p in topo.directions():
+            packet_net.add(links[(s, d)], default_queue_bytes(p, topo.rtt_ms(s, d)), p.jitter_ms / 1000.0, p.loss)
     hystart = tcp and hystart_model(exp)[0]
     flow_rtt: dict[int, float] = {}  # fid -> its path's round trip (WAN flows of the window model)
     hystart_exits: list[tuple[int, str]] = []  # (the window HyStart set ssthresh to, how), every channel
@@ -565,6 +585,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         if channel is None:
             channel = channels[(w.name, kind)] = {"busy": False, "queue": [], "window": TcpWindow(
                 rtt, n_conn, cap, exp.parallel.slow_start_after_idle, sim_spec.tcp_ssthresh_segments, hystart)}
+            if packet_net is not None:
+                channel["packets"] = packets.PacketChannel(
+                    sim, packet_net, w.name, path, routes[(peer.dc, w.dc)][0], rtt, n_conn,
+                    exp.parallel.slow_start_after_idle, packet_hystart[0], packet_counts)
             if rounds:
                 channel["rounds"] = RoundsChannel(sim, path, routes[(peer.dc, w.dc)][0], ceiling, channel["window"],
                                                   n_conn, lambda link: routes_queue[id(link)], counts)
@@ -642,6 +666,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             if flow is not None and flow.ceiling < ceiling:
                 sim.at(sim.now + win.rtt, grow)
 
+        if packet_net is not None:  # the transport's writes return at once: the kernel queues the bytes
+            channel["packets"].send(act_bytes + packets.CODEC_HEADER_BYTES, arrived)
+            counts["burst"] += 1
+            return
         if channel["busy"]:
             channel["queue"].append(go)
         else:
@@ -685,7 +713,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                                       [Interval(*e) for e in w.events], [Transfer(*t) for t in w.transfers],
                                       w.iteration_end)
     note = f"simulated {n_it} iteration(s), {sim.events_processed} events"
-    hystart_why = hystart_model(exp) if tcp else None
+    hystart_why = hystart_model(exp) if tcp or packet_net is not None else None
     if hystart:
         exits = [c["window"].hystart_exit for c in channels.values() if c["window"].hystart_exit]
         segs = sorted(e[0] for e in exits)
@@ -694,6 +722,12 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                     f"{sum(e[1] == 'train' for e in exits)} by ACK train)" if exits else ""))
     if fold_replicas:
         note += f"; {D} DP replicas folded into one (each WAN link's bandwidth / {D})"
+    if packet_net is not None:
+        c = packet_counts
+        note += (f"; packets: {c['restarts']} restart(s) after idle, HyStart ended slow start {c['hystart_delay']} "
+                 f"time(s) by delay and {c['hystart_train']} by ACK train, {packet_net.dropped} segment(s) dropped "
+                 f"at full queues and {packet_net.lost} at random, {c['retransmits']} retransmitted, "
+                 f"{c['recoveries']} recoveries, {c['probes']} loss probe(s), {c['timeouts']} timeout(s)")
     if route_loss and any(route_loss.values()):
         note += (f"; {counts['loss_recoveries']} WAN slice(s) lost a segment at random and arrived late by its "
                  f"recovery (RACK or the timeout)")
@@ -708,6 +742,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                         {"burst": counts["burst"] + counts["rounds"], "bulk": counts["bulk"]}, hystart_why)
     return SimResult(ran, states, 0.0, [note], links=links, events_processed=sim.events_processed, folded=share,
                      model=model, windows=window_trace)
+
+
+PACKETS_WHY = ("off: sim.sharing: packets runs every connection segment by segment (testbed/sim/packets.py), "
+               "its window Linux's own")
 
 
 def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tcp: bool | tuple[bool, str],
@@ -736,6 +774,8 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
                 parts["fifo-bursts sharing"] = boundary
             if messages["bulk"] or not messages["burst"]:
                 parts["fluid max-min sharing"] = boundary
+        elif type(policy) is PacketSharing:
+            parts["packet-level TCP"] = boundary
         else:
             parts["fluid max-min sharing" if type(policy) is SharingPolicy else f"sharing policy {policy.name}"] = boundary
         if tcp:
@@ -744,14 +784,15 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
                 parts["tcp_hystart"] = boundary
         if exp.sim.tail_loss:
             parts["tail_loss"] = boundary
-        if exp.sim.loss_model and boundary.loss and boundary.loss[1] > 0:
+        if exp.sim.loss_model and boundary.loss and boundary.loss[1] > 0 and type(policy) is not PacketSharing:
             parts["loss_model"] = boundary
         if overhead > 0:
             parts["message_overhead"] = boundary
     ring = validity.ring_figures(exp)
     if ring.rtt_ms is not None:
         parts["wan_allreduce"] = ring
-    return validity.report(parts, sharing=policy.name, window=(tcp, why), hystart=hystart if tcp else None)
+    packet = type(policy) is PacketSharing
+    return validity.report(parts, sharing=policy.name, window=(tcp, why), hystart=hystart if tcp or packet else None)
 
 
 def wan_utilization(result: SimResult) -> float:

@@ -614,8 +614,18 @@ class StageTimes:
     send: float = 0.0
     recv: float = 0.0
     samples: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # a profiled run's warm-up iterations, op by op ((worker, iteration, kind, microbatch) -> s): the
+    # same op of a simulated run takes what it took there, so the run starts as slowly as the
+    # profiled one did; the TCP state that start leaves (ssthresh, windows) carries on
+    warmup: dict[tuple[str, int, str, int], float] = field(default_factory=dict)
 
-    def draw(self, kind: str, rng: random.Random) -> float:
+    def draw(self, kind: str, rng: random.Random, op: tuple[str, int, int] | None = None) -> float:
+        """One ``kind`` op's duration: ``op`` (worker, iteration, microbatch)'s own in the warm-up
+        of a profiled run, else a draw from ``samples``, else the fixed value."""
+        if self.warmup and op is not None:
+            own = self.warmup.get((op[0], op[1], kind, op[2]))
+            if own is not None:
+                return own
         pool = self.samples.get(kind)
         if pool:
             return pool[rng.randrange(len(pool))]
@@ -713,7 +723,8 @@ class PipelineJob:
                     sim.at(end, lambda w=w: self._step(w))
                     return
                 continue
-            duration = w.times.draw("forward" if kind == sch.FORWARD else "backward", self._rng)
+            duration = w.times.draw("forward" if kind == sch.FORWARD else "backward", self._rng,
+                                    (w.name, w.iteration, mb))
             start = sim.now
             if start > w.cursor:
                 self._event(w, "recv", mb, w.cursor, start)
@@ -745,7 +756,7 @@ class PipelineJob:
                 self._event(member, "recv", -1, member.cursor, now)
             if ar:
                 self._event(member, "allreduce", -1, now, now + ar)
-            end = now + ar + member.times.draw("optimizer", self._rng)
+            end = now + ar + member.times.draw("optimizer", self._rng, (member.name, member.iteration, -1))
             self._event(member, "optimizer", -1, now + ar, end)
             member.iteration_end[member.iteration] = end
             member.cursor = end

@@ -167,7 +167,7 @@ class SimSpec(_Strict):
                            "(RFC 8985: 2 x the smoothed round trip, the full queue's delay included): lost last "
                            "segments get no duplicate ACKs; validated on one regime only, window-clamped senders "
                            "(docs/benchmarks.md)")
-    sharing: Literal["fair", "fifo-bursts", "spread"] = Field(
+    sharing: Literal["fair", "fifo-bursts", "spread", "packets"] = Field(
         "fair", description="how flows share a WAN link: fair = max-min fair among all flows (TCP's long-run "
                             "sharing); fifo-bursts = a message its channel puts in flight whole (size <= "
                             "connections x window, the window held to the path's BDP + queue) is served first-in "
@@ -178,7 +178,10 @@ class SimSpec(_Strict):
                             "what overflows (testbed/sim/rounds.py; tail_loss is not applied then); spread = fair in "
                             "the long run but unequal over a message, each flow weighted by a lognormal draw "
                             "(share_spread; testbed/sim/engine.py SpreadPolicy; not validated: it reads worse than fair on "
-                            "the validation matrix, and a run that uses it is warned). Ignored where "
+                            "the validation matrix, and a run that uses it is warned); packets = every WAN message as TCP "
+                            "segments through the delay lines and drop-tail queues, each connection Linux's "
+                            "CUBIC, HyStart, restart after idle and loss recovery (testbed/sim/packets.py). "
+                            "Ignored where "
                             "an extension gives the simulator a policy")
     share_spread: float = Field(
         0.3, ge=0, le=2, description="sharing: spread: the sigma of each flow's lognormal weight (0: fair "
