@@ -1,0 +1,199 @@
+"""The packet-level TCP (``sim.sharing: packets``, testbed/sim/packets.py): one connection's
+timing by hand, its restart after idle, loss recovery without a timeout, several hosts'
+bursts through one drop-tail queue, and the simulator with it end to end."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from testbed.net.tcpmodel import MSS, PAYLOAD_FRACTION
+from testbed.sim import packets
+from testbed.sim.engine import Link, Simulator
+from testbed.spec.experiment import parse_experiment
+from testbed.sim.build import simulate
+
+RATE = 10e6 / 8 * PAYLOAD_FRACTION  # a 10 Mbit/s link, in payload bytes/s (as build.link_capacity says)
+WIRE = 10e6 / 8  # ... and on the wire
+OWD = 0.05
+
+
+class _DropOnce(packets.PacketNet):
+    """A network that drops the ``nth`` data packet it is given (counted from 1), once."""
+
+    def __init__(self, sim, nth: int):
+        super().__init__(sim, seed=1, host_rate=1e12)
+        self.nth, self.seen = nth, 0
+
+    def send_from(self, host, path, wire_bytes, payload, deliver):
+        self.seen += 1
+        if self.seen == self.nth:
+            return
+        super().send_from(host, path, wire_bytes, payload, deliver)
+
+
+def _path(net_cls=packets.PacketNet, queue=1 << 30, **kw):
+    sim = Simulator()
+    net = net_cls(sim, **kw) if kw else net_cls(sim, seed=1, host_rate=1e12)
+    there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
+    net.add(there, queue)
+    net.add(back, queue)
+    counts = packets.new_counts()
+    conn = packets._Connection(sim, net, "h1", [there], [back], 2 * OWD, True, True, counts)
+    return sim, net, conn, counts
+
+
+def _send(sim, conn, nbytes: int) -> list[float]:
+    got: list[float] = []
+    conn.write(nbytes, got.append)
+    sim.run()
+    return got
+
+
+def _wire(nbytes: int) -> float:
+    """Seconds the segments of ``nbytes`` (header segment first) take on the 10 Mbit/s wire."""
+    sizes = [packets.SLICE_HEADER_BYTES] + [MSS] * ((nbytes - packets.SLICE_HEADER_BYTES) // MSS)
+    rest = nbytes - sum(sizes)
+    if rest:
+        sizes.append(rest)
+    return sum(s + packets.WIRE_OVERHEAD for s in sizes) / WIRE, len(sizes)
+
+
+def test_a_message_its_first_window_holds_arrives_one_way_and_its_bytes_later():
+    sim, _net, conn, _ = _path()
+    nbytes = packets.SLICE_HEADER_BYTES + 8 * MSS  # 9 segments: the initial window of 10 holds it
+    took, segments = _wire(nbytes)
+    assert segments == 9
+    assert _send(sim, conn, nbytes) == [pytest.approx(OWD + took, abs=1e-9)]
+
+
+def test_a_message_past_the_initial_window_waits_a_round_trip_for_its_second_flight():
+    """24 segments from a window of 10: the first 10 go at once; the receiver, new, ACKs each
+    segment at once (quick ACKs), so the header's ACK is back a round trip and its own bytes
+    on, and from then on each ACK releases two more: the other 14 leave the queue back to
+    back, the last one way after the delay line.  Exactly that, to the microsecond."""
+    sim, _net, conn, _ = _path()
+    nbytes = packets.SLICE_HEADER_BYTES + 23 * MSS
+    took, segments = _wire(nbytes)
+    assert segments == 24
+    [arrived] = _send(sim, conn, nbytes)
+    tau = (MSS + packets.WIRE_OVERHEAD) / WIRE  # one full segment on the wire
+    header_ack = 2 * OWD + (packets.SLICE_HEADER_BYTES + packets.WIRE_OVERHEAD) / WIRE + packets.ACK_BYTES / WIRE
+    assert arrived == pytest.approx(header_ack + OWD + 14 * tau, abs=1e-6)
+    assert conn.cwnd == 10 + 24  # slow start: one a segment delivered while the window was used
+
+
+def test_the_window_restarts_after_idle_halving_once_per_rto_and_not_on_tuned_hosts():
+    for restart in (True, False):
+        sim, _net, conn, counts = _path()
+        conn.restart = restart
+        _send(sim, conn, packets.SLICE_HEADER_BYTES + 60 * MSS)
+        grown, ssthresh, rto = conn.cwnd, conn.ssthresh, conn.rto
+        assert grown >= 40
+        # idle 2.5 RTOs since the last data left: two halvings
+        sim.at(conn.lsndtime + 2.5 * rto, lambda: conn.write(MSS, lambda t: None))
+        sim.run()
+        if restart:
+            assert counts["restarts"] == 1
+            assert conn.ssthresh == max(ssthresh, (grown >> 1) + (grown >> 2))
+            assert conn.cwnd == max(grown >> 2, packets.INIT_CWND)
+        else:
+            assert counts["restarts"] == 0 and conn.cwnd == grown
+
+
+def test_the_restart_halves_per_rto_of_idle_down_to_the_initial_window():
+    sim, _net, conn, counts = _path()
+    conn.cwnd, rto = 80, conn.rto
+    conn._cwnd_restart(2.5 * rto)  # two RTOs past the first: 80 -> 40 -> 20
+    assert conn.cwnd == 20
+    conn.cwnd = 80
+    conn._cwnd_restart(9 * rto)  # down to 10, no further
+    assert conn.cwnd == packets.INIT_CWND
+    assert counts["restarts"] == 2
+
+
+def test_a_burst_that_loses_its_first_segment_recovers_by_rack_not_by_a_timeout():
+    """The first data segment of a 9-segment message (the window holds it: one flight) is
+    dropped; the rest, sent at the same instant, are SACKed: RACK (sent before the latest
+    delivered, by time, then by sequence) marks it lost, fast recovery sends it again, and the
+    message arrives about a round trip late, with no probe and no timeout.  (Comparing send
+    times alone, a flight's segments all tie and the loss waits for the probe: this test
+    failed that way; on the lossy long haul it waited for RTOs.)"""
+    sim, net, conn, counts = _path(_DropOnce, nth=2)
+    nbytes = packets.SLICE_HEADER_BYTES + 8 * MSS
+    [arrived] = _send(sim, conn, nbytes)
+    assert counts["timeouts"] == 0 and counts["probes"] == 0
+    assert counts["recoveries"] == 1 and counts["retransmits"] == 1
+    lossless_sim, _n, lossless, _c = _path()
+    [clean] = _send(lossless_sim, lossless, nbytes)
+    assert clean + 0.5 * 2 * OWD < arrived < clean + 2 * 2 * OWD
+
+
+def test_a_lost_last_segment_is_recovered_by_the_tail_loss_probe():
+    """The last segment of a 9-segment message is lost: nothing after it can be SACKed, so the
+    tail-loss probe (2 srtt on) sends it again; no timeout."""
+    sim, net, conn, counts = _path(_DropOnce, nth=9)
+    [arrived] = _send(sim, conn, packets.SLICE_HEADER_BYTES + 8 * MSS)
+    assert counts["probes"] == 1 and counts["timeouts"] == 0
+    assert arrived == pytest.approx(2 * conn.srtt + 0.008 + OWD, abs=0.02) or arrived > 2 * 2 * OWD
+
+
+def test_bursts_from_several_hosts_interleave_and_lose_their_tails_not_whole_flights():
+    """Four hosts each write 40 segments at the same instant into a 60-segment queue: their
+    segments reach the gateway interleaved (each host's own link), so every connection gets
+    some through and finds its losses by SACK; everything arrives, with no timeout."""
+    sim = Simulator()
+    net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
+    there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
+    net.add(there, 60 * (MSS + packets.WIRE_OVERHEAD))
+    net.add(back, 1 << 30)
+    counts = packets.new_counts()
+    conns = [packets._Connection(sim, net, f"h{i}", [there], [back], 2 * OWD, True, True, counts)
+             for i in range(4)]
+    for c in conns:
+        c.cwnd = 40
+    got: list[float] = []
+    for c in conns:
+        c.write(packets.SLICE_HEADER_BYTES + 39 * MSS, got.append)
+    sim.run()
+    assert len(got) == 4 and net.dropped > 0
+    assert counts["timeouts"] == 0
+    assert counts["recoveries"] == 4  # every connection lost some and recovered by SACK
+    assert all(c.packets_out == 0 and c.una == len(c.segs) for c in conns)
+
+
+def _job(tmp_path, loss: float = 0.0, sharing: str = "packets"):
+    topo = {"name": "pk", "dcs": [{"name": "dc1", "hosts": 1, "host": {"cpus": 0.3}},
+                                  {"name": "dc2", "hosts": 1, "host": {"cpus": 0.3}}],
+            "wan": [{"a": "dc1", "b": "dc2", "delay_ms": 40, "rate_mbps": 20, "loss": loss}]}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo))
+    return parse_experiment({
+        "name": "pk", "topology": str(tmp_path / "t.yaml"),
+        "model": {"layers": 6, "hidden": 32, "heads": 2, "seq_len": 16},
+        "training": {"iterations": 4, "microbatches": 3, "microbatch_size": 64, "warmup_iterations": 1},
+        "parallel": {"stages": 2, "replicas": 1, "schedule": "1f1b", "connections": 2},
+        "sim": {"stage_times": [{"forward_s": 0.05, "backward_s": 0.1}] * 2, "sharing": sharing},
+    }, "pk")
+
+
+def test_the_simulator_runs_a_job_on_packets_and_says_so(tmp_path):
+    from testbed.results.metrics import summarise
+
+    result = simulate(_job(tmp_path))
+    s = summarise(result)["summary"]
+    assert s["mean_iteration_time_s"] > 0
+    # every message of every iteration arrived (none stranded in a connection)
+    assert all(len(w.iteration_end) == 4 for w in result.workers.values())
+    assert result.model["sharing"] == "packets"
+    assert [p["part"] for p in result.model["parts"]] == ["packet-level TCP"]
+    assert result.model["tcp_window_model"]["on"] is False
+    assert "packets:" in result.log_lines[0] and "restart(s) after idle" in result.log_lines[0]
+    fluid = summarise(simulate(_job(tmp_path, sharing="fair")))["summary"]["mean_iteration_time_s"]
+    assert s["mean_iteration_time_s"] == pytest.approx(fluid, rel=0.25)  # the same job, another model
+
+
+def test_random_loss_drops_segments_and_every_message_still_arrives(tmp_path):
+    result = simulate(_job(tmp_path, loss=0.02))
+    assert all(len(w.iteration_end) == 4 for w in result.workers.values())
+    line = result.log_lines[0]
+    assert " 0 at random" not in line and "at random" in line
