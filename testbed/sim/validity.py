@@ -62,7 +62,7 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
         where=_PACKETS,
         misses="WAN-tuned hosts with 4-8 pipelines of 1x BDP messages at 50-150 ms: +9.8% to +17.1% "
                "(pessimistic); over 8 seeds the long haul's prediction spreads +-2.5% (lossless) and +-5% "
-               "(lossy); temporal sharing is not simulated on packets (Atlas's policy runs in the fluid engine)"),
+               "(lossy); an extension's sharing policy (temporal sharing) runs in the fluid engine, not on packets"),
 
     Validated(
         "fluid max-min sharing", True, rtt_ms=(2.0, 100.0), message_bdp=(0.05, 105.0), pipelines_per_link=(1, 8),
