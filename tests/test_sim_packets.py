@@ -25,11 +25,11 @@ class _DropOnce(packets.PacketNet):
         super().__init__(sim, seed=1, host_rate=1e12)
         self.nth, self.seen = nth, 0
 
-    def send_from(self, host, path, wire_bytes, payload, deliver):
+    def send_from(self, host, path, wire_bytes, payload, deliver, owner=""):
         self.seen += 1
         if self.seen == self.nth:
             return
-        super().send_from(host, path, wire_bytes, payload, deliver)
+        super().send_from(host, path, wire_bytes, payload, deliver, owner)
 
 
 def _path(net_cls=packets.PacketNet, queue=1 << 30, **kw):
@@ -162,16 +162,16 @@ def test_bursts_from_several_hosts_interleave_and_lose_their_tails_not_whole_fli
     assert all(c.packets_out == 0 and c.una == len(c.segs) for c in conns)
 
 
-def _job(tmp_path, loss: float = 0.0, sharing: str = "packets"):
-    topo = {"name": "pk", "dcs": [{"name": "dc1", "hosts": 1, "host": {"cpus": 0.3}},
-                                  {"name": "dc2", "hosts": 1, "host": {"cpus": 0.3}}],
+def _job(tmp_path, loss: float = 0.0, sharing: str = "packets", replicas: int = 1):
+    topo = {"name": "pk", "dcs": [{"name": "dc1", "hosts": replicas, "host": {"cpus": 0.3}},
+                                  {"name": "dc2", "hosts": replicas, "host": {"cpus": 0.3}}],
             "wan": [{"a": "dc1", "b": "dc2", "delay_ms": 40, "rate_mbps": 20, "loss": loss}]}
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo))
     return parse_experiment({
         "name": "pk", "topology": str(tmp_path / "t.yaml"),
         "model": {"layers": 6, "hidden": 32, "heads": 2, "seq_len": 16},
         "training": {"iterations": 4, "microbatches": 3, "microbatch_size": 64, "warmup_iterations": 1},
-        "parallel": {"stages": 2, "replicas": 1, "schedule": "1f1b", "connections": 2},
+        "parallel": {"stages": 2, "replicas": replicas, "schedule": "1f1b", "connections": 2},
         "sim": {"stage_times": [{"forward_s": 0.05, "backward_s": 0.1}] * 2, "sharing": sharing},
     }, "pk")
 
@@ -197,3 +197,48 @@ def test_random_loss_drops_segments_and_every_message_still_arrives(tmp_path):
     assert all(len(w.iteration_end) == 4 for w in result.workers.values())
     line = result.log_lines[0]
     assert " 0 at random" not in line and "at random" in line
+
+
+def test_the_gateways_strict_priority_serves_the_owner_first_and_acks_pass_it():
+    """Two pipelines' messages written at once over one link with Atlas's scheduler in front of
+    its delay line (r1 ranked first, at 0.97 of the rate): r1's arrives as if it were alone on
+    a link of 0.97 the rate, r0's only after it; without the scheduler the FIFO mixes them and
+    r1's arrives later than that."""
+    def run(prioritised: bool) -> dict[str, float]:
+        sim = Simulator()
+        net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
+        there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
+        net.add(there, 1 << 30)
+        net.add(back, 1 << 30)
+        if prioritised:
+            net.prioritise(there, {"r1": 0, "r0": 1}, 0.97, 1 << 30)
+            net.prioritise(back, {"r1": 0, "r0": 1}, 0.97, 1 << 30)
+        counts = packets.new_counts()
+        got: dict[str, float] = {}
+        for owner in ("r0", "r1"):
+            c = packets._Connection(sim, net, f"h{owner}", [there], [back], 2 * OWD, True, True, counts, owner)
+            c.write(packets.SLICE_HEADER_BYTES + 8 * MSS, lambda t, o=owner: got.setdefault(o, t))
+        sim.run()
+        return got
+
+    took, _ = _wire(packets.SLICE_HEADER_BYTES + 8 * MSS)
+    first = run(True)
+    # r1 alone at 0.97 of the rate: its last segment leaves the scheduler, then the delay, then HTB
+    assert first["r1"] == pytest.approx(took / 0.97 + OWD + (MSS + packets.WIRE_OVERHEAD) / WIRE, rel=0.02)
+    assert first["r0"] > first["r1"] + 0.9 * took
+    mixed = run(False)
+    assert mixed["r1"] > first["r1"] + 0.5 * took  # a FIFO interleaves the two hosts' bursts
+
+
+def test_an_extensions_strict_priority_runs_on_packets_as_the_gateways_scheduler(tmp_path):
+    """``sim.sharing: packets`` with a strict-priority policy (what Atlas's temporal sharing gives
+    the simulator) runs segment by segment with the gateway's scheduler, and says so; the
+    pipeline ranked first gets its messages through sooner."""
+    from testbed.sim.engine import PriorityPolicy
+
+    exp = _job(tmp_path, replicas=2)
+    result = simulate(exp, policy=PriorityPolicy(["r1", "r0"], rate_factor=0.97))
+    parts = [p["part"] for p in result.model["parts"]]
+    assert parts == ["packet-level TCP", "sharing policy temporal"] and result.model["sharing"] == "temporal"
+    took = {w: sum(t.end - t.start for t in rec.transfers) for w, rec in result.workers.items()}
+    assert took["s1r1"] < took["s1r0"]  # r1's activations, first at the gateway, arrive sooner

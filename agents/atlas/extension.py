@@ -275,11 +275,12 @@ def predict_options(exp, run_dir: Path) -> dict:
     out: dict = {"start_offsets": {int(r): v for r, v in plans[-1]["offsets"].items()}}
     if exp.atlas.sharing == "temporal":
         order = plans[-1]["order"]
-        out["policy"] = TurnPolicy(order) if exp.atlas.enforce == "senders" else _gateway_policy(order)
+        out["policy"] = (TurnPolicy(order) if exp.atlas.enforce == "senders"
+                         else _gateway_policy(order, exp.atlas.class_queue))
     return out
 
 
-def _gateway_policy(order: list[str]):
+def _gateway_policy(order: list[str], class_queue: str = "deep"):
     """Strict priority as the gateway's delay line enforces it: at ``delayline.RATE_FACTOR`` of
     each link's rate (its token bucket paces a little under the HTB behind it), which lengthened
     the emulated runs' transfers by as much (the validation matrix's temporal cells read 1.5 points
@@ -287,7 +288,7 @@ def _gateway_policy(order: list[str]):
     from testbed.net.delayline import RATE_FACTOR
     from testbed.sim.engine import PriorityPolicy
 
-    return PriorityPolicy(order, rate_factor=RATE_FACTOR)
+    return PriorityPolicy(order, rate_factor=RATE_FACTOR, class_queue=class_queue)
 
 
 def simulate_options(exp) -> dict:
@@ -312,7 +313,8 @@ def simulate_options(exp) -> dict:
     capacity = link_capacity(exp)
     link = min(capacity(p) for _s, _d, p in exp.topo.directions())
     plan = make_plan(exp.parallel.replicas, compute, act, link, enforced=True)
-    policy = TurnPolicy(plan.order) if exp.atlas.enforce == "senders" else _gateway_policy(plan.order)
+    policy = (TurnPolicy(plan.order) if exp.atlas.enforce == "senders"
+              else _gateway_policy(plan.order, exp.atlas.class_queue))
     return {"policy": policy, "fold_replicas": False}
 
 

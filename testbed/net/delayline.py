@@ -138,7 +138,7 @@ _ETH = 14
 RATE_FACTOR = 0.97  # the line paces a little under the HTB cap behind it (the simulator models it: engine.PriorityPolicy)
 
 
-def _class_queue_bytes(rate_mbps: float, delay_s: float) -> int:
+def class_queue_bytes(rate_mbps: float, delay_s: float) -> int:
     """A class's queue: room for its whole window while another class owns the link.  A
     waiting pipeline's tail dropped there costs it a retransmission timeout (no duplicate
     ACKs behind a tail): with 500 KB queues, a 50 ms link lost 300 packets a run to the
@@ -437,7 +437,7 @@ class DelayLine:
                 queue = spec.get("queue_bytes")
                 if queue == "share":  # the link's own queue, split among the classes (equal buffering)
                     queue = max(65536, lane.queue_bytes // max(1, len(spec["classes"]))) if lane.queue_bytes else None
-                queue = queue or _class_queue_bytes(float(rate), lane.delay_s)
+                queue = queue or class_queue_bytes(float(rate), lane.delay_s)
                 lane.sched = _Scheduler(spec["classes"], float(rate), int(queue), now)
             else:
                 lane.sched = None

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.extension import device_kind
+from testbed.net.delayline import class_queue_bytes
 from testbed.net.tcpmodel import MSS, PAYLOAD_FRACTION, RTO_MIN_S, loss_limited_rate, path_loss
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
@@ -45,8 +46,8 @@ from testbed.spec.experiment import Experiment
 from testbed.results.records import Interval, RunRecord, Transfer, WorkerRecord
 from testbed.spec.topology import default_queue_bytes
 from testbed.sim import packets, validity
-from testbed.sim.engine import (FifoBurstPolicy, Link, PipelineJob, SharingPolicy, Simulator, SpreadPolicy,
-                                StageTimes, Worker)
+from testbed.sim.engine import (FifoBurstPolicy, Link, PipelineJob, PriorityPolicy, SharingPolicy, Simulator,
+                                SpreadPolicy, StageTimes, Worker)
 from testbed.sim.packets import PacketSharing
 from testbed.sim.rounds import RoundsChannel
 from testbed.sim.tcpwindow import INIT_SEGMENTS, INITIAL_WINDOW, TcpWindow  # noqa: F401 (also this module's names)
@@ -391,7 +392,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     n_it = iterations or exp.training.iterations
     tcp_why = window_model(exp) if tcp is None else (tcp, f"simulate(tcp={tcp})")
     sim = Simulator(policy if policy is not None else sharing_policy(exp))
-    if type(sim.policy) is PacketSharing:  # every connection runs segment by segment: no window model
+    # every connection segment by segment (no window model): sim.sharing: packets, and with it an
+    # extension's strict priority (Atlas's temporal sharing at the gateway) as the gateway's scheduler
+    packet_mode = packet_run(exp, sim.policy)
+    if packet_mode:
         tcp_why = (False, PACKETS_WHY)
     tcp = tcp_why[0]
     D = exp.parallel.replicas
@@ -457,11 +461,17 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     packet_net = None
     packet_counts = packets.new_counts()
     packet_hystart = hystart_model(exp)
-    if type(sim.policy) is PacketSharing:
+    if packet_mode:
         packet_net = packets.PacketNet(sim, seed=1_000_003 * (exp.training.seed if seed is None else seed) + 11,
                                        host_rate=intra)
         for s, d, p in topo.directions():
-            packet_net.add(links[(s, d)], default_queue_bytes(p, topo.rtt_ms(s, d)), p.jitter_ms / 1000.0, p.loss)
+            queue = default_queue_bytes(p, topo.rtt_ms(s, d))
+            packet_net.add(links[(s, d)], queue, p.jitter_ms / 1000.0, p.loss)
+            if isinstance(sim.policy, PriorityPolicy):  # the delay line's scheduler, in front of it
+                classes = max(1, D)
+                per_class = (max(65536, queue // classes) if sim.policy.class_queue == "share"
+                             else class_queue_bytes(p.rate_mbps, p.delay_ms / 1000.0))
+                packet_net.prioritise(links[(s, d)], sim.policy.rank, sim.policy.rate_factor, per_class)
     hystart = tcp and hystart_model(exp)[0]
     flow_rtt: dict[int, float] = {}  # fid -> its path's round trip (WAN flows of the window model)
     hystart_exits: list[tuple[int, str]] = []  # (the window HyStart set ssthresh to, how), every channel
@@ -588,7 +598,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             if packet_net is not None:
                 channel["packets"] = packets.PacketChannel(
                     sim, packet_net, w.name, path, routes[(peer.dc, w.dc)][0], rtt, n_conn,
-                    exp.parallel.slow_start_after_idle, packet_hystart[0], packet_counts)
+                    exp.parallel.slow_start_after_idle, packet_hystart[0], packet_counts, owner=f"r{w.replica}")
             if rounds:
                 channel["rounds"] = RoundsChannel(sim, path, routes[(peer.dc, w.dc)][0], ceiling, channel["window"],
                                                   n_conn, lambda link: routes_queue[id(link)], counts)
@@ -744,6 +754,12 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                      model=model, windows=window_trace)
 
 
+def packet_run(exp: Experiment, policy: SharingPolicy) -> bool:
+    """Whether a run goes segment by segment (``packets``): ``sim.sharing: packets``, its own
+    policy or an extension's strict priority (then the gateway's scheduler in the packet model)."""
+    return type(policy) is PacketSharing or (exp.sim.sharing == "packets" and type(policy) is PriorityPolicy)
+
+
 PACKETS_WHY = ("off: sim.sharing: packets runs every connection segment by segment (testbed/sim/packets.py), "
                "its window Linux's own")
 
@@ -774,8 +790,10 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
                 parts["fifo-bursts sharing"] = boundary
             if messages["bulk"] or not messages["burst"]:
                 parts["fluid max-min sharing"] = boundary
-        elif type(policy) is PacketSharing:
+        elif packet_run(exp, policy):
             parts["packet-level TCP"] = boundary
+            if type(policy) is not PacketSharing:
+                parts[f"sharing policy {policy.name}"] = boundary
         else:
             parts["fluid max-min sharing" if type(policy) is SharingPolicy else f"sharing policy {policy.name}"] = boundary
         if tcp:
@@ -784,14 +802,14 @@ def model_parts(exp: Experiment, message_bytes: float, policy: SharingPolicy, tc
                 parts["tcp_hystart"] = boundary
         if exp.sim.tail_loss:
             parts["tail_loss"] = boundary
-        if exp.sim.loss_model and boundary.loss and boundary.loss[1] > 0 and type(policy) is not PacketSharing:
+        if exp.sim.loss_model and boundary.loss and boundary.loss[1] > 0 and not packet_run(exp, policy):
             parts["loss_model"] = boundary
         if overhead > 0:
             parts["message_overhead"] = boundary
     ring = validity.ring_figures(exp)
     if ring.rtt_ms is not None:
         parts["wan_allreduce"] = ring
-    packet = type(policy) is PacketSharing
+    packet = packet_run(exp, policy)
     return validity.report(parts, sharing=policy.name, window=(tcp, why), hystart=hystart if tcp or packet else None)
 
 

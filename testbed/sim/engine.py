@@ -232,9 +232,12 @@ class PriorityPolicy(SharingPolicy):
     name = "temporal"
     ordered = True
 
-    def __init__(self, order: list[str], rate_factor: float = 1.0):
+    def __init__(self, order: list[str], rate_factor: float = 1.0, class_queue: str = "deep"):
         self.rank = {owner: i for i, owner in enumerate(order)}
         self.rate_factor = rate_factor  # the scheduler paces at this share of each link's rate
+        # each pipeline's queue at the scheduler (``sim.sharing: packets`` only; the fluid model has
+        # no queues): "deep" = the delay line's own (4 x the path's BDP), "share" = the link's, split
+        self.class_queue = class_queue
 
     def key(self, flow: Flow) -> tuple[int, int]:
         return (self.rank.get(flow.owner, len(self.rank)), flow.fid)

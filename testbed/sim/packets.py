@@ -8,7 +8,10 @@ one kind of message), and hands it every message the channel sends; the fluid en
 is an event on its heap (``Simulator.at``).  A WAN direction is what ``network.py`` builds:
 the delay line (one-way delay, jitter that keeps order, random loss: ``delayline.py``), then
 the link's rate and its byte-limited drop-tail queue (``shaping.py``); a path is its links in
-turn.  Each connection is a sender and a receiver (``_Connection``); a message is split into
+turn; with an extension's strict priority (Atlas's temporal sharing enforced at the gateway,
+``engine.PriorityPolicy``), ``PacketNet.prioritise`` puts the delay line's scheduler in front of
+each link (each pipeline's drop-tail queue, served by rank, ACKs past it: ``delayline._Scheduler``).
+Each connection is a sender and a receiver (``_Connection``); a message is split into
 one slice a connection (``testbed/train/transport.py``: a 36-byte header, then the slice), and
 arrives when every slice has arrived in order.
 
@@ -53,6 +56,7 @@ reordering (the delay line keeps order), the DC's own switch and the sender's NI
 
 from __future__ import annotations
 
+import collections
 import random
 from typing import Callable
 
@@ -100,6 +104,8 @@ class PacketNet:
         self._lanes: dict[int, list] = {}  # id(link) -> [link, queue bytes, jitter s, loss, due, free at, wire rate]
         self._host_rate = host_rate  # bytes/s: a sending host's own link (the DC's)
         self._host_free: dict[str, float] = {}  # host -> when its link has sent what it was given
+        self._schedulers: dict[int, dict] = {}  # id(link) -> its strict-priority scheduler (``prioritise``)
+        self.scheduler_drops = 0  # packets a pipeline's full queue at a scheduler dropped
         self.dropped = 0  # packets a full queue dropped
         self.lost = 0  # packets the delay line dropped at random
 
@@ -108,20 +114,42 @@ class PacketNet:
         self._lanes[id(link)] = [link, float(queue_bytes), float(jitter_s), float(loss), 0.0, 0.0,
                                  link.bandwidth / PAYLOAD_FRACTION]
 
+    def prioritise(self, link: Link, rank: dict[str, int], rate_factor: float, queue_bytes: float) -> None:
+        """Atlas's temporal sharing at the gateway (``delayline._Scheduler``), in front of
+        ``link``'s delay line: each pipeline's data (``owner``) in a drop-tail queue of
+        ``queue_bytes``, served strictly by ``rank`` (unknown owners last) at ``rate_factor`` of
+        the link's wire rate; pure ACKs pass it."""
+        self._schedulers[id(link)] = {"rank": rank, "rate": self._lanes[id(link)][6] * rate_factor,
+                                      "limit": float(queue_bytes), "queues": {}, "backlog": {}, "busy": False}
+
     def send_from(self, host: str, path: list[Link], wire_bytes: int, payload: int,
-                  deliver: Callable[[float], None]) -> None:
+                  deliver: Callable[[float], None], owner: str = "") -> None:
         """A packet that ``host`` sends onto ``path`` now: it leaves over the host's own link,
         behind what the host sent before, so that bursts from several hosts reach a gateway
-        interleaved, as they do, rather than one whole after another."""
+        interleaved, as they do, rather than one whole after another.  ``owner``: its pipeline,
+        for a scheduler on the way (``prioritise``)."""
         now = self._sim.now
         leave = max(now, self._host_free.get(host, 0.0)) + wire_bytes / self._host_rate
         self._host_free[host] = leave
-        self._sim.at(leave, lambda: self.send(path, wire_bytes, payload, deliver))
+        self._sim.at(leave, lambda: self.send(path, wire_bytes, payload, deliver, owner=owner))
 
     def send(self, path: list[Link], wire_bytes: int, payload: int, deliver: Callable[[float], None],
-             hop: int = 0) -> None:
-        """The packet enters hop ``hop``'s delay line now: its release (in order), then its
-        place in the queue behind it, or a drop."""
+             hop: int = 0, owner: str = "", scheduled: bool = False) -> None:
+        """The packet reaches hop ``hop`` now: a scheduler first where there is one (data only),
+        then the delay line (its release, in order), then its place in the link's queue behind
+        it, or a drop."""
+        sched = self._schedulers.get(id(path[hop])) if not scheduled and payload else None
+        if sched is not None:
+            backlog = sched["backlog"].get(owner, 0.0)
+            if backlog + wire_bytes > sched["limit"]:
+                self.scheduler_drops += 1
+                return
+            sched["backlog"][owner] = backlog + wire_bytes
+            sched["queues"].setdefault(owner, collections.deque()).append(
+                (path, wire_bytes, payload, deliver, hop, owner))
+            if not sched["busy"]:
+                self._serve(sched)
+            return
         lane = self._lanes[id(path[hop])]
         link, limit, jitter, loss = lane[0], lane[1], lane[2], lane[3]
         now = self._sim.now
@@ -142,9 +170,27 @@ class PacketNet:
         link.bytes_carried += payload
         link.busy_time += wire_bytes / rate
         if hop + 1 < len(path):
-            self._sim.at(done, lambda: self.send(path, wire_bytes, payload, deliver, hop + 1))
+            self._sim.at(done, lambda: self.send(path, wire_bytes, payload, deliver, hop + 1, owner))
         else:
             self._sim.at(done, lambda: deliver(self._sim.now))
+
+    def _serve(self, sched: dict) -> None:
+        """The scheduler sends its highest-ranked pipeline's next packet (work-conserving)."""
+        queues = [(sched["rank"].get(o, len(sched["rank"])), o) for o, q in sched["queues"].items() if q]
+        if not queues:
+            sched["busy"] = False
+            return
+        owner = min(queues)[1]
+        packet = sched["queues"][owner].popleft()
+        sched["backlog"][owner] -= packet[1]
+        sched["busy"] = True
+
+        def sent() -> None:
+            path, wire_bytes, payload, deliver, hop, own = packet
+            self.send(path, wire_bytes, payload, deliver, hop, own, scheduled=True)
+            self._serve(sched)
+
+        self._sim.at(self._sim.now + packet[1] / sched["rate"], sent)
 
 
 class _Seg:
@@ -163,8 +209,9 @@ class _Connection:
     """One TCP connection: the sender's state and its peer's receiver (see the module)."""
 
     def __init__(self, sim: Simulator, net: PacketNet, host: str, path: list[Link], ack_path: list[Link],
-                 rtt: float, restart_after_idle: bool, hystart: bool, counts: dict):
+                 rtt: float, restart_after_idle: bool, hystart: bool, counts: dict, owner: str = ""):
         self.sim, self.net, self.host, self.path, self.ack_path = sim, net, host, path, ack_path
+        self.owner = owner  # the pipeline it belongs to (a scheduler's class)
         self.restart = restart_after_idle
         self.hystart = hystart
         self.counts = counts
@@ -328,7 +375,8 @@ class _Connection:
             self.retrans_out += 1
             self.counts["retransmits"] += 1
         s.sent_at = self.sim.now
-        self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t: self._received(seq))
+        self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t: self._received(seq),
+                           self.owner)
 
     def _cwnd_validate(self, is_cwnd_limited: bool) -> None:
         """``tcp_cwnd_validate``."""
@@ -404,7 +452,8 @@ class _Connection:
             s.retrans = True
             s.sent_at = self.sim.now
             self.counts["retransmits"] += 1
-            self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t: self._received(seq))
+            self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t: self._received(seq),
+                               self.owner)
         self.tlp_high_seq = self.nxt
         self._arm_rto()
 
@@ -776,8 +825,9 @@ class PacketChannel:
     (the transport's writes return when the kernel has the bytes)."""
 
     def __init__(self, sim: Simulator, net: PacketNet, host: str, path: list[Link], ack_path: list[Link],
-                 rtt: float, connections: int, restart_after_idle: bool, hystart: bool, counts: dict):
-        self._conns = [_Connection(sim, net, host, path, ack_path, rtt, restart_after_idle, hystart, counts)
+                 rtt: float, connections: int, restart_after_idle: bool, hystart: bool, counts: dict,
+                 owner: str = ""):
+        self._conns = [_Connection(sim, net, host, path, ack_path, rtt, restart_after_idle, hystart, counts, owner)
                        for _ in range(connections)]
 
     @property
