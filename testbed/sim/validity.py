@@ -56,7 +56,7 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
         loss=(0.0, 0.0005), schedules=("1f1b",),
         error="issue #30's matrix (2026-12-07, --reuse; the 32 cells with 4-8 pipelines of 1x BDP messages from "
               "8-iteration re-runs): the 40 fair cells mean 3.5%, worst +17.1%, bias +2.3% (the default model 6.6%, "
-              "19.3%, -4.5%); the 40 temporal cells, Atlas's gateway scheduler on packets, 5.7%, +29.6%, +2.5%, 27 "
+              "19.3%, -4.5%); the 40 temporal cells, the gateway's strict-priority scheduler on packets, 5.7%, +29.6%, +2.5%, 27 "
               "within 5% (default 5.7%, 19.1%, 21); all 80: 4.6%, 29.6%, 57 within 5% (default 6.1%, 19.3%, 40); "
               "aws-longhaul3's default job (profiled, 4 runs): -10.2%, -1.0%, -3.4%, -2.9% (the fluid model "
               "-11.4%, -9.9%, -9.6%, -8.9%); with 0.05% loss and jitter (4 runs): -2.7%, -3.9%, -8.2%, -5.4% "
