@@ -242,3 +242,29 @@ def test_an_extensions_strict_priority_runs_on_packets_as_the_gateways_scheduler
     assert parts == ["packet-level TCP", "sharing policy temporal"] and result.model["sharing"] == "temporal"
     took = {w: sum(t.end - t.start for t in rec.transfers) for w, rec in result.workers.items()}
     assert took["s1r1"] < took["s1r0"]  # r1's activations, first at the gateway, arrive sooner
+
+
+def test_a_timeout_while_the_segments_wait_at_a_scheduler_is_found_spurious_and_undone():
+    """r0's 40 segments wait at the gateway behind r1's 400 (r1 ranked first): longer than r0's
+    RTO, which fires.  The first ACK echoes the timestamp of an original sent before the
+    retransmission, so the timeout was spurious: the window comes back and the rest is not
+    sent again (``tcp_try_undo_loss``).  Without the undo, every segment marked lost at the
+    timeout went again: this test failed with 41 retransmissions."""
+    sim = Simulator()
+    net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
+    there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
+    net.add(there, 1 << 30)
+    net.add(back, 1 << 30)
+    net.prioritise(there, {"r1": 0, "r0": 1}, 1.0, 1 << 30)
+    counts = {o: packets.new_counts() for o in ("r0", "r1")}
+    conns = {o: packets._Connection(sim, net, f"h{o}", [there], [back], 2 * OWD, True, False, counts[o], o)
+             for o in ("r0", "r1")}
+    conns["r1"].cwnd, conns["r0"].cwnd = 400, 40
+    got: dict[str, float] = {}
+    conns["r1"].write(packets.SLICE_HEADER_BYTES + 399 * MSS, lambda t: got.setdefault("r1", t))
+    conns["r0"].write(packets.SLICE_HEADER_BYTES + 39 * MSS, lambda t: got.setdefault("r0", t))
+    sim.run()
+    r0 = counts["r0"]
+    assert r0["timeouts"] >= 1 and r0["undos"] == r0["timeouts"]
+    assert r0["retransmits"] <= 2 * r0["timeouts"]  # the head only, before the first ACK
+    assert conns["r0"].cwnd >= 40 and set(got) == {"r0", "r1"}

@@ -736,8 +736,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         c = packet_counts
         note += (f"; packets: {c['restarts']} restart(s) after idle, HyStart ended slow start {c['hystart_delay']} "
                  f"time(s) by delay and {c['hystart_train']} by ACK train, {packet_net.dropped} segment(s) dropped "
-                 f"at full queues and {packet_net.lost} at random, {c['retransmits']} retransmitted, "
-                 f"{c['recoveries']} recoveries, {c['probes']} loss probe(s), {c['timeouts']} timeout(s)")
+                 f"at full queues, {packet_net.scheduler_drops} at schedulers' queues and {packet_net.lost} at "
+                 f"random, {c['retransmits']} retransmitted, {c['recoveries']} recoveries, {c['probes']} loss "
+                 f"probe(s), {c['timeouts']} timeout(s) ({c['undos']} found spurious and undone)")
     if route_loss and any(route_loss.values()):
         note += (f"; {counts['loss_recoveries']} WAN slice(s) lost a segment at random and arrived late by its "
                  f"recovery (RACK or the timeout)")

@@ -46,12 +46,15 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
 * losses: RACK (RFC 8985; no reordering window once 3 segments are SACKed or in recovery),
   the tail-loss probe (2 srtt; +200 ms with one segment out), PRR's reduction to CUBIC's
   ssthresh (beta 717/1024, fast convergence), the RTO (one segment, go-back, doubled while it
-  fires again).
+  fires again), and its undo when an ACK echoes the timestamp of an original sent before the
+  timeout's first retransmission (``tcp_try_undo_loss``: segments that waited at a scheduler
+  were not lost).
 
 Left out: TSO/GSO (a segment is a packet; the emulator's hosts send GSO packets of 2 or more
 segments on lossless links, single segments on lossy ones), pacing, receive-window limits
 (the hosts' buffers are large), jiffies' 4 ms rounding, spurious-retransmission undo,
-reordering (the delay line keeps order), the DC's own switch and the sender's NIC.
+reordering (the delay line keeps order), F-RTO's new data after a timeout and the DSACK undo of
+a fast retransmit, the DC's own switch.
 """
 
 from __future__ import annotations
@@ -251,6 +254,10 @@ class _Connection:
         self._tlp_at = INF
         self._tlp_gen = 0
         self.tlp_high_seq: int | None = None
+        # the RTO's undo (``tcp_try_undo_loss``): the window before it, and when its first
+        # retransmission left; an ACK echoing an earlier timestamp acknowledges an original
+        self.undo: tuple[int, float] | None = None
+        self.retrans_stamp = INF
         # CUBIC
         self.epoch: float | None = None
         self.last_max = 0.0
@@ -269,6 +276,7 @@ class _Connection:
         self.sample_cnt = 0
         # the receiver
         self.rcv_nxt = 0
+        self.ts_recent: float | None = None  # the timestamp the receiver echoes (TSecr)
         self.ooo: set[int] = set()
         self.rcv_unacked = 0
         self.quick = QUICKACKS
@@ -375,7 +383,7 @@ class _Connection:
             self.retrans_out += 1
             self.counts["retransmits"] += 1
         s.sent_at = self.sim.now
-        self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t: self._received(seq),
+        self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t, ts=self.sim.now: self._received(seq, ts),
                            self.owner)
 
     def _cwnd_validate(self, is_cwnd_limited: bool) -> None:
@@ -452,7 +460,7 @@ class _Connection:
             s.retrans = True
             s.sent_at = self.sim.now
             self.counts["retransmits"] += 1
-            self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t: self._received(seq),
+            self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t, ts=self.sim.now: self._received(seq, ts),
                                self.owner)
         self.tlp_high_seq = self.nxt
         self._arm_rto()
@@ -464,6 +472,8 @@ class _Connection:
         self._rto_at = INF
         self.counts["timeouts"] += 1
         if self.state != "loss":
+            self.undo = (self.cwnd, self.ssthresh)
+            self.retrans_stamp = self.sim.now
             self.ssthresh = self._cubic_recalc_ssthresh()
         self._cubic_reset()
         self._hystart_reset()
@@ -484,8 +494,26 @@ class _Connection:
         self._xmit()
         self._arm_rto()
 
+    def _undo_loss(self) -> None:
+        """``tcp_try_undo_loss``: the ACK echoes a timestamp from before the RTO's first
+        retransmission, so an original arrived: the timeout was spurious (its segments had
+        waited in a queue, not been lost).  The window and ssthresh come back, and what was
+        marked lost and not yet sent again is not sent again."""
+        cwnd, ssthresh = self.undo
+        self.cwnd = max(self.cwnd, cwnd)
+        self.ssthresh = max(self.ssthresh, ssthresh)
+        self.state = "open"
+        self.undo, self.retrans_stamp = None, INF
+        for seq in range(self.una, self.nxt):
+            s = self.segs[seq]
+            if s is not None and s.lost and not s.in_flight_retrans:
+                s.lost = False
+                self.lost_out -= 1
+        self.counts["undos"] += 1
+
     # -- the receiver ----------------------------------------------------------------------
-    def _received(self, seq: int) -> None:
+    def _received(self, seq: int, ts: float) -> None:
+        """Segment ``seq``, sent at ``ts`` (its TSval), has arrived."""
         now = self.sim.now
         if now - self.lrcvtime > RECEIVER_RTO_S:  # tcp_event_data_recv: idle past the RTO, quick ACKs
             self.quick = QUICKACKS
@@ -498,6 +526,8 @@ class _Connection:
             self._send_ack()
             return
         filled = bool(self.ooo)
+        if self.rcv_unacked == 0 or filled:  # the earliest segment not yet acknowledged (RFC 7323)
+            self.ts_recent = ts
         self.rcv_nxt += 1
         while self.rcv_nxt in self.ooo:
             self.ooo.discard(self.rcv_nxt)
@@ -519,11 +549,15 @@ class _Connection:
         self._delack_gen += 1
         cum = self.rcv_nxt
         sack = tuple(self.ooo) if self.ooo else ()
-        self.net.send(self.ack_path, ACK_BYTES, 0, lambda t: self._on_ack(cum, sack))
+        tsecr = self.ts_recent
+        self.net.send(self.ack_path, ACK_BYTES, 0, lambda t: self._on_ack(cum, sack, tsecr))
 
     # -- the sender, on an ACK -------------------------------------------------------------
-    def _on_ack(self, cum: int, sack: tuple) -> None:
+    def _on_ack(self, cum: int, sack: tuple, tsecr: float | None = None) -> None:
         now = self.sim.now
+        if (self.state == "loss" and cum > self.una and tsecr is not None and tsecr < self.retrans_stamp
+                and self.undo is not None):
+            self._undo_loss()
         prior_in_flight = self.in_flight()
         delivered = 0
         seq_rtt = ca_rtt = -1.0
@@ -589,6 +623,7 @@ class _Connection:
             self.cwnd_stamp = now
         elif self.state == "loss" and self.una >= self.high_seq:
             self.state = "open"
+            self.undo, self.retrans_stamp = None, INF
         if self.state == "open" and self.lost_out:
             self._enter_recovery(prior_in_flight)
         if self.state == "recovery":
@@ -853,5 +888,5 @@ class PacketChannel:
 
 def new_counts() -> dict[str, int]:
     """The run's packet-level tallies (``PacketChannel``'s ``counts``)."""
-    return {"restarts": 0, "retransmits": 0, "timeouts": 0, "probes": 0, "recoveries": 0,
+    return {"restarts": 0, "retransmits": 0, "timeouts": 0, "probes": 0, "recoveries": 0, "undos": 0,
             "hystart_delay": 0, "hystart_train": 0}
