@@ -52,7 +52,7 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
 
 Left out: TSO/GSO (a segment is a packet; the emulator's hosts send GSO packets of 2 or more
 segments on lossless links, single segments on lossy ones), pacing, receive-window limits
-(the hosts' buffers are large), jiffies' 4 ms rounding, spurious-retransmission undo,
+(the hosts' buffers are large), jiffies' 4 ms rounding,
 reordering (the delay line keeps order), F-RTO's new data after a timeout and the DSACK undo of
 a fast retransmit, the DC's own switch.
 """
