@@ -55,18 +55,18 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
         "packet-level TCP", True, rtt_ms=(5.0, 262.0), message_bdp=(0.13, 105.0), pipelines_per_link=(1, 8),
         loss=(0.0, 0.0005), schedules=("1f1b",),
         error="issue #30's matrix (2026-12-07, --reuse; the 32 cells with 4-8 pipelines of 1x BDP messages from "
-              "8-iteration re-runs): the 40 fair cells mean 3.5%, worst +17.1%, bias +2.3% (the default model 6.6%, "
-              "19.3%, -4.5%); the 40 temporal cells, the gateway's strict-priority scheduler on packets, 5.7%, +29.6%, +2.5%, 27 "
-              "within 5% (default 5.7%, 19.1%, 21); all 80: 4.6%, 29.6%, 57 within 5% (default 6.1%, 19.3%, 40); "
-              "aws-longhaul3's default job (profiled, 4 runs): -10.2%, -1.0%, -3.4%, -2.9% (the fluid model "
-              "-11.4%, -9.9%, -9.6%, -8.9%); with 0.05% loss and jitter (4 runs): -2.7%, -3.9%, -8.2%, -5.4% "
-              "(fluid -8.3%, -14.7%, -12.2%, -16.4%)",
+              "8-iteration re-runs): the 40 fair cells mean 3.9%, worst +17.1%, bias +2.6% (the default model 6.6%, "
+              "19.3%, -4.5%); the 40 temporal cells, the gateway's strict-priority scheduler on packets, 5.3%, "
+              "+18.1%, -1.8% (default 5.7%, 19.1%, -2.0%); all 80: 4.6%, 18.1%, 50 within 5% (default 6.1%, "
+              "19.3%, 40); aws-longhaul3's default job (profiled, 4 runs): -10.2%, -1.0%, -3.4%, -2.9% (the fluid "
+              "model -11.4%, -9.9%, -9.6%, -8.9%); with 0.05% loss and jitter (4 runs): -2.7%, -3.9%, -8.2%, "
+              "-5.4% (fluid -8.3%, -14.7%, -12.2%, -16.4%)",
         where=_PACKETS,
-        misses="pessimistic with several pipelines on WAN-tuned hosts at 50-250 ms (+9.7% to +17.1%) and with one "
-               "pipeline of 1x BDP messages on Linux-default hosts at 150-250 ms (+9.5% to +18.1%: HyStart ends "
-               "its slow start by delay at 144 segments, where the emulator's windows held whole 182-segment "
-               "messages); 50 ms, 4 pipelines, 10x BDP, temporal: +29.6%; 5 ms, 8 pipelines, temporal: -10% to "
-               "-13%; over 8 seeds a long-haul prediction spreads by sd 0.02-0.23 s"),
+        misses="pessimistic with 4-8 pipelines of 1x BDP messages on WAN-tuned hosts at 150-250 ms, fair "
+               "(+10.8% to +17.1%), and with one pipeline of 1x BDP messages on Linux-default hosts at 150-250 ms "
+               "(+9.5% to +18.1%: HyStart ends its slow start by delay at 144 segments, where the emulator's, "
+               "traced, ended at 336); 50 ms, 4 pipelines, 10x BDP, temporal, tuned: -13.6%; 5 ms, 8 pipelines, "
+               "temporal: -10% to -13%; over 8 seeds a long-haul prediction spreads by sd 0.02-0.23 s"),
     Validated(
         "fluid max-min sharing", True, rtt_ms=(2.0, 100.0), message_bdp=(0.05, 105.0), pipelines_per_link=(1, 8),
         loss=(0.0, 0.0),
