@@ -356,13 +356,17 @@ def sim(
     out_dir: Optional[Path] = typer.Option(None, "--out", help="write metrics.json and timeline.json (or sweep.csv/png)"),
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="KEY.PATH=VALUE over the file's own "
                                                   "(repeatable), e.g. --set parallel.connections=16"),
+    write_latency: Optional[Path] = typer.Option(None, "--write-latency", help="with sim.sharing: packets, a "
+                                                 "run traced with parallel.tcp_trace on the same hosts: its "
+                                                 "writer threads' latency is replayed (default: --profile's own "
+                                                 "run, if traced)"),
 ) -> None:
     """Simulate EXPERIMENT (paper scale welcome): iteration time, bubbles, WAN utilization."""
     from testbed.sim.cli import run_sim
 
     try:
         rows = run_sim(experiment, profile=profile, iterations=iterations, sweep=sweep, out_dir=out_dir,
-                       overrides=overrides or ())
+                       overrides=overrides or (), write_latency=write_latency)
     except _user_errors() as exc:
         _fail(str(exc))
     except ValueError as exc:

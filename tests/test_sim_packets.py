@@ -4,6 +4,8 @@ bursts through one drop-tail queue, and the simulator with it end to end."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -268,3 +270,41 @@ def test_a_timeout_while_the_segments_wait_at_a_scheduler_is_found_spurious_and_
     assert r0["timeouts"] >= 1 and r0["undos"] == r0["timeouts"]
     assert r0["retransmits"] <= 2 * r0["timeouts"]  # the head only, before the first ACK
     assert conns["r0"].cwnd >= 40 and set(got) == {"r0", "r1"}
+
+
+def test_a_slice_waits_for_its_writer_thread_and_a_traced_runs_latency_is_read(tmp_path):
+    """Each slice starts a draw of the writer threads' latency after the message is handed over
+    (here a fixed 10 ms: the arrival moves by exactly that); ``profiled_write_latency`` reads a
+    traced run's (the "start" row less ``queued_at``, past the warm-up), and ``testbed sim
+    --write-latency`` refuses a run that was not traced, in one line."""
+    from testbed.sim.build import profiled_write_latency
+    from testbed.sim.cli import run_sim
+    from testbed.spec.topology import SpecError
+
+    def arrival(latency):
+        sim = Simulator()
+        net = packets.PacketNet(sim, seed=1, host_rate=1e12)
+        there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
+        net.add(there, 1 << 30)
+        net.add(back, 1 << 30)
+        channel = packets.PacketChannel(sim, net, "h1", [there], [back], 2 * OWD, 2, True, True,
+                                        packets.new_counts(), write_latency=latency)
+        got: list[float] = []
+        channel.send(8 * MSS, got.append)
+        sim.run()
+        return got[0]
+
+    assert arrival(lambda: 0.010) == pytest.approx(arrival(None) + 0.010, abs=1e-9)
+    trace = tmp_path / "run" / "tcp-trace"
+    trace.mkdir(parents=True)
+    rows = [{"phase": "before", "t": 5.0, "queued_at": 4.0, "it": 3},
+            {"phase": "start", "t": 5.004, "queued_at": 5.0, "it": 3},
+            {"phase": "start", "t": 1.5, "queued_at": 1.0, "it": 0}]  # (the warm-up: left out)
+    (trace / "s0r0.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert profiled_write_latency(tmp_path / "run") == [pytest.approx(0.004)]
+    assert profiled_write_latency(tmp_path / "run" / "timeline.json") == [pytest.approx(0.004)]
+    spec = tmp_path / "job.yaml"
+    job = _job(tmp_path)
+    spec.write_text(yaml.safe_dump(job.model_dump(mode="json", exclude_none=True) | {"topology": str(tmp_path / "t.yaml")}))
+    with pytest.raises(SpecError, match="--write-latency .*no traced slices"):
+        run_sim(spec, write_latency=tmp_path / "nothing")

@@ -23,7 +23,7 @@ from testbed.extension import device_kind, in_use
 from testbed.results.provenance import provenance
 from testbed.spec.experiment import load_experiment, parse_experiment
 from testbed.spec.topology import SpecError
-from testbed.sim.build import profiled_stage_times, simulate, wan_utilization
+from testbed.sim.build import profiled_stage_times, profiled_write_latency, simulate, wan_utilization
 
 SWEEPABLE = {"delay_ms", "rate_mbps", "connections", "replicas", "microbatches", "stages", "schedule"}
 
@@ -76,7 +76,8 @@ def _extension_options(exp) -> dict:
 
 
 def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep: list[str] | None = None,
-            out_dir: Path | None = None, overrides: list[str] | tuple = ()) -> list[dict]:
+            out_dir: Path | None = None, overrides: list[str] | tuple = (),
+            write_latency: Path | None = None) -> list[dict]:
     from testbed.results import metrics
 
     exp = load_experiment(path, overrides)
@@ -84,6 +85,12 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
     rows = []
     # the profiled run is of ``exp`` itself: its message latency is measured against exp's links
     profiled = profiled_stage_times(profile, exp) if profile is not None else None
+    # the packet model's writer threads: a traced run's (--write-latency, else the profile's own if traced)
+    source = write_latency or profile
+    writes = profiled_write_latency(source) if source is not None and exp.sim.sharing == "packets" else None
+    if write_latency is not None and not writes:
+        raise SpecError(f"--write-latency {write_latency}: no traced slices there (run it with --set "
+                        f"parallel.tcp_trace=true), or sim.sharing is not packets")
     with tempfile.TemporaryDirectory(prefix="gtb-sim-") as workdir:
         for point in points:
             e = _with(exp, point, Path(workdir)) if point else exp
@@ -94,7 +101,7 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
                 stage_times, overhead = emulated_stage_times(e)
             t0 = time.perf_counter()
             result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead,
-                              **_extension_options(e))
+                              write_latency=writes, **_extension_options(e))
             wall = time.perf_counter() - t0
             summary = metrics.summarise(result)
             s = summary.summary

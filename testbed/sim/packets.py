@@ -857,11 +857,17 @@ class PacketChannel:
     """One channel's connections: ``send`` splits a message into one slice a connection
     (``transport.py``: connection i carries bytes [total i / n, total (i + 1) / n)) and calls
     ``arrived(t)`` once every slice is in; the channel is free for the next message at once
-    (the transport's writes return when the kernel has the bytes)."""
+    (the transport's writes return when the kernel has the bytes).  ``write_latency``: each
+    slice's writer thread starts that long after the message is handed over (a draw per slice;
+    ``build.profiled_write_latency`` reads a traced run's)."""
 
     def __init__(self, sim: Simulator, net: PacketNet, host: str, path: list[Link], ack_path: list[Link],
                  rtt: float, connections: int, restart_after_idle: bool, hystart: bool, counts: dict,
-                 owner: str = ""):
+                 owner: str = "", write_latency: Callable[[], float] | None = None):
+        self._sim = sim
+        # seconds from a message handed to the transport to a slice's first write (its writer
+        # thread's wake-up, a draw each; none: at once)
+        self._write_latency = write_latency
         self._conns = [_Connection(sim, net, host, path, ack_path, rtt, restart_after_idle, hystart, counts, owner)
                        for _ in range(connections)]
 
@@ -883,7 +889,11 @@ class PacketChannel:
 
         for i, conn in enumerate(self._conns):
             lo, hi = total * i // n, total * (i + 1) // n
-            conn.write(SLICE_HEADER_BYTES + hi - lo, one)
+            wait = self._write_latency() if self._write_latency is not None else 0.0
+            if wait > 0:
+                self._sim.at(self._sim.now + wait, lambda conn=conn, b=SLICE_HEADER_BYTES + hi - lo: conn.write(b, one))
+            else:
+                conn.write(SLICE_HEADER_BYTES + hi - lo, one)
 
 
 def new_counts() -> dict[str, int]:

@@ -60,7 +60,8 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
               "+18.1%, -1.8% (default 5.7%, 19.1%, -2.0%); all 80: 4.6%, 18.1%, 50 within 5% (default 6.1%, "
               "19.3%, 40); aws-longhaul3's default job (profiled, 4 runs): -10.2%, -1.0%, -3.4%, -2.9% (the fluid "
               "model -11.4%, -9.9%, -9.6%, -8.9%); with 0.05% loss and jitter (4 runs): -2.7%, -3.9%, -8.2%, "
-              "-5.4% (fluid -8.3%, -14.7%, -12.2%, -16.4%)",
+              "-5.4% (fluid -8.3%, -14.7%, -12.2%, -16.4%); with the writer threads' latency of a traced run "
+              "(--write-latency): +0.1%, +0.7%, -0.1%, +1.1% and -1.7%, -2.1%, +0.8%, -9.6%",
         where=_PACKETS,
         misses="pessimistic with 4-8 pipelines of 1x BDP messages on WAN-tuned hosts at 150-250 ms, fair "
                "(+10.8% to +17.1%), and with one pipeline of 1x BDP messages on Linux-default hosts at 150-250 ms "
