@@ -138,6 +138,12 @@ _ETH = 14
 RATE_FACTOR = 0.97  # the line paces a little under the HTB cap behind it (the simulator models it: engine.PriorityPolicy)
 
 
+def shared_class_queue_bytes(link_queue_bytes: int, classes: int) -> int:
+    """A class's queue under ``"queue_bytes": "share"``: the link's own queue split among the
+    classes (equal buffering), at least 64 KiB."""
+    return max(65536, link_queue_bytes // max(1, classes))
+
+
 def class_queue_bytes(rate_mbps: float, delay_s: float) -> int:
     """A class's queue: room for its whole window while another class owns the link.  A
     waiting pipeline's tail dropped there costs it a retransmission timeout (no duplicate
@@ -436,7 +442,8 @@ class DelayLine:
                     raise ValueError("a scheduler needs rate_mbps > 0")
                 queue = spec.get("queue_bytes")
                 if queue == "share":  # the link's own queue, split among the classes (equal buffering)
-                    queue = max(65536, lane.queue_bytes // max(1, len(spec["classes"]))) if lane.queue_bytes else None
+                    queue = (shared_class_queue_bytes(lane.queue_bytes, len(spec["classes"]))
+                             if lane.queue_bytes else None)
                 queue = queue or class_queue_bytes(float(rate), lane.delay_s)
                 lane.sched = _Scheduler(spec["classes"], float(rate), int(queue), now)
             else:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.extension import device_kind
-from testbed.net.delayline import class_queue_bytes
+from testbed.net.delayline import class_queue_bytes, shared_class_queue_bytes
 from testbed.net.tcpmodel import MSS, PAYLOAD_FRACTION, RTO_MIN_S, loss_limited_rate, path_loss
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
@@ -120,8 +120,8 @@ def profiled_stage_times(timeline: Path, exp: Experiment, skip_iterations: int =
 
     Per stage: the medians of forward/backward/optimizer (with every observed duration as
     ``samples`` when ``distributions``, and each op of the first ``skip_iterations`` as its
-    ``warmup``, by worker: a simulated run starts as slowly as this one did) and of the per-message hand-off costs on the
-    worker's own CPU: ``send`` (the send intervals) and ``recv`` (receive intervals whose
+    ``warmup``, by worker: a simulated run starts as slowly as this one did) and of the
+    per-message hand-off costs on the worker's own CPU: ``send`` (the send intervals) and ``recv`` (receive intervals whose
     data had already arrived when they began, so all of the interval is taking the tensor
     out of the transport).
 
@@ -488,8 +488,7 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             queue = default_queue_bytes(p, topo.rtt_ms(s, d))
             packet_net.add(links[(s, d)], queue, p.jitter_ms / 1000.0, p.loss)
             if isinstance(sim.policy, PriorityPolicy):  # the delay line's scheduler, in front of it
-                classes = max(1, D)
-                per_class = (max(65536, queue // classes) if sim.policy.class_queue == "share"
+                per_class = (shared_class_queue_bytes(queue, D) if sim.policy.class_queue == "share"
                              else class_queue_bytes(p.rate_mbps, p.delay_ms / 1000.0))
                 packet_net.prioritise(links[(s, d)], sim.policy.rank, sim.policy.rate_factor, per_class)
     hystart = tcp and hystart_model(exp)[0]

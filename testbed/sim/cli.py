@@ -86,11 +86,14 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
     # the profiled run is of ``exp`` itself: its message latency is measured against exp's links
     profiled = profiled_stage_times(profile, exp) if profile is not None else None
     # the packet model's writer threads: a traced run's (--write-latency, else the profile's own if traced)
+    if write_latency is not None and exp.sim.sharing != "packets":
+        raise SpecError(f"--write-latency {write_latency}: only the packet model writes slices "
+                        f"(--set sim.sharing=packets)")
     source = write_latency or profile
     writes = profiled_write_latency(source) if source is not None and exp.sim.sharing == "packets" else None
     if write_latency is not None and not writes:
         raise SpecError(f"--write-latency {write_latency}: no traced slices there (run it with --set "
-                        f"parallel.tcp_trace=true), or sim.sharing is not packets")
+                        f"parallel.tcp_trace=true)")
     with tempfile.TemporaryDirectory(prefix="gtb-sim-") as workdir:
         for point in points:
             e = _with(exp, point, Path(workdir)) if point else exp

@@ -382,9 +382,14 @@ class _Connection:
             s.in_flight_retrans = True
             self.retrans_out += 1
             self.counts["retransmits"] += 1
-        s.sent_at = self.sim.now
-        self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t, ts=self.sim.now: self._received(seq, ts),
-                           self.owner)
+        self._put_on_wire(seq)
+
+    def _put_on_wire(self, seq: int) -> None:
+        """Segment ``seq`` leaves now (its TSval, the receiver's echo, is this instant)."""
+        s = self.segs[seq]
+        s.sent_at = now = self.sim.now
+        self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size,
+                           lambda t: self._received(seq, now), self.owner)
 
     def _cwnd_validate(self, is_cwnd_limited: bool) -> None:
         """``tcp_cwnd_validate``."""
@@ -458,10 +463,8 @@ class _Connection:
         s = self.segs[seq]
         if not s.sacked:
             s.retrans = True
-            s.sent_at = self.sim.now
             self.counts["retransmits"] += 1
-            self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size, lambda t, ts=self.sim.now: self._received(seq, ts),
-                               self.owner)
+            self._put_on_wire(seq)
         self.tlp_high_seq = self.nxt
         self._arm_rto()
 
@@ -656,9 +659,7 @@ class _Connection:
         wait = INF
         for seq in range(self.una, self.nxt):
             s = self.segs[seq]
-            if s.sacked or (s.lost and s.in_flight_retrans is False and s.retrans is False):
-                continue
-            if s.lost and not s.in_flight_retrans:
+            if s.sacked or (s.lost and not s.in_flight_retrans):  # delivered, or known lost and not resent
                 continue
             if s.sent_at > self.rack_sent or (s.sent_at == self.rack_sent and seq >= self.rack_seq):
                 continue

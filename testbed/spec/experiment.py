@@ -181,8 +181,8 @@ class SimSpec(_Strict):
                             "the validation matrix, and a run that uses it is warned); packets = every WAN message as TCP "
                             "segments through the delay lines and drop-tail queues, each connection Linux's "
                             "CUBIC, HyStart, restart after idle and loss recovery (testbed/sim/packets.py). "
-                            "Ignored where "
-                            "an extension gives the simulator a policy")
+                            "Ignored where an extension gives the simulator a policy, but for packets with an "
+                            "extension's strict priority: that runs as the gateway's scheduler in the packet model")
     share_spread: float = Field(
         0.3, ge=0, le=2, description="sharing: spread: the sigma of each flow's lognormal weight (0: fair "
                                      "sharing); fitted to experiments/measure_shares.py (docs/benchmarks.md)")
