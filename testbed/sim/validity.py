@@ -134,7 +134,8 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
         error="the loss-driven CUBIC model against testbed fidelity --judge-loss on aws-longhaul3-lossy (0.05%, "
               "148-262 ms, 2026-12-07: 20-30 minutes a direction, as long as the model asks for a reading within "
               "10% 95% of the time): every direction within 10%, 0.99-1.10x; the long haul's job with that loss "
-              "(per-message recovery by RACK or the RTO): -9.7% and -12.2% in two runs (-17.0% without the recovery), "
+              "(per-message recovery by RACK or the RTO): -9.7% and -12.2% in two runs (-17.0% without the recovery; "
+              "-8.3% and -14.7% once profiled runs replay their own warm-up, later on 2026-12-07), "
               "no closer than the lossless long haul's -10% to -13%",
         where="docs/benchmarks.md: Random loss on the long haul, measured long enough"),
     Validated(
