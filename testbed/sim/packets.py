@@ -773,12 +773,17 @@ class _Connection:
             return
         if self.delay_min == 0 or self.delay_min > rtt:
             self.delay_min = rtt
-        if self.hystart and not self.found and self.cwnd < self.ssthresh and self.cwnd >= HYSTART_LOW_WINDOW:
+        if self.hystart and not self.found and self.cwnd < self.ssthresh:
             self._hystart_update(rtt, now)
 
     def _hystart_update(self, delay: float, now: float) -> None:
+        # the round's reset comes before the low-window test (Linux 6.11, "tcp_cubic: fix incorrect
+        # HyStart round start detection", in stable 6.1 and 6.6 too): rounds follow the flights
+        # from the first ACK, not from the ACK at which the window reached 16
         if self.una > self.end_seq:
             self._hystart_reset()
+        if self.cwnd < HYSTART_LOW_WINDOW:
+            return
         if now - self.last_ack <= HYSTART_ACK_DELTA_S:
             self.last_ack = now
             pacing = 2 * self.cwnd * MSS / self.srtt if self.srtt > 0 else 0.0  # sk_pacing_rate in slow start
