@@ -140,6 +140,30 @@ def test_a_lost_last_segment_is_recovered_by_the_tail_loss_probe():
     assert arrived == pytest.approx(2 * conn.srtt + 0.008 + OWD, abs=0.02) or arrived > 2 * 2 * OWD
 
 
+def test_hystart_counts_its_rounds_from_the_first_ack_and_ends_slow_start_by_the_ack_train():
+    """The matrix's one-pipeline cell at 150 ms (13.3 Mbit/s, two 1x-BDP messages at once, 362
+    segments): the kernel, traced at each ACK (bpftrace on tcp:tcp_probe reading ``struct bictcp``,
+    2026-12-07), starts a HyStart round at every flight from the first ACK (flights 9, 20, 40, 80,
+    160), sees every round's first samples within 0.6 ms of the minimum (so the delay test never
+    fires), and ends slow start by the ACK train at cwnd 246, 78 ms into the 160-segment flight.
+    Resetting the round only once the window reaches 16 (the order before Linux 6.11) puts the
+    rounds' starts mid-flight, where the samples come from segments queued behind the flight's
+    head: the delay test then fired at 144 (this test failed that way; the cell read +12.3%)."""
+    sim = Simulator()
+    net = packets.PacketNet(sim, seed=1, host_rate=1e12)
+    rate = 13.3e6 / 8 * PAYLOAD_FRACTION
+    there, back = Link("a->b", rate, 0.075), Link("b->a", rate, 0.075)
+    net.add(there, 1 << 30)
+    net.add(back, 1 << 30)
+    counts = packets.new_counts()
+    conn = packets._Connection(sim, net, "h1", [there], [back], 0.150, True, True, counts)
+    got: list[float] = []
+    conn.write(2 * 262144, got.append)
+    sim.run()
+    assert got and counts["hystart_delay"] == 0 and counts["hystart_train"] == 1
+    assert 236 <= conn.ssthresh <= 256  # the kernel: 246
+
+
 def test_bursts_from_several_hosts_interleave_and_lose_their_tails_not_whole_flights():
     """Four hosts each write 40 segments at the same instant into a 60-segment queue: their
     segments reach the gateway interleaved (each host's own link), so every connection gets

@@ -33,7 +33,9 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
   delivered, CUBIC above ssthresh (``bictcp_update`` with its Reno-friendly bound,
   ``tcp_cong_avoid_ai``), both only while the window is used (``tcp_is_cwnd_limited``, with
   ``max_packets_out``); HyStart's delay and ACK-train exits (``hystart_update``) on each ACK's
-  sample, with CUBIC's rule that drops samples for a second after an epoch starts;
+  sample, its rounds reset before the test for a window of 16 (as since Linux 6.11 and in
+  stable 6.1/6.6, so a round is a flight from the first ACK), with CUBIC's rule that drops
+  samples for a second after an epoch starts;
 * restart after idle as the application writes (``tcp_slow_start_after_idle_check`` ->
   ``tcp_cwnd_restart``: halve per RTO idle since the last data sent, down to 10) and the
   decay of an unused window (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``), both
