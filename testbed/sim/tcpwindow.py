@@ -217,7 +217,8 @@ class TcpWindow:
         from ``cubictcp_acked`` while the window is at least ``hystart_low_window``;
         ``after(i)``: the window after i segments acknowledged).  The receiver acknowledges
         every second segment (``__tcp_ack_snd_check``; quick ACKs left out).  The round
-        (``bictcp_hystart_reset``) starts at its first such ACK.  Delay: from its 9th sample on,
+        (``bictcp_hystart_reset``) starts at its first ACK, before the test for a window of 16
+        (Linux 6.11 on, and stable 6.1/6.6); samples count from the first ACK at 16.  Delay: from its 9th sample on,
         the round's minimum round trip over the path's by more than clamp(min_rtt / 8, 4 ms,
         16 ms); the minimum is its first segments' (``sample``'s queueing delay).  ACK train:
         ACKs no more than 2 ms apart spanning more than half of (min_rtt +
@@ -238,8 +239,9 @@ class TcpWindow:
             pacing = 2 * after(ACK_SEGMENTS * first) * MSS / self.rtt  # sk_pacing_rate in slow start: 200%
             threshold = (self.rtt + min(1e-3, 4 * GSO_MAX_SIZE / pacing)) / 2
             j = int(threshold // gap) + 1  # ACKs after the round's first until the train spans it
-            if first + j < acks:
-                fires.append(first + j)
+            # (the round's first ACK is its last_ack; a train broken before the window reaches 16 is lost)
+            if first * gap <= HYSTART_ACK_DELTA and max(first, j) < acks:
+                fires.append(max(first, j))
         return min(ACK_SEGMENTS * min(fires), k) if fires else None
 
     def _exit(self, sample: tuple) -> None:
