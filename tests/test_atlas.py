@@ -268,6 +268,12 @@ def test_a_compare_arm_sets_atlas_through_the_registry_and_predicts_with_its_pla
     got = predict_options(arms["c"], tmp_path)
     assert isinstance(got["policy"], PriorityPolicy) and got["policy"].rank == {"r1": 0, "r0": 1}
     assert got["start_offsets"] == {0: 0.0, 1: 0.05}
+    assert "priority_plans" not in got  # (a plan file without its basis: the order from the start)
+    plans = [{"order": ["r0", "r1"], "offsets": {"0": 0.0, "1": 0.0}, "basis": {"after_iteration": 2}},
+             {"order": ["r1", "r0"], "offsets": {"0": 0.0, "1": 0.05}, "basis": {"after_iteration": 3}}]
+    (tmp_path / "atlas-plans.json").write_text(json.dumps(plans))
+    got = predict_options(arms["c"], tmp_path)  # when each plan reached the gateways
+    assert got["priority_plans"] == [(2, ["r0", "r1"]), (3, ["r1", "r0"])] and got["policy"].rank == {"r1": 0, "r0": 1}
     assert predict_options(arms["b"], tmp_path) == {}
     assert "policy" not in predict_options(arms["p"], tmp_path)  # paced: the stagger only
 

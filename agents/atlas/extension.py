@@ -277,6 +277,10 @@ def predict_options(exp, run_dir: Path) -> dict:
         order = plans[-1]["order"]
         out["policy"] = (TurnPolicy(order) if exp.atlas.enforce == "senders"
                          else _gateway_policy(order, exp.atlas.class_queue))
+        if exp.atlas.enforce != "senders" and all("after_iteration" in p.get("basis", {}) for p in plans):
+            # when each plan reached the gateways: the links are FIFO through the warm-up
+            # iterations, and the TCP windows those leave carry on (the packet model replays it)
+            out["priority_plans"] = [(int(p["basis"]["after_iteration"]), list(p["order"])) for p in plans]
     return out
 
 

@@ -397,14 +397,19 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
              stage_times: list[StageTimes] | None = None, message_overhead_s: float | None = None,
              record: bool = True, fold_replicas: bool | None = None,
              start_offsets: dict[int, float] | None = None, seed: int | None = None,
-             tcp: bool | None = None, write_latency: list[float] | None = None) -> SimResult:
+             tcp: bool | None = None, write_latency: list[float] | None = None,
+             priority_plans: list[tuple[int, list[str]]] | None = None) -> SimResult:
     """Simulate ``exp``.  ``policy``: how flows share a link (default: the one ``sim.sharing``
     names).  ``fold_replicas`` (default: when D > 8 and sharing is fair, or fifo-bursts where
     no message is a burst) simulates one pipeline with every WAN link's bandwidth divided by D:
     under fair sharing identical replicas move in lockstep, so each sees exactly that share
     (under FIFO they take turns, which folding cannot show); the DP all-reduce keeps the real D.  It makes paper-scale jobs (D in the hundreds) cost what one pipeline
     costs.  With drawn op times (profiled ``samples``) replicas are no longer identical and
-    folding is an approximation: pass ``fold_replicas=False`` where D is small enough."""
+    folding is an approximation: pass ``fold_replicas=False`` where D is small enough.
+    ``priority_plans``: with an extension's strict priority on packets, when each order came
+    into force in the run, as (iterations every worker had ended, the owners by rank); the
+    gateways are first in first out before the first (a controller that plans after warm-up
+    iterations).  Without it, or in the fluid model, ``policy``'s order holds from the start."""
     sim_spec = exp.sim
     topo = exp.topo
     n_it = iterations or exp.training.iterations
@@ -490,7 +495,9 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             if isinstance(sim.policy, PriorityPolicy):  # the delay line's scheduler, in front of it
                 per_class = (shared_class_queue_bytes(queue, D) if sim.policy.class_queue == "share"
                              else class_queue_bytes(p.rate_mbps, p.delay_ms / 1000.0))
-                packet_net.prioritise(links[(s, d)], sim.policy.rank, sim.policy.rate_factor, per_class)
+                first = priority_plans[0] if priority_plans else (0, None)
+                rank = sim.policy.rank if first[0] <= 0 else None  # (FIFO until the first plan)
+                packet_net.prioritise(links[(s, d)], rank, sim.policy.rate_factor, per_class)
     hystart = tcp and hystart_model(exp)[0]
     flow_rtt: dict[int, float] = {}  # fid -> its path's round trip (WAN flows of the window model)
     hystart_exits: list[tuple[int, str]] = []  # (the window HyStart set ssthresh to, how), every channel
@@ -733,8 +740,12 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         delay = max(topo.one_way_delay_ms(a, b) for a, b in hops) / 1000.0
         return size / (rate / exp.parallel.stages) + 2 * (d - 1) * delay + sim_spec.allreduce_latency_s
 
+    plans_after = {n: {owner: i for i, owner in enumerate(order)} for n, order in priority_plans or ()
+                   if n > 0} if packet_net is not None and isinstance(sim.policy, PriorityPolicy) else {}
     job = PipelineJob(sim, workers, n_it, send, allreduce_time, record=record, dp_replicas=D,
-                      start_offsets=start_offsets, seed=exp.training.seed if seed is None else seed)
+                      start_offsets=start_offsets, seed=exp.training.seed if seed is None else seed,
+                      iterations_ended=(lambda n: n in plans_after and packet_net.reorder(plans_after[n]))
+                      if plans_after else None)
     job.start()
     sim.run()
     states = {}

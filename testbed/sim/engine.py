@@ -660,8 +660,13 @@ class PipelineJob:
     def __init__(self, sim: Simulator, workers: list[Worker], iterations: int,
                  send: Callable[[Worker, str, int, int, Callable[[float], None]], None],
                  allreduce_time: Callable[[int], float], record: bool = True, dp_replicas: int | None = None,
-                 start_offsets: dict[int, float] | None = None, seed: int = 0):
+                 start_offsets: dict[int, float] | None = None, seed: int = 0,
+                 iterations_ended: Callable[[int], None] | None = None):
         self.sim = sim
+        # called with n when every worker has ended n iterations, at the last one's end (as a
+        # controller that plans from every worker's telemetry sees it)
+        self._iterations_ended = iterations_ended
+        self._ended: dict[int, list[float]] = {}
         self._rng = random.Random(seed)  # draws op times where StageTimes carries samples
         self.workers = workers
         self.iterations = iterations
@@ -762,6 +767,12 @@ class PipelineJob:
             end = now + ar + member.times.draw("optimizer", self._rng, (member.name, member.iteration, -1))
             self._event(member, "optimizer", -1, now + ar, end)
             member.iteration_end[member.iteration] = end
+            if self._iterations_ended is not None:
+                ends = self._ended.setdefault(member.iteration, [])
+                ends.append(end)
+                if len(ends) == len(self.workers):
+                    n = member.iteration + 1
+                    self.sim.at(max(ends), lambda n=n: self._iterations_ended(n))
             member.cursor = end
             member.iteration += 1
             member.pc = 0

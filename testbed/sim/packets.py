@@ -119,13 +119,19 @@ class PacketNet:
         self._lanes[id(link)] = [link, float(queue_bytes), float(jitter_s), float(loss), 0.0, 0.0,
                                  link.bandwidth / PAYLOAD_FRACTION]
 
-    def prioritise(self, link: Link, rank: dict[str, int], rate_factor: float, queue_bytes: float) -> None:
+    def prioritise(self, link: Link, rank: dict[str, int] | None, rate_factor: float, queue_bytes: float) -> None:
         """Atlas's temporal sharing at the gateway (``delayline._Scheduler``), in front of
         ``link``'s delay line: each pipeline's data (``owner``) in a drop-tail queue of
         ``queue_bytes``, served strictly by ``rank`` (unknown owners last) at ``rate_factor`` of
-        the link's wire rate; pure ACKs pass it."""
+        the link's wire rate; pure ACKs pass it.  ``rank`` None: not yet in force (packets go
+        straight to the delay line, first in first out) until ``reorder`` gives one."""
         self._schedulers[id(link)] = {"rank": rank, "rate": self._lanes[id(link)][6] * rate_factor,
                                       "limit": float(queue_bytes), "queues": {}, "backlog": {}, "busy": False}
+
+    def reorder(self, rank: dict[str, int]) -> None:
+        """Every scheduler serves by ``rank`` from now on (a new plan applied at the gateways)."""
+        for sched in self._schedulers.values():
+            sched["rank"] = rank
 
     def send_from(self, host: str, path: list[Link], wire_bytes: int, payload: int,
                   deliver: Callable[[float], None], owner: str = "") -> None:
@@ -144,7 +150,7 @@ class PacketNet:
         then the delay line (its release, in order), then its place in the link's queue behind
         it, or a drop."""
         sched = self._schedulers.get(id(path[hop])) if not scheduled and payload else None
-        if sched is not None:
+        if sched is not None and sched["rank"] is not None:
             backlog = sched["backlog"].get(owner, 0.0)
             if backlog + wire_bytes > sched["limit"]:
                 self.scheduler_drops += 1
