@@ -274,6 +274,8 @@ def test_a_compare_arm_sets_atlas_through_the_registry_and_predicts_with_its_pla
     (tmp_path / "atlas-plans.json").write_text(json.dumps(plans))
     got = predict_options(arms["c"], tmp_path)  # when each plan reached the gateways
     assert got["priority_plans"] == [(2, ["r0", "r1"]), (3, ["r1", "r0"])] and got["policy"].rank == {"r1": 0, "r0": 1}
+    one = arms["c"].model_copy(update={"parallel": arms["c"].parallel.model_copy(update={"replicas": 1})})
+    assert "policy" not in predict_options(one, tmp_path)  # one pipeline: the controller leaves the links FIFO
     assert predict_options(arms["b"], tmp_path) == {}
     assert "policy" not in predict_options(arms["p"], tmp_path)  # paced: the stagger only
 

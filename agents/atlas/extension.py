@@ -273,7 +273,7 @@ def predict_options(exp, run_dir: Path) -> dict:
     if not plans:
         return {}
     out: dict = {"start_offsets": {int(r): v for r, v in plans[-1]["offsets"].items()}}
-    if exp.atlas.sharing == "temporal":
+    if exp.atlas.sharing == "temporal" and exp.parallel.replicas > 1:  # (one pipeline: the links stay FIFO)
         order = plans[-1]["order"]
         out["policy"] = (TurnPolicy(order) if exp.atlas.enforce == "senders"
                          else _gateway_policy(order, exp.atlas.class_queue))

@@ -54,20 +54,20 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
     Validated(
         "packet-level TCP", True, rtt_ms=(5.0, 262.0), message_bdp=(0.13, 105.0), pipelines_per_link=(1, 8),
         loss=(0.0, 0.0005), schedules=("1f1b",),
-        error="issue #30's matrix (2026-12-07, --reuse; the 32 cells with 4-8 pipelines of 1x BDP messages from "
-              "8-iteration re-runs): the 40 fair cells mean 3.9%, worst +17.1%, bias +2.6% (the default model 6.6%, "
-              "19.3%, -4.5%); the 40 temporal cells, the gateway's strict-priority scheduler on packets, 5.3%, "
-              "+18.1%, -1.8% (default 5.7%, 19.1%, -2.0%); all 80: 4.6%, 18.1%, 50 within 5% (default 6.1%, "
-              "19.3%, 40); aws-longhaul3's default job (profiled, 4 runs): -10.2%, -1.0%, -3.4%, -2.9% (the fluid "
-              "model -11.4%, -9.9%, -9.6%, -8.9%); with 0.05% loss and jitter (4 runs): -2.7%, -3.9%, -8.2%, "
-              "-5.4% (fluid -8.3%, -14.7%, -12.2%, -16.4%); with the writer threads' latency of a traced run "
-              "(--write-latency): +0.1%, +0.7%, -0.1%, +1.1% and -1.7%, -2.1%, +0.8%, -9.6%",
-        where=_PACKETS,
-        misses="pessimistic with 4-8 pipelines of 1x BDP messages on WAN-tuned hosts at 150-250 ms, fair "
-               "(+10.8% to +17.1%), and with one pipeline of 1x BDP messages on Linux-default hosts at 150-250 ms "
-               "(+9.5% to +18.1%: HyStart ends its slow start by delay at 144 segments, where the emulator's, "
-               "traced, ended at 336); 50 ms, 4 pipelines, 10x BDP, temporal, tuned: -13.6%; 5 ms, 8 pipelines, "
-               "temporal: -10% to -13%; over 8 seeds a long-haul prediction spreads by sd 0.02-0.23 s"),
+        error="issue #30's matrix (runs of 2026-12-07 07:09-08:38 UTC, the 32 cells with 4-8 pipelines of 1x BDP "
+              "messages from 10-iteration runs; HyStart's rounds in Linux 6.11's order; the gateway's scheduler in "
+              "force when the run's plans were): the 40 fair cells mean 2.8%, worst +13.1%, bias +0.8% (the default "
+              "model 6.5%, 23.7%, -4.1%); the 40 temporal cells 3.6%, +26.9%, +0.7% (default 5.9%, 20.3%, -1.9%); "
+              "all 80: 3.2%, 26.9%, 65 within 5% (default 6.2%, 23.7%, 40); aws-longhaul3's default job, a traced "
+              "run with its own writer latency: +0.4% (fluid -10.3%); with 0.05% loss and jitter: -6.6% (fluid "
+              "-17.8%); before the HyStart order, with a traced run's writer latency (--write-latency), 8 runs: "
+              "+0.1%, +0.7%, -0.1%, +1.1% and -1.7%, -2.1%, +0.8%, -9.6%",
+        where=_PACKETS + "; HyStart's rounds traced in the kernel",
+        misses="50 ms, 4 pipelines of 1x BDP messages, tuned hosts, temporal: +26.9% (the emulator itself read "
+               "1.28-1.53 s in three runs); 150 ms, 4 pipelines, default hosts, temporal: +14.3%; 5 ms, 4 "
+               "pipelines, 1x BDP, fair: +11% to +13% (the default model as much); 5-50 ms, 10x BDP, tuned, "
+               "temporal: -7% to -10%; the lossy long haul's traced run: -6.6%; over 8 seeds a long-haul "
+               "prediction spreads by sd 0.02-0.23 s"),
     Validated(
         "fluid max-min sharing", True, rtt_ms=(2.0, 100.0), message_bdp=(0.05, 105.0), pipelines_per_link=(1, 8),
         loss=(0.0, 0.0),
