@@ -130,8 +130,8 @@ def profiled_stage_times(timeline: Path, exp: Experiment, skip_iterations: int =
     between its send and its arrival), minus when a FIFO link of the path's rate and delay
     would have delivered it (at the channel's TCP window: ``TcpWindow``), median over the run
     of those under half the path's round trip, at least 50 ms (more is a round the network
-    model missed); 0 where no message was alone.  Messages that shared the path are left out: how they shared
-    it (fair, by turns, with losses) is the network model's business, and their residuals
+    model missed); 0 where no message was alone.  Messages that shared the path are left out:
+    how they shared it (fair, by turns, with losses) is the network model's business, and their residuals
     against any one reference measured that, not the hosts (1.4 s a message on
     experiments/atlas-regime.yaml's fair arm, added by the simulator to every message).  On
     CPU-limited hosts this is the writer and reader threads waiting for their share of the
@@ -262,9 +262,9 @@ def _message_latency(exp: Experiment, transfers: list[tuple[str, str, dict]],
             # an excess of half a round trip or more is a round the network model missed (a
             # restart's or a loss's), the network's business, not the hosts': a lossy long haul
             # (2026-12-07) had 36 such messages, half within 10 ms and half 0.18-0.26 s over, one
-            # round trip; their median, 182 ms, added to every message, read +46%.  (Under 100 ms
-            # round trips a round is the size of the hosts' own latency, p99 28 ms at 0.25 of a
-            # CPU: nothing is left out there.)
+            # round trip; their median, 182 ms, added to every message, read +46%.  (At least
+            # 50 ms: on shorter paths a round is the size of the hosts' own latency, p99 28 ms at
+            # 0.25 of a CPU, and the two cannot be told apart.)
             if key in waited and key in alone and end - (free + delay) < max(rtt / 2, 0.05):
                 excess.append(end - (free + delay))
     return max(0.0, statistics.median(excess)) if excess else 0.0
@@ -503,7 +503,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 per_class = (shared_class_queue_bytes(queue, D) if sim.policy.class_queue == "share"
                              else class_queue_bytes(p.rate_mbps, p.delay_ms / 1000.0))
                 first = priority_plans[0] if priority_plans else (0, None)
-                rank = sim.policy.rank if first[0] <= 0 else None  # (FIFO until the first plan)
+                rank = (None if first[0] > 0 else  # (FIFO until the first plan)
+                        {o: i for i, o in enumerate(first[1])} if first[1] else sim.policy.rank)
                 packet_net.prioritise(links[(s, d)], rank, sim.policy.rate_factor, per_class)
     hystart = tcp and hystart_model(exp)[0]
     flow_rtt: dict[int, float] = {}  # fid -> its path's round trip (WAN flows of the window model)

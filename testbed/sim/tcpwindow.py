@@ -218,7 +218,8 @@ class TcpWindow:
         ``after(i)``: the window after i segments acknowledged).  The receiver acknowledges
         every second segment (``__tcp_ack_snd_check``; quick ACKs left out).  The round
         (``bictcp_hystart_reset``) starts at its first ACK, before the test for a window of 16
-        (Linux 6.11 on, and stable 6.1/6.6); samples count from the first ACK at 16.  Delay: from its 9th sample on,
+        (Linux 6.11 on, and stable 6.1/6.6); samples count from the first ACK at 16.  Delay:
+        from its 9th sample on,
         the round's minimum round trip over the path's by more than clamp(min_rtt / 8, 4 ms,
         16 ms); the minimum is its first segments' (``sample``'s queueing delay).  ACK train:
         ACKs no more than 2 ms apart spanning more than half of (min_rtt +
