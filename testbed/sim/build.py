@@ -493,6 +493,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
     packet_hystart = hystart_model(exp)
     write_draws = random.Random(1_000_003 * (exp.training.seed if seed is None else seed) + 13)
     writes = (lambda: write_draws.choice(write_latency)) if write_latency else None
+    # an extension's strict priority on packets: its rank once every worker has ended n iterations
+    # (``priority_plans``); before the first, the gateways are FIFO (rank None)
+    plan_ranks = ({n: {owner: i for i, owner in enumerate(order)} for n, order in priority_plans or ()}
+                  if packet_mode and isinstance(sim.policy, PriorityPolicy) else {})
     if packet_mode:
         packet_net = packets.PacketNet(sim, seed=1_000_003 * (exp.training.seed if seed is None else seed) + 11,
                                        host_rate=intra)
@@ -502,10 +506,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
             if isinstance(sim.policy, PriorityPolicy):  # the delay line's scheduler, in front of it
                 per_class = (shared_class_queue_bytes(queue, D) if sim.policy.class_queue == "share"
                              else class_queue_bytes(p.rate_mbps, p.delay_ms / 1000.0))
-                first = priority_plans[0] if priority_plans else (0, None)
-                rank = (None if first[0] > 0 else  # (FIFO until the first plan)
-                        {o: i for i, o in enumerate(first[1])} if first[1] else sim.policy.rank)
-                packet_net.prioritise(links[(s, d)], rank, sim.policy.rate_factor, per_class)
+                packet_net.prioritise(links[(s, d)], plan_ranks.get(0) if plan_ranks else sim.policy.rank,
+                                      sim.policy.rate_factor, per_class)
     hystart = tcp and hystart_model(exp)[0]
     flow_rtt: dict[int, float] = {}  # fid -> its path's round trip (WAN flows of the window model)
     hystart_exits: list[tuple[int, str]] = []  # (the window HyStart set ssthresh to, how), every channel
@@ -748,12 +750,10 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
         delay = max(topo.one_way_delay_ms(a, b) for a, b in hops) / 1000.0
         return size / (rate / exp.parallel.stages) + 2 * (d - 1) * delay + sim_spec.allreduce_latency_s
 
-    plans_after = {n: {owner: i for i, owner in enumerate(order)} for n, order in priority_plans or ()
-                   if n > 0} if packet_net is not None and isinstance(sim.policy, PriorityPolicy) else {}
     job = PipelineJob(sim, workers, n_it, send, allreduce_time, record=record, dp_replicas=D,
                       start_offsets=start_offsets, seed=exp.training.seed if seed is None else seed,
-                      iterations_ended=(lambda n: n in plans_after and packet_net.reorder(plans_after[n]))
-                      if plans_after else None)
+                      iterations_ended=(lambda n: n in plan_ranks and packet_net.reorder(plan_ranks[n]))
+                      if plan_ranks else None)
     job.start()
     sim.run()
     states = {}

@@ -666,7 +666,7 @@ class PipelineJob:
         # called with n when every worker has ended n iterations, at the last one's end (as a
         # controller that plans from every worker's telemetry sees it)
         self._iterations_ended = iterations_ended
-        self._ended: dict[int, list[float]] = {}
+        self._ended: dict[int, int] = {}  # iteration -> how many workers have ended it
         self._rng = random.Random(seed)  # draws op times where StageTimes carries samples
         self.workers = workers
         self.iterations = iterations
@@ -768,11 +768,11 @@ class PipelineJob:
             self._event(member, "optimizer", -1, now + ar, end)
             member.iteration_end[member.iteration] = end
             if self._iterations_ended is not None:
-                ends = self._ended.setdefault(member.iteration, [])
-                ends.append(end)
-                if len(ends) == len(self.workers):
-                    n = member.iteration + 1
-                    self.sim.at(max(ends), lambda n=n: self._iterations_ended(n))
+                it = member.iteration
+                self._ended[it] = self._ended.get(it, 0) + 1
+                if self._ended[it] == len(self.workers):
+                    last = max(w.iteration_end[it] for w in self.workers)
+                    self.sim.at(last, lambda n=it + 1: self._iterations_ended(n))
             member.cursor = end
             member.iteration += 1
             member.pc = 0
