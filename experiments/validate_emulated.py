@@ -106,23 +106,37 @@ def _with_model(exp, model: str, ssthresh: int | None = None, hystart: bool | No
     return exp.model_copy(update={"sim": sim})
 
 
-def _run_dir(out: Path, cell: vm.Cell) -> Path:
-    """The cell's run folder: its own, or the earlier matrix's where that one is finished."""
+def _run_dir(out: Path, cell: vm.Cell, repeat: int = 1) -> Path:
+    """The cell's run folder: its own, or the earlier matrix's where that one is finished;
+    ``repeat`` k > 1: ``<cell>.run<k>`` (``--repeats``)."""
+    if repeat > 1:
+        return out / f"{cell.name}.run{repeat}"
     legacy = cell.legacy_name
     if legacy and (out / legacy / "metrics.json").exists() and not (out / cell.name / "metrics.json").exists():
         return out / legacy
     return out / cell.name
 
 
-def _predict(exp, run_dir: Path, iterations: int) -> float:
+def _predict(exp, run_dir: Path, iterations: int, profile: bool = False, seeds: int = 1) -> list[float]:
+    """The simulated mean steady iteration, once per seed (the experiment's own seed first), over
+    as many iterations as the run had (its metrics.json; ``iterations`` where it has none):
+    windows keep growing from one iteration to the next, so a mean over a shorter or longer run
+    is not the same figure.  ``profile``: the devices' times and the per-message latency are
+    the run's own (``build.profiled_stage_times`` of its timeline, as ``testbed sim --profile``
+    reads them), each op a draw from what the run measured, so seeds differ; otherwise the
+    experiment's exact device times."""
     from testbed.results.metrics import summarise
-    from testbed.sim.build import simulate
+    from testbed.sim.build import profiled_stage_times, simulate
     from testbed.sim.device import stage_times
 
-    times, latency = stage_times(exp)
-    result = simulate(exp, iterations=max(iterations, 8), stage_times=times, message_overhead_s=latency,
-                      **_extension_options(exp, run_dir))
-    return summarise(result).summary.mean_iteration_time_s
+    metrics = run_dir / "metrics.json"
+    if metrics.exists():
+        iterations = json.loads(metrics.read_text())["summary"].get("iterations", iterations)
+    times, latency = profiled_stage_times(run_dir / "timeline.json", exp) if profile else stage_times(exp)
+    options = _extension_options(exp, run_dir)
+    return [summarise(simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=latency,
+                               seed=exp.training.seed + k, **options)).summary.mean_iteration_time_s
+            for k in range(seeds)]
 
 
 def _plan(selected: list[vm.Cell], out: Path, iterations: int) -> dict[str, float]:
@@ -159,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
                          "window model on hosts with Linux's slow start after idle), no-window (the window model "
                          "off, the default before 2026-12-06), fair-window, fifo-window, packets (sim.sharing: "
                          "packets, a packet-level TCP), or spread[=SIGMA] (sim.sharing: spread, sim.share_spread: SIGMA)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="emulator runs per cell (the first in DIR/<cell>, the others in DIR/<cell>.run<k>): the "
+                         "cell's measured figure is their mean, its spread beside it")
+    ap.add_argument("--profile", action="store_true",
+                    help="predict each run from its own profile (its devices' times drawn from what it measured "
+                         "and its per-message latency, as `testbed sim --profile`), not the experiment's exact times")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="simulations per run with seeds seed, seed+1, ...: the prediction is their mean, their "
+                         "range beside it (they differ where ops are drawn: --profile, or links with loss or jitter)")
     ap.add_argument("--ssthresh", type=int, default=None,
                     help="sim.tcp_ssthresh_segments for the predictions (the window model's slow-start threshold "
                          "from the start, standing in for HyStart's exit; default: infinite)")
@@ -172,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"fifo-window, packets or spread[=SIGMA]")
     if args.plan and args.reuse:
         raise SystemExit("validate_emulated: --plan and --reuse exclude each other")
+    if args.repeats < 1 or args.seeds < 1:
+        raise SystemExit("validate_emulated: --repeats and --seeds must be at least 1")
     if args.iterations < 3:
         raise SystemExit("validate_emulated: --iterations must be at least 3 (2 are warm-up)")
     try:
@@ -195,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                for c in selected if args.max_cell_seconds is not None and estimates[c.name] > args.max_cell_seconds
                and c.name not in finished}
     todo = [c for c in selected if c.name not in skipped]
+    missing = [(c, k) for c in sorted(todo, key=lambda c: estimates[c.name]) for k in range(1, args.repeats + 1)
+               if not (_run_dir(args.out, c, k) / "metrics.json").exists()]
     print(f"{len(selected)} cell(s) selected, {len(finished)} finished, {len(skipped)} left out by "
           f"--max-cell-seconds; estimated emulated time of the rest to run: "
-          f"{_fmt_s(sum(estimates[c.name] for c in todo if c.name not in finished))} "
-          f"(all selected: {_fmt_s(sum(estimates.values()))})", flush=True)
+          f"{_fmt_s(sum(estimates[c.name] for c, _ in missing))} "
+          f"(all selected: {_fmt_s(sum(estimates.values()) * args.repeats)})", flush=True)
     for name, why in skipped.items():
         print(f"  skipped {name}: {why}")
     if args.plan:
@@ -214,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.reuse:
         from testbed.run.runner import TrainingRun
 
-        for c in sorted((c for c in todo if c.name not in finished), key=lambda c: estimates[c.name]):
-            run_dir = args.out / c.name
+        for c, k in missing:
+            if c.name in failed:
+                continue
+            run_dir = args.out / c.name if k == 1 else _run_dir(args.out, c, k)
             if run_dir.exists():  # a run cut short: its folder has no metrics.json
                 shutil.rmtree(run_dir)
-            print(f"  running {c.name} ({c.rate_mbps:g} Mbit/s, {c.message_bytes} B messages): estimated "
+            print(f"  running {c.name}{f' (run {k} of {args.repeats})' if args.repeats > 1 else ''} "
+                  f"({c.rate_mbps:g} Mbit/s, {c.message_bytes} B messages): estimated "
                   f"{_fmt_s(estimates[c.name])}", flush=True)
             exp = load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations))
             t0 = time.monotonic()
@@ -228,27 +258,38 @@ def main(argv: list[str] | None = None) -> int:
                 failed[c.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
                 print(f"    failed: {failed[c.name]}", flush=True)
                 continue
-            finished.add(c.name)
+            if k == 1:
+                finished.add(c.name)
             print(f"    done in {time.monotonic() - t0:.0f} s", flush=True)
 
     rows = []
     for c in selected:
-        row = c.row() | {"estimated_s": round(estimates[c.name], 1), "status": "", "measured_s": None,
-                         "predicted_s": None, "error": None}
-        run_dir = _run_dir(args.out, c)
+        row = c.row() | {"estimated_s": round(estimates[c.name], 1), "status": "", "runs": 0, "measured_s": None,
+                         "measured_min_s": None, "measured_max_s": None, "predicted_s": None,
+                         "predicted_min_s": None, "predicted_max_s": None, "error": None}
         if c.name in finished:
             exp = _with_model(load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations)), args.model, args.ssthresh,
                              None if args.hystart is None else args.hystart == "on")
-            measured = json.loads((run_dir / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
-            predicted = _predict(exp, run_dir, args.iterations)
-            row |= {"status": "finished", "measured_s": round(measured, 4), "predicted_s": round(predicted, 4),
-                    "error": round(predicted / measured - 1, 4)}
-            print(f"  {c.name:<36} measured {measured:.3f} s, predicted {predicted:.3f} s ({row['error']:+.1%})")
+            run_dirs = [d for d in (_run_dir(args.out, c, k) for k in range(1, args.repeats + 1))
+                        if (d / "metrics.json").exists()]
+            measured = [json.loads((d / "metrics.json").read_text())["summary"]["mean_iteration_time_s"]
+                        for d in run_dirs]
+            # without --profile every run of the cell is predicted alike but for what its
+            # extensions published (Atlas's plans), so each run is predicted on its own
+            predicted = [p for d in run_dirs for p in _predict(exp, d, args.iterations, args.profile, args.seeds)]
+            m, p = sum(measured) / len(measured), sum(predicted) / len(predicted)
+            row |= {"status": "finished", "runs": len(measured), "measured_s": round(m, 4),
+                    "measured_min_s": round(min(measured), 4), "measured_max_s": round(max(measured), 4),
+                    "predicted_s": round(p, 4), "predicted_min_s": round(min(predicted), 4),
+                    "predicted_max_s": round(max(predicted), 4), "error": round(p / m - 1, 4)}
+            spread = (f" [runs {min(measured):.3f}-{max(measured):.3f}]" if len(measured) > 1 else "") + (
+                f" [simulated {min(predicted):.3f}-{max(predicted):.3f}]" if len(predicted) > 1 else "")
+            print(f"  {c.name:<36} measured {m:.3f} s, predicted {p:.3f} s ({row['error']:+.1%}){spread}")
         else:
             row["status"] = (failed.get(c.name) and f"failed: {failed[c.name]}") or (
                 f"skipped: {skipped[c.name]}" if c.name in skipped else "not run")
         rows.append(row)
-    _write(rows, args.out, args.model)
+    _write(rows, args.out, args.model + (", profiled" if args.profile else ""), args.seeds)
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if errors:
         mean, worst = sum(errors) / len(errors), max(errors)
@@ -261,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _write(rows: list[dict], out: Path, model: str) -> None:
+def _write(rows: list[dict], out: Path, model: str, seeds: int = 1) -> None:
     with open(out / CSV_NAME, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
@@ -271,8 +312,11 @@ def _write(rows: list[dict], out: Path, model: str) -> None:
              "| RTT ms | pipelines | x BDP | hosts | sharing | rate Mbit/s | message B | estimated | measured s "
              "| predicted s | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        figures = (f"{r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.1%}" if r["error"] is not None
-                   else f"| | {r['status']}")
+        def spread(low, high, n, what):
+            return f" ({low:.3f}-{high:.3f}, {n} {what})" if n > 1 else ""
+        figures = (f"{r['measured_s']:.3f}{spread(r['measured_min_s'], r['measured_max_s'], r['runs'], 'runs')} | "
+                   f"{r['predicted_s']:.3f}{spread(r['predicted_min_s'], r['predicted_max_s'], seeds * r['runs'], 'simulations')} | "
+                   f"{r['error']:+.1%}" if r["error"] is not None else f"| | {r['status']}")
         lines.append(f"| {r['rtt_ms']:g} | {r['pipelines']} | {r['message_bdp']:g} | {r['hosts']} | {r['sharing']} | "
                      f"{r['rate_mbps']:g} | {r['message_bytes']} | {_fmt_s(r['estimated_s'])} | {figures} |")
     (out / MD_NAME).write_text("\n".join(lines) + "\n")
