@@ -4,6 +4,7 @@
         [--rtt 5,50,150,250] [--pipelines 1,4,8] [--message-bdp 1,10,100]
         [--hosts default,tuned] [--sharing fair,temporal] [--max-cell-seconds S]
         [--iterations N] [--model default|no-window|fair-window|fifo-window|packets]
+        [--repeats R] [--profile] [--seeds K]
 
 How it fits: ``validation_matrix.py`` says what each cell is (the matrix, its link rates and
 messages, its experiment file) and what it will cost; this command plans, runs and reports.
@@ -34,6 +35,16 @@ run's Atlas controller published, through the extension's ``predict`` hook).
   window model instead of the experiment's own (fair sharing); ``spread[=SIGMA]`` predicts with
   ``sim.sharing: spread`` (flows weighted by lognormal draws, unequal over a message); temporal
   cells keep Atlas's policy.
+
+* Noise, on both sides: ``--repeats R`` runs each cell R times (``DIR/<cell>.run<k>`` beside
+  the first) and compares the simulator with their mean, the runs' range beside it; with
+  several pipelines sharing a link from a cold start the runs differ (slow starts end by
+  HyStart's delay test or by loss depending on how the first bursts met at the queue, and
+  CUBIC carries that into later iterations).  ``--profile`` predicts each run from its own
+  profile (``testbed sim --profile``: op times drawn from what the run measured, its first
+  iterations replayed, its per-message latency); ``--seeds K`` simulates each run K times
+  and takes the mean (the seeds differ where ops are drawn or links have loss or jitter).
+  Every run is simulated for as many iterations as it had.
 
 The earlier 12-cell matrix (4.2 ms, 100 Mbit/s, fair) is ``--rtt 4.2 --message-bdp 10,100
 --sharing fair``: the same experiments, its old run folders read as those cells'.

@@ -360,13 +360,16 @@ def sim(
                                                  "run traced with parallel.tcp_trace on the same hosts: its "
                                                  "writer threads' latency is replayed (default: --profile's own "
                                                  "run, if traced)"),
+    seeds: int = typer.Option(1, "--seeds", help="simulate each point this many times (seeds seed, seed+1, ...) "
+                              "and give the mean and range: with a profile's drawn op times, loss or jitter, or "
+                              "several pipelines starting together in the packet model, one run is one draw"),
 ) -> None:
     """Simulate EXPERIMENT (paper scale welcome): iteration time, bubbles, WAN utilization."""
     from testbed.sim.cli import run_sim
 
     try:
         rows = run_sim(experiment, profile=profile, iterations=iterations, sweep=sweep, out_dir=out_dir,
-                       overrides=overrides or (), write_latency=write_latency)
+                       overrides=overrides or (), write_latency=write_latency, seeds=seeds)
     except _user_errors() as exc:
         _fail(str(exc))
     except ValueError as exc:

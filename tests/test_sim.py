@@ -250,6 +250,40 @@ def test_sim_command_takes_times_and_latency_from_a_profile(tmp_path):
     assert iteration_time(0.05) - base == pytest.approx(0.1, abs=0.01)
 
 
+def test_seeds_give_the_mean_and_range_of_draws_from_a_profile(tmp_path):
+    """A profile whose forward ops took 10, 30 or 60 ms: each seed draws its own, so the
+    simulated iterations differ; ``seeds`` gives their mean and range, the first seed's run
+    being the one a single simulation gives, and the seeds taken in turn from the
+    experiment's own."""
+    import yaml
+
+    from testbed.sim.cli import run_sim
+
+    exp = _exp(2, 2, "gpipe")
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(yaml.safe_dump(exp.model_dump(mode="json", exclude={"sim": {"stage_times"}}) | {"topology": TOPO}))
+    timeline = _timeline(tmp_path / "t.json", exp, 0.0, iterations=6)
+    trace = json.loads(timeline.read_text())
+    forwards = [e for e in trace["traceEvents"] if e["cat"] == "forward"]
+    for i, e in enumerate(forwards):
+        e["dur"] = (0.01, 0.03, 0.06)[i % 3] * 1e6
+    timeline.write_text(json.dumps(trace))
+
+    def times(seed, seeds):
+        row = run_sim(spec, profile=timeline, iterations=6, seeds=seeds, overrides=[f"training.seed={seed}"])[0]
+        return row["iteration_time_s"], row.get("iteration_time_min_s"), row.get("iteration_time_max_s"), row.get("seeds")
+
+    single = [times(seed, 1)[0] for seed in (5, 6, 7, 8)]
+    mean, low, high, seeds = times(5, 4)
+    assert seeds == 4 and len(set(single)) > 1
+    assert (low, high) == (min(single), max(single))
+    assert mean == pytest.approx(sum(single) / 4)
+    assert times(5, 1)[1:] == (None, None, None)
+    from testbed.spec.topology import SpecError
+    with pytest.raises(SpecError, match="--seeds 0: simulate at least once"):
+        run_sim(spec, seeds=0)
+
+
 def test_sim_command_json_and_outputs(tmp_path):
     result = subprocess.run([sys.executable, "-m", "testbed.cli", "sim", str(REPO / "experiments" / "default.yaml"),
                              "--json", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)

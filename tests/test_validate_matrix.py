@@ -87,6 +87,37 @@ def test_reuse_predicts_kept_runs_and_lists_every_cell(tmp_path, capsys):
     assert table.count("\n| 4.2 |") == 4 and "| -0.7% |" in table
 
 
+def test_repeats_are_averaged_with_their_spread_and_each_run_is_simulated_as_long_as_it_ran(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """Three kept runs of one cell (``<cell>``, ``<cell>.run2``, ``<cell>.run3``) of 4, 6 and 9
+    iterations: the measured figure is their mean, the CSV gives their range, and each run is
+    simulated for as many iterations as it had (the windows keep growing, so a shorter or
+    longer simulated run is another figure)."""
+    from testbed.sim import build
+
+    asked = []
+    simulate = build.simulate
+
+    def spy(exp, iterations, **kw):
+        asked.append(iterations)
+        return simulate(exp, iterations=iterations, **kw)
+
+    monkeypatch.setattr(build, "simulate", spy)
+    name = "rtt4.2-d1-x10-tuned-fair"
+    for folder, measured, iterations in ((name, 0.40, 4), (name + ".run2", 0.41, 6), (name + ".run3", 0.45, 9)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.json").write_text(json.dumps(
+            {"summary": {"mean_iteration_time_s": measured, "iterations": iterations}}))
+    assert validate_emulated.main(["--reuse", "--out", str(tmp_path), "--rtt", "4.2", "--pipelines", "1",
+                                   "--message-bdp", "10", "--sharing", "fair", "--hosts", "tuned",
+                                   "--repeats", "3"]) == 0
+    assert asked[-3:] == [4, 6, 9]  # (after the plan's estimate)
+    assert "measured 0.420 s" in capsys.readouterr().out
+    row = next(csv.DictReader(open(tmp_path / "validate_emulated.csv")))
+    assert (row["runs"], row["measured_s"], row["measured_min_s"], row["measured_max_s"]) == ("3", "0.42", "0.4", "0.45")
+    assert "0.420 (0.400-0.450, 3 runs)" in (tmp_path / "validate_emulated.md").read_text()
+
+
 def test_fair_window_keeps_the_experiments_sharing_and_turns_the_window_model_on(tmp_path):
     from testbed.sim.build import window_model
     from testbed.spec.experiment import load_experiment

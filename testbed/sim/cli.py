@@ -77,10 +77,17 @@ def _extension_options(exp) -> dict:
 
 def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep: list[str] | None = None,
             out_dir: Path | None = None, overrides: list[str] | tuple = (),
-            write_latency: Path | None = None) -> list[dict]:
+            write_latency: Path | None = None, seeds: int = 1) -> list[dict]:
+    """One row per sweep point.  ``seeds`` > 1 simulates each point that many times, with the
+    experiment's seed and the next ones (ops drawn from a profile's samples, links' loss and
+    jitter, the packet model's draws): the row gives their mean and ``iteration_time_min_s`` /
+    ``_max_s``; several pipelines starting together on one link make the packet model chaotic
+    (one draw is one of the runs a real cluster might give).  ``--out`` keeps the first seed's run."""
     from testbed.results import metrics
 
     exp = load_experiment(path, overrides)
+    if seeds < 1:
+        raise SpecError(f"--seeds {seeds}: simulate at least once")
     points = _parse_sweep(sweep or [])
     rows = []
     # the profiled run is of ``exp`` itself: its message latency is measured against exp's links
@@ -103,22 +110,30 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
 
                 stage_times, overhead = emulated_stage_times(e)
             t0 = time.perf_counter()
-            result = simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead,
-                              write_latency=writes, **_extension_options(e))
+            runs = [simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead,
+                             write_latency=writes, seed=e.training.seed + k, **_extension_options(e))
+                    for k in range(seeds)]
             wall = time.perf_counter() - t0
-            summary = metrics.summarise(result)
-            s = summary.summary
+            result = runs[0]
+            summaries = [metrics.summarise(r) for r in runs]
+            summary = summaries[0]
+            times = [x.summary.mean_iteration_time_s for x in summaries]
+
+            def mean(values):
+                return sum(values) / len(values)
             row = dict(point)
             row.update({
-                "iteration_time_s": s.mean_iteration_time_s,
-                "bubble_fraction": s.bubble_fraction,
-                "mean_busy_fraction": s.mean_busy_fraction,
-                "wan_utilization": round(wan_utilization(result), 6),
+                "iteration_time_s": mean(times),
+                "bubble_fraction": mean([x.summary.bubble_fraction for x in summaries]),
+                "mean_busy_fraction": mean([x.summary.mean_busy_fraction for x in summaries]),
+                "wan_utilization": round(mean([wan_utilization(r) for r in runs]), 6),
                 "workers": len(result.workers),
-                "events": result.events_processed,
+                "events": sum(r.events_processed for r in runs),
                 "sim_wall_s": round(wall, 3),
                 "model": result.model,  # the parts used, their validated ranges, a warning per part outside
             })
+            if seeds > 1:
+                row.update({"seeds": seeds, "iteration_time_min_s": min(times), "iteration_time_max_s": max(times)})
             rows.append(row)
             if out_dir is not None and not sweep:
                 result.out_dir = Path(out_dir)
