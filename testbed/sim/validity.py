@@ -54,20 +54,20 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
     Validated(
         "packet-level TCP", True, rtt_ms=(5.0, 262.0), message_bdp=(0.13, 105.0), pipelines_per_link=(1, 8),
         loss=(0.0, 0.0005), schedules=("1f1b",),
-        error="issue #30's matrix (runs of 2026-12-07 07:09-08:38 UTC, the 32 cells with 4-8 pipelines of 1x BDP "
-              "messages from 10-iteration runs; HyStart's rounds in Linux 6.11's order; the gateway's scheduler in "
-              "force when the run's plans were): the 40 fair cells mean 2.8%, worst +13.1%, bias +0.8% (the default "
-              "model 6.5%, 23.7%, -4.1%); the 40 temporal cells 3.2%, +26.9%, +0.9% (default 5.8%, 20.3%, -2.5%); "
-              "all 80: 2.97%, 26.9%, 66 within 5% (default 6.2%, 23.7%, 40); aws-longhaul3's default job, a traced "
-              "run with its own writer latency: +0.4% (fluid -10.3%); with 0.05% loss and jitter: -6.6% (fluid "
-              "-17.8%); before the HyStart order, with a traced run's writer latency (--write-latency), 8 runs: "
-              "+0.1%, +0.7%, -0.1%, +1.1% and -1.7%, -2.1%, +0.8%, -9.6%",
-        where=_PACKETS + "; HyStart's rounds traced in the kernel",
-        misses="50 ms, 4 pipelines of 1x BDP messages, tuned hosts, temporal: +26.9% (the emulator itself read "
-               "1.28-1.53 s in three runs); 150 ms, 4 pipelines, default hosts, temporal: +14.3%; 5 ms, 4 "
-               "pipelines, 1x BDP, fair: +11% to +13% (the default model as much); 5-50 ms, 10x BDP, tuned, "
-               "temporal: -7% to -10%; the lossy long haul's traced run: -6.6%; over 8 seeds a long-haul "
-               "prediction spreads by sd 0.02-0.23 s"),
+        error="issue #30's matrix (runs of 2026-12-07; the 20 cells with 4-8 pipelines of 1x BDP messages at 5-150 "
+              "ms and the 4 at 5 ms of 10x BDP, temporal, the mean of 3 runs of 10 iterations; each run simulated "
+              "for as many iterations as it had), each run predicted from its own profile over 3 seeds: the 40 fair "
+              "cells mean 1.7%, worst 6.3%; the 40 temporal cells 2.7%, 11.7%; all 80: 2.2%, 11.7%, bias +1.1%, 70 "
+              "within 5% (unprofiled 2.7%, 13.5%, 67; the default model 6.0%, 20.4%, 39); the emulator's own runs "
+              "of one cell spread by 1.0-10.5%, the simulator's seeds by 0.6-14.5%; aws-longhaul3's default job, "
+              "3 traced runs each predicted from its own profile and writer latency over 3 seeds: +1.3% on their "
+              "mean (fluid -10.9%); with 0.05% loss and jitter: -3.1% (per run -7.5%, -1.1%, -0.6%; fluid -14.3%)",
+        where=_PACKETS + "; HyStart's rounds traced in the kernel; Noise on both sides",
+        misses="temporal sharing with 4 pipelines of 1x BDP messages at 50-250 ms: +7% to +12%, every simulation "
+               "above every run (8 pipelines: +1% to +2%); 250 ms, 1 pipeline, tuned, temporal: +6.9% (one run); "
+               "50 ms, 4 pipelines, 10x BDP, default, fair: -6.3% (one run); without a profile the replicas run "
+               "in lockstep and 4-8 pipelines of small messages at 5 ms read +8% to +12% with fair sharing; one "
+               "run of several pipelines starting together is one draw (--seeds gives the spread)"),
     Validated(
         "fluid max-min sharing", True, rtt_ms=(2.0, 100.0), message_bdp=(0.05, 105.0), pipelines_per_link=(1, 8),
         loss=(0.0, 0.0),
