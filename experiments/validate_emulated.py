@@ -322,9 +322,9 @@ def _write(rows: list[dict], out: Path, model: str, seeds: int = 1) -> None:
              f"`experiments/validate_emulated.py`.", "",
              "| RTT ms | pipelines | x BDP | hosts | sharing | rate Mbit/s | message B | estimated | measured s "
              "| predicted s | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def spread(low, high, n, what):
+        return f" ({low:.3f}-{high:.3f}, {n} {what})" if n > 1 else ""
     for r in rows:
-        def spread(low, high, n, what):
-            return f" ({low:.3f}-{high:.3f}, {n} {what})" if n > 1 else ""
         figures = (f"{r['measured_s']:.3f}{spread(r['measured_min_s'], r['measured_max_s'], r['runs'], 'runs')} | "
                    f"{r['predicted_s']:.3f}{spread(r['predicted_min_s'], r['predicted_max_s'], seeds * r['runs'], 'simulations')} | "
                    f"{r['error']:+.1%}" if r["error"] is not None else f"| | {r['status']}")

@@ -361,8 +361,8 @@ def sim(
                                                  "writer threads' latency is replayed (default: --profile's own "
                                                  "run, if traced)"),
     seeds: int = typer.Option(1, "--seeds", help="simulate each point this many times (seeds seed, seed+1, ...) "
-                              "and give the mean and range: with a profile's drawn op times, loss or jitter, or "
-                              "several pipelines starting together in the packet model, one run is one draw"),
+                              "and give the mean and range; they differ where something is drawn (--profile's op "
+                              "times, loss, jitter), most with several pipelines starting together on a link"),
 ) -> None:
     """Simulate EXPERIMENT (paper scale welcome): iteration time, bubbles, WAN utilization."""
     from testbed.sim.cli import run_sim

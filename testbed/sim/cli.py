@@ -79,10 +79,11 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
             out_dir: Path | None = None, overrides: list[str] | tuple = (),
             write_latency: Path | None = None, seeds: int = 1) -> list[dict]:
     """One row per sweep point.  ``seeds`` > 1 simulates each point that many times, with the
-    experiment's seed and the next ones (ops drawn from a profile's samples, links' loss and
-    jitter, the packet model's draws): the row gives their mean and ``iteration_time_min_s`` /
-    ``_max_s``; several pipelines starting together on one link make the packet model chaotic
-    (one draw is one of the runs a real cluster might give).  ``--out`` keeps the first seed's run."""
+    experiment's seed and the next ones: the row gives their mean and ``iteration_time_min_s`` /
+    ``_max_s``.  The seeds differ only where something is drawn (a profile's op times, links'
+    loss or jitter, a traced run's writer latency); several pipelines starting together on one
+    link make the packet model chaotic, so small draws there give runs as different as a real
+    cluster's.  ``--out`` keeps the first seed's run."""
     from testbed.results import metrics
 
     exp = load_experiment(path, overrides)
