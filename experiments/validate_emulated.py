@@ -8,10 +8,12 @@
 
 How it fits: ``validation_matrix.py`` says what each cell is (the matrix, its link rates and
 messages, its experiment file) and what it will cost; this command plans, runs and reports.
-Each cell runs once on the emulator (``TrainingRun``, ``device: emulated``: the devices' times
-are exact, so what differs is the network's model) into ``DIR/<cell>/``, and the simulator
-predicts the same experiment (the devices' own times; with temporal sharing, the plan the
-run's Atlas controller published, through the extension's ``predict`` hook).
+Each cell runs once (``--repeats``: R times) on the emulator (``TrainingRun``, ``device:
+emulated``: the devices' times are the experiment's, late only by the host's wake-ups, so what
+differs is mostly the network's model) into ``DIR/<cell>/``, and the simulator predicts the
+same experiment (the devices' own times, or with ``--profile`` the run's; with temporal
+sharing, the plan the run's Atlas controller published, through the extension's ``predict``
+hook).
 
 * Resumable: a cell whose folder holds ``metrics.json`` is finished and is not run again (a
   folder without it, a run cut short, is run afresh); ``--reuse`` runs nothing and predicts
