@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -110,24 +111,22 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
                 from testbed.sim.device import stage_times as emulated_stage_times
 
                 stage_times, overhead = emulated_stage_times(e)
+            options = _extension_options(e)
             t0 = time.perf_counter()
             runs = [simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead,
-                             write_latency=writes, seed=e.training.seed + k, **_extension_options(e))
+                             write_latency=writes, seed=e.training.seed + k, **options)
                     for k in range(seeds)]
             wall = time.perf_counter() - t0
             result = runs[0]
             summaries = [metrics.summarise(r) for r in runs]
             summary = summaries[0]
             times = [x.summary.mean_iteration_time_s for x in summaries]
-
-            def mean(values):
-                return sum(values) / len(values)
             row = dict(point)
             row.update({
-                "iteration_time_s": mean(times),
-                "bubble_fraction": mean([x.summary.bubble_fraction for x in summaries]),
-                "mean_busy_fraction": mean([x.summary.mean_busy_fraction for x in summaries]),
-                "wan_utilization": round(mean([wan_utilization(r) for r in runs]), 6),
+                "iteration_time_s": statistics.fmean(times),
+                "bubble_fraction": statistics.fmean(x.summary.bubble_fraction for x in summaries),
+                "mean_busy_fraction": statistics.fmean(x.summary.mean_busy_fraction for x in summaries),
+                "wan_utilization": round(statistics.fmean(wan_utilization(r) for r in runs), 6),
                 "workers": len(result.workers),
                 "events": sum(r.events_processed for r in runs),
                 "sim_wall_s": round(wall, 3),
