@@ -59,6 +59,7 @@ import csv
 import json
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -252,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
 
     failed: dict[str, str] = {}
     if not args.reuse:
+        from testbed.cliutil import on_sigterm
         from testbed.run.runner import TrainingRun
 
+        # SIGTERM unwinds as Ctrl-C does, so the run under way removes its network and processes
+        # (killed outright, it left its delay lines and Atlas agents for `testbed clean`)
+        signal.signal(signal.SIGTERM, on_sigterm)
         for c, k in missing:
             if c.name in failed:
                 continue
@@ -336,4 +341,9 @@ def _write(rows: list[dict], out: Path, model: str, seeds: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the run under way removed what it made
+        print(f"validate_emulated: interrupted ({exc.args[0] if exc.args else 'SIGINT'}); the run under way "
+              f"removed what it made, finished runs are kept (go on with the same command)", file=sys.stderr)
+        sys.exit(130)

@@ -73,7 +73,10 @@ def make_plan(replicas: int, compute_s: float, message_bytes: float, link_bytes_
         ranks.sort(key=lambda r: previous.index(f"r{r}") if f"r{r}" in previous else d + r)
     if pipeline_compute:
         top = max(pipeline_compute.values()) or 1.0
-        ranks.sort(key=lambda r: -int(pipeline_compute.get(r, 0.0) / top / 0.05))  # stable: ties keep order
+        # in 5% steps below the slowest: every pipeline within 5% of it shares step 0 (stable: ties
+        # keep their order); measured from the top, not truncated up to it, which put the slowest
+        # by a hair alone in front and reordered the rest on noise
+        ranks.sort(key=lambda r: int((top - pipeline_compute.get(r, 0.0)) / top / 0.05))
     return TemporalPlan(
         order=[f"r{r}" for r in ranks],
         offsets={r: 0.0 if enforced else ranks.index(r) * t for r in range(d)},
