@@ -188,7 +188,7 @@ def test_bursts_from_several_hosts_interleave_and_lose_their_tails_not_whole_fli
     assert all(c.packets_out == 0 and c.una == len(c.segs) for c in conns)
 
 
-def _job(tmp_path, loss: float = 0.0, sharing: str = "packets", replicas: int = 1):
+def _job(tmp_path, loss: float = 0.0, sharing: str = "packets", replicas: int = 1, microbatch_size: int = 64):
     topo = {"name": "pk", "dcs": [{"name": "dc1", "hosts": replicas, "host": {"cpus": 0.3}},
                                   {"name": "dc2", "hosts": replicas, "host": {"cpus": 0.3}}],
             "wan": [{"a": "dc1", "b": "dc2", "delay_ms": 40, "rate_mbps": 20, "loss": loss}]}
@@ -196,7 +196,7 @@ def _job(tmp_path, loss: float = 0.0, sharing: str = "packets", replicas: int = 
     return parse_experiment({
         "name": "pk", "topology": str(tmp_path / "t.yaml"),
         "model": {"layers": 6, "hidden": 32, "heads": 2, "seq_len": 16},
-        "training": {"iterations": 4, "microbatches": 3, "microbatch_size": 64, "warmup_iterations": 1},
+        "training": {"iterations": 4, "microbatches": 3, "microbatch_size": microbatch_size, "warmup_iterations": 1},
         "parallel": {"stages": 2, "replicas": replicas, "schedule": "1f1b", "connections": 2},
         "sim": {"stage_times": [{"forward_s": 0.05, "backward_s": 0.1}] * 2, "sharing": sharing},
     }, "pk")
@@ -259,15 +259,36 @@ def test_the_gateways_strict_priority_serves_the_owner_first_and_acks_pass_it():
 def test_an_extensions_strict_priority_runs_on_packets_as_the_gateways_scheduler(tmp_path):
     """``sim.sharing: packets`` with a strict-priority policy (what Atlas's temporal sharing gives
     the simulator) runs segment by segment with the gateway's scheduler, and says so; the
-    pipeline ranked first gets its messages through sooner."""
+    pipeline ranked first gets its messages through sooner (messages of 524 KB: four times the
+    scheduler's bucket, which lets a burst through first in first out after a pause)."""
     from testbed.sim.engine import PriorityPolicy
 
-    exp = _job(tmp_path, replicas=2)
+    exp = _job(tmp_path, replicas=2, microbatch_size=256)
     result = simulate(exp, policy=PriorityPolicy(["r1", "r0"], rate_factor=0.97))
     parts = [p["part"] for p in result.model["parts"]]
     assert parts == ["packet-level TCP", "sharing policy temporal"] and result.model["sharing"] == "temporal"
     took = {w: sum(t.end - t.start for t in rec.transfers) for w, rec in result.workers.items()}
     assert took["s1r1"] < took["s1r0"]  # r1's activations, first at the gateway, arrive sooner
+
+
+def test_the_gateways_bucket_lets_a_burst_through_in_arrival_order_after_a_pause():
+    """The delay line's scheduler is a token bucket (``delayline.bucket_bytes``): after a pause
+    it sends what arrives while it holds tokens at once, whoever's it is; then, waiting for
+    tokens, it serves by rank.  Without a bucket every packet waits its turn by rank."""
+    def order(burst: float) -> list[str]:
+        sim = Simulator()
+        net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
+        there = Link("a->b", RATE, OWD)
+        net.add(there, 1 << 30)
+        net.prioritise(there, {"r1": 0, "r0": 1}, 0.97, 1 << 30, burst_bytes=burst)
+        got: list[str] = []
+        for owner in ["r0"] * 4 + ["r1"] * 4:  # r0's burst first, r1's right behind it
+            net.send([there], 1000, 960, lambda t, o=owner: got.append(o), owner=owner)
+        sim.run()
+        return got
+
+    assert order(3000) == ["r0"] * 3 + ["r1"] * 4 + ["r0"]  # 3000 bytes of tokens: three go at once
+    assert order(0) == ["r0"] + ["r1"] * 4 + ["r0"] * 3  # (the first was on the wire already)
 
 
 def test_a_plan_reaches_the_gateways_after_the_warm_up_iterations_and_until_then_the_link_is_fifo(tmp_path):

@@ -138,6 +138,14 @@ _ETH = 14
 RATE_FACTOR = 0.97  # the line paces a little under the HTB cap behind it (the simulator models it: engine.PriorityPolicy)
 
 
+def bucket_bytes(rate_bytes_s: float) -> float:
+    """The scheduler's token bucket: what it may send at once after a pause (two GSO packets
+    and a little, or 2 ms at its rate).  Sent at once, it goes on first in first out through
+    the delay and the HTB queue behind: a lower-ranked pipeline's burst let through in a pause
+    is not overtaken by the owner's next (the simulator models it: ``packets.PacketNet``)."""
+    return max(2 * 65536 + 4096, rate_bytes_s * 0.002)
+
+
 def shared_class_queue_bytes(link_queue_bytes: int, classes: int) -> int:
     """A class's queue under ``"queue_bytes": "share"``: the link's own queue split among the
     classes (equal buffering), at least 64 KiB."""
@@ -182,7 +190,7 @@ class _Scheduler:
     def set_rate(self, rate_mbps: float) -> None:
         """Pace to ``rate_mbps`` (a little under it: the HTB cap stays behind the line)."""
         self.rate = rate_mbps * 1e6 / 8 * RATE_FACTOR
-        self.depth = max(2 * 65536 + 4096, self.rate * 0.002)
+        self.depth = bucket_bytes(self.rate)
 
     def classify(self, pkt: bytes) -> str | None:
         if len(pkt) < _VNET_HDR + 20 + _BYPASS_BYTES or pkt[_VNET_HDR] >> 4 != 4:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from testbed.extension import device_kind
-from testbed.net.delayline import class_queue_bytes, shared_class_queue_bytes
+from testbed.net.delayline import bucket_bytes, class_queue_bytes, shared_class_queue_bytes
 from testbed.net.tcpmodel import MSS, PAYLOAD_FRACTION, RTO_MIN_S, loss_limited_rate, path_loss
 from testbed.spec import modelshape
 from testbed.spec import schedules as sch
@@ -507,7 +507,8 @@ def simulate(exp: Experiment, policy: SharingPolicy | None = None, iterations: i
                 per_class = (shared_class_queue_bytes(queue, D) if sim.policy.class_queue == "share"
                              else class_queue_bytes(p.rate_mbps, p.delay_ms / 1000.0))
                 packet_net.prioritise(links[(s, d)], plan_ranks.get(0) if plan_ranks else sim.policy.rank,
-                                      sim.policy.rate_factor, per_class)
+                                      sim.policy.rate_factor, per_class,
+                                      bucket_bytes(p.rate_mbps * 1e6 / 8 * sim.policy.rate_factor))
     hystart = tcp and hystart_model(exp)[0]
     flow_rtt: dict[int, float] = {}  # fid -> its path's round trip (WAN flows of the window model)
     hystart_exits: list[tuple[int, str]] = []  # (the window HyStart set ssthresh to, how), every channel

@@ -10,7 +10,8 @@ the delay line (one-way delay, jitter that keeps order, random loss: ``delayline
 the link's rate and its byte-limited drop-tail queue (``shaping.py``); a path is its links in
 turn; with an extension's strict priority (Atlas's temporal sharing enforced at the gateway,
 ``engine.PriorityPolicy``), ``PacketNet.prioritise`` puts the delay line's scheduler in front of
-each link (each pipeline's drop-tail queue, served by rank, ACKs past it: ``delayline._Scheduler``).
+each link (each pipeline's drop-tail queue, served by rank through the line's token bucket,
+ACKs past it: ``delayline._Scheduler``).
 Each connection is a sender and a receiver (``_Connection``); a message is split into
 one slice a connection (``testbed/train/transport.py``: a 36-byte header, then the slice), and
 arrives when every slice has arrived in order.
@@ -119,14 +120,20 @@ class PacketNet:
         self._lanes[id(link)] = [link, float(queue_bytes), float(jitter_s), float(loss), 0.0, 0.0,
                                  link.bandwidth / PAYLOAD_FRACTION]
 
-    def prioritise(self, link: Link, rank: dict[str, int] | None, rate_factor: float, queue_bytes: float) -> None:
+    def prioritise(self, link: Link, rank: dict[str, int] | None, rate_factor: float, queue_bytes: float,
+                   burst_bytes: float = 0.0) -> None:
         """Atlas's temporal sharing at the gateway (``delayline._Scheduler``), in front of
         ``link``'s delay line: each pipeline's data (``owner``) in a drop-tail queue of
         ``queue_bytes``, served strictly by ``rank`` (unknown owners last) at ``rate_factor`` of
         the link's wire rate; pure ACKs pass it.  ``rank`` None: not yet in force (packets go
-        straight to the delay line, first in first out) until ``reorder`` gives one."""
+        straight to the delay line, first in first out) until ``reorder`` gives one.
+        ``burst_bytes``: the scheduler's token bucket (``delayline.bucket_bytes``): after a
+        pause it lets that much through at once, by rank as it stands then, into the FIFO
+        behind it, where the owner's next packets wait their turn (0: one packet at a time at
+        the rate, strict to the packet)."""
         self._schedulers[id(link)] = {"rank": rank, "rate": self._lanes[id(link)][6] * rate_factor,
-                                      "limit": float(queue_bytes), "queues": {}, "backlog": {}, "busy": False}
+                                      "limit": float(queue_bytes), "queues": {}, "backlog": {}, "busy": False,
+                                      "depth": float(burst_bytes), "tokens": float(burst_bytes), "last": 0.0}
 
     def reorder(self, rank: dict[str, int]) -> None:
         """Every scheduler serves by ``rank`` from now on (a new plan applied at the gateways)."""
@@ -186,22 +193,46 @@ class PacketNet:
             self._sim.at(done, lambda: deliver(self._sim.now))
 
     def _serve(self, sched: dict) -> None:
-        """The scheduler sends its highest-ranked pipeline's next packet (work-conserving)."""
-        queues = [(sched["rank"].get(o, len(sched["rank"])), o) for o, q in sched["queues"].items() if q]
-        if not queues:
+        """The scheduler sends its highest-ranked pipeline's next packet (work-conserving).
+        Without a bucket, one packet per its time at the rate; with one (``burst_bytes``), as
+        the delay line does: packets go while it holds tokens (the last may take it below
+        zero), then it waits for the rate to bring them back above zero."""
+        if sched["depth"] <= 0:
+            queues = [(sched["rank"].get(o, len(sched["rank"])), o) for o, q in sched["queues"].items() if q]
+            if not queues:
+                sched["busy"] = False
+                return
+            owner = min(queues)[1]
+            packet = sched["queues"][owner].popleft()
+            sched["backlog"][owner] -= packet[1]
+            sched["busy"] = True
+
+            def sent() -> None:
+                path, wire_bytes, payload, deliver, hop, own = packet
+                self.send(path, wire_bytes, payload, deliver, hop, own, scheduled=True)
+                self._serve(sched)
+
+            self._sim.at(self._sim.now + packet[1] / sched["rate"], sent)
+            return
+        now, rate = self._sim.now, sched["rate"]
+        sched["tokens"] = min(sched["depth"], sched["tokens"] + (now - sched["last"]) * rate)
+        sched["last"] = now
+        rank = sched["rank"]
+        while sched["tokens"] > 0:
+            queues = [(rank.get(o, len(rank)), o) for o, q in sched["queues"].items() if q]
+            if not queues:
+                sched["busy"] = False
+                return
+            owner = min(queues)[1]
+            path, wire_bytes, payload, deliver, hop, own = sched["queues"][owner].popleft()
+            sched["backlog"][owner] -= wire_bytes
+            sched["tokens"] -= wire_bytes
+            self.send(path, wire_bytes, payload, deliver, hop, own, scheduled=True)
+        if not any(sched["queues"].values()):
             sched["busy"] = False
             return
-        owner = min(queues)[1]
-        packet = sched["queues"][owner].popleft()
-        sched["backlog"][owner] -= packet[1]
         sched["busy"] = True
-
-        def sent() -> None:
-            path, wire_bytes, payload, deliver, hop, own = packet
-            self.send(path, wire_bytes, payload, deliver, hop, own, scheduled=True)
-            self._serve(sched)
-
-        self._sim.at(self._sim.now + packet[1] / sched["rate"], sent)
+        self._sim.at(now + (1.0 - sched["tokens"]) / rate, lambda: self._serve(sched))  # (a byte past zero: as the line)
 
 
 class _Seg:
