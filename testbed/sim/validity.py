@@ -63,9 +63,9 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
               "over 3 seeds: +1.3% on their mean (fluid -10.9%); with 0.05% loss and jitter: -3.1% (per run -7.5%, "
               "-1.1%, -0.6%; fluid -14.3%)",
         where=_PACKETS + "; HyStart's rounds traced in the kernel; Noise on both sides; The gateway's token bucket",
-        misses="temporal sharing with 8 pipelines of 1x BDP messages, default hosts: +4% to +9% (50-250 ms; the "
-               "gateway's bucket, modelled since 2026-12-07, moved them up from -1% to +3%, and the 4-pipeline "
-               "cells down from +7% to +12%); 50 ms, 4 pipelines, tuned, temporal: +8.7% (one run of three +19.8%); "
+        misses="temporal sharing with 8 pipelines of 1x BDP messages, default hosts: +4% to +9% at 50-250 ms "
+               "(-1% to +3% before the gateway's token bucket was modelled on 2026-12-07, which brought the "
+               "4-pipeline cells from +7%..+12% down to +1%..+5%); 50 ms, 4 pipelines, tuned, temporal: +8.7% (one run of three +19.8%); "
                "250 ms, 8 pipelines, tuned, fair: +8.0% (the simulator's seeds 13.0-16.1 s); 250 ms, 1 pipeline, "
                "tuned, temporal: +6.9% (one run); without a profile the replicas run in lockstep and 4-8 pipelines "
                "of small messages at 5 ms read +8% to +12% with fair sharing; one run of several pipelines starting "
