@@ -192,24 +192,31 @@ class PacketNet:
         else:
             self._sim.at(done, lambda: deliver(self._sim.now))
 
+    @staticmethod
+    def _next_packet(sched: dict) -> tuple | None:
+        """The highest-ranked pipeline's next packet, taken off its queue (None: all empty)."""
+        rank = sched["rank"]
+        queues = [(rank.get(o, len(rank)), o) for o, q in sched["queues"].items() if q]
+        if not queues:
+            return None
+        owner = min(queues)[1]
+        packet = sched["queues"][owner].popleft()
+        sched["backlog"][owner] -= packet[1]
+        return packet
+
     def _serve(self, sched: dict) -> None:
         """The scheduler sends its highest-ranked pipeline's next packet (work-conserving).
         Without a bucket, one packet per its time at the rate; with one (``burst_bytes``), as
         the delay line does: packets go while it holds tokens (the last may take it below
         zero), then it waits for the rate to bring them back above zero."""
         if sched["depth"] <= 0:
-            queues = [(sched["rank"].get(o, len(sched["rank"])), o) for o, q in sched["queues"].items() if q]
-            if not queues:
-                sched["busy"] = False
+            packet = self._next_packet(sched)
+            sched["busy"] = packet is not None
+            if packet is None:
                 return
-            owner = min(queues)[1]
-            packet = sched["queues"][owner].popleft()
-            sched["backlog"][owner] -= packet[1]
-            sched["busy"] = True
 
             def sent() -> None:
-                path, wire_bytes, payload, deliver, hop, own = packet
-                self.send(path, wire_bytes, payload, deliver, hop, own, scheduled=True)
+                self.send(*packet, scheduled=True)
                 self._serve(sched)
 
             self._sim.at(self._sim.now + packet[1] / sched["rate"], sent)
@@ -217,22 +224,16 @@ class PacketNet:
         now, rate = self._sim.now, sched["rate"]
         sched["tokens"] = min(sched["depth"], sched["tokens"] + (now - sched["last"]) * rate)
         sched["last"] = now
-        rank = sched["rank"]
         while sched["tokens"] > 0:
-            queues = [(rank.get(o, len(rank)), o) for o, q in sched["queues"].items() if q]
-            if not queues:
+            packet = self._next_packet(sched)
+            if packet is None:
                 sched["busy"] = False
                 return
-            owner = min(queues)[1]
-            path, wire_bytes, payload, deliver, hop, own = sched["queues"][owner].popleft()
-            sched["backlog"][owner] -= wire_bytes
-            sched["tokens"] -= wire_bytes
-            self.send(path, wire_bytes, payload, deliver, hop, own, scheduled=True)
-        if not any(sched["queues"].values()):
-            sched["busy"] = False
-            return
-        sched["busy"] = True
-        self._sim.at(now + (1.0 - sched["tokens"]) / rate, lambda: self._serve(sched))  # (a byte past zero: as the line)
+            sched["tokens"] -= packet[1]
+            self.send(*packet, scheduled=True)
+        sched["busy"] = any(sched["queues"].values())
+        if sched["busy"]:  # (a byte past zero: as the line)
+            self._sim.at(now + (1.0 - sched["tokens"]) / rate, lambda: self._serve(sched))
 
 
 class _Seg:
