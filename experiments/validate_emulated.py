@@ -133,9 +133,11 @@ def _run_dir(out: Path, cell: vm.Cell, repeat: int = 1) -> Path:
 
 def _predict(exp, run_dir: Path, iterations: int, profile: bool = False, seeds: int = 1) -> list[float]:
     """The simulated mean steady iteration, once per seed (the experiment's own seed first), over
-    as many iterations as the run had (its metrics.json; ``iterations`` where it has none):
-    windows keep growing from one iteration to the next, so a mean over a shorter or longer run
-    is not the same figure.  ``profile``: the devices' times and the per-message latency are
+    as many iterations as the run had (its metrics.json; ``iterations`` where it has none) and
+    averaged over the same iterations the run's figure counted (its ``steady_state_iterations``:
+    Atlas's runs count from the iteration after its last plan, not from the warm-up's end):
+    windows keep growing from one iteration to the next, so a mean over a shorter or longer run,
+    or over other iterations of it, is not the same figure.  ``profile``: the devices' times and the per-message latency are
     the run's own (``build.profiled_stage_times`` of its timeline, as ``testbed sim --profile``
     reads them), each op a draw from what the run measured, so seeds differ; otherwise the
     experiment's exact device times."""
@@ -144,13 +146,21 @@ def _predict(exp, run_dir: Path, iterations: int, profile: bool = False, seeds: 
     from testbed.sim.device import stage_times
 
     metrics = run_dir / "metrics.json"
+    steady_from = 0
     if metrics.exists():
-        iterations = json.loads(metrics.read_text())["summary"].get("iterations", iterations)
+        summary = json.loads(metrics.read_text())["summary"]
+        iterations = summary.get("iterations", iterations)
+        steady_from = (summary.get("steady_state_iterations") or [0])[0]
     times, latency = profiled_stage_times(run_dir / "timeline.json", exp) if profile else stage_times(exp)
     options = _extension_options(exp, run_dir)
-    return [summarise(simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=latency,
-                               seed=exp.training.seed + k, **options)).summary.mean_iteration_time_s
-            for k in range(seeds)]
+
+    def mean_over_the_runs_steady_state(k: int) -> float:
+        record = simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=latency,
+                          seed=exp.training.seed + k, **options)
+        record.steady_from = steady_from
+        return summarise(record).summary.mean_iteration_time_s
+
+    return [mean_over_the_runs_steady_state(k) for k in range(seeds)]
 
 
 def _plan(selected: list[vm.Cell], out: Path, iterations: int) -> dict[str, float]:

@@ -135,3 +135,24 @@ def test_fair_window_keeps_the_experiments_sharing_and_turns_the_window_model_on
     assert (fair.sim.sharing, fair.sim.tcp_window_model) == ("fair", True)
     assert (fifo.sim.sharing, fifo.sim.tcp_window_model) == ("fifo-bursts", True)
     assert (fluid.sim.sharing, fluid.sim.tcp_window_model, window_model(fluid)[0]) == ("fair", False, False)
+
+
+def test_the_prediction_counts_the_iterations_the_run_counted(tmp_path):
+    """A run whose figure counts from iteration 4 (Atlas's: the iteration after its last plan)
+    is predicted over iterations 4-5 of the simulation, not over 2-5 (the warm-up's end): the
+    windows still grow from one iteration to the next, so those are other figures."""
+    from testbed.results.metrics import summarise
+    from testbed.sim.build import simulate
+    from testbed.spec.experiment import load_experiment
+
+    cell = next(c for c in vm.cells(rtts=(50,), pipelines=(1,), message_bdp=(1,), hosts=("tuned",),
+                                    sharing=("fair",)))
+    exp = validate_emulated._with_model(load_experiment(vm.write_experiment(cell, tmp_path / "specs", 6)), "packets")
+    run = tmp_path / cell.name
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps(
+        {"summary": {"mean_iteration_time_s": 0.6, "iterations": 6, "steady_state_iterations": [4, 5]}}))
+    times = [it.time_s for it in summarise(simulate(exp, iterations=6)).iterations]
+    assert abs(times[2] - times[5]) / times[5] > 0.01  # (else this test could not tell them apart)
+    [predicted] = validate_emulated._predict(exp, run, 6)
+    assert predicted == pytest.approx((times[4] + times[5]) / 2, rel=1e-6)
