@@ -392,3 +392,65 @@ def test_a_slice_waits_for_its_writer_thread_and_a_traced_runs_latency_is_read(t
     spec.write_text(yaml.safe_dump(job.model_dump(mode="json", exclude_none=True) | {"topology": str(tmp_path / "t.yaml")}))
     with pytest.raises(SpecError, match="--write-latency .*no traced slices"):
         run_sim(spec, write_latency=tmp_path / "nothing")
+
+
+class _Late(packets.PacketNet):
+    """A network that holds the ``n``-th data packet it is given (counted from 1) ``late[n]``
+    seconds before sending it on, and drops those in ``drop``."""
+
+    def __init__(self, sim, late: dict[int, float] | None = None, drop: set[int] | frozenset = frozenset()):
+        super().__init__(sim, seed=1, host_rate=1e12)
+        self.late, self.drop, self.seen = late or {}, drop, 0
+
+    def send_from(self, host, path, wire_bytes, payload, deliver, owner=""):
+        self.seen += 1
+        if self.seen in self.drop:
+            return
+        wait = self.late.get(self.seen, 0.0)
+        send = super().send_from
+        if wait:
+            self._sim.at(self._sim.now + wait, lambda: send(host, path, wire_bytes, payload, deliver, owner))
+        else:
+            send(host, path, wire_bytes, payload, deliver, owner)
+
+
+def test_a_probes_original_delivered_from_a_queue_marks_nothing_lost():
+    """Nine segments leave at once; the first eight wait 350 ms in a queue, the ninth 150 ms.
+    The tail-loss probe (2 srtt on) sends the ninth again; the original arrives before it, and
+    its SACK comes back 42 ms after the probe left: sooner than any round trip, so it is the
+    original's, and RACK must not take it as the probe's (``tcp_rack_advance``).  Taken as the
+    probe's, it marked the eight before it lost: this test failed with a recovery and 9
+    retransmissions."""
+    late = {k: 0.35 for k in range(1, 9)} | {9: 0.15}
+    sim, net, conn, counts = _path(_Late, late=late)
+    [arrived] = _send(sim, conn, packets.SLICE_HEADER_BYTES + 8 * MSS)
+    assert counts["probes"] == 1 and counts["retransmits"] == 1
+    assert counts["recoveries"] == 0 and counts["timeouts"] == 0
+    assert arrived == pytest.approx(OWD + 0.35, abs=0.01)
+
+
+def test_a_timeout_within_a_recovery_keeps_the_recoverys_ssthresh():
+    """A flight of 60 segments loses 39 of them; the recovery sets ssthresh by CUBIC's 0.7,
+    and its first 18 retransmissions are lost too, so the RTO fires within the recovery.  As
+    ``tcp_enter_loss`` does there, the timeout keeps the recovery's ssthresh (it does not cut
+    it again from the few segments PRR had let out), so what is left goes in slow start up to
+    it.  This test failed with ssthresh cut again to 12; in the 250 ms, 8-pipeline matrix
+    cell such a cut (to 2) left a connection 10 s in recovery at 2 segments a round trip."""
+    drop = set(range(2, 41)) | set(range(61, 79))
+    sim, net, conn, counts = _path(_Late, drop=drop)
+    conn.cwnd = 60
+    seen = []
+    for name in ("_on_rto", "_enter_recovery"):
+        def spy(*a, call=getattr(conn, name), name=name):
+            fired = name == "_enter_recovery" or (a[0] == conn._rto_gen and conn.packets_out)
+            before = (conn.state, conn.ssthresh)
+            call(*a)
+            if fired:
+                seen.append((name, *before, conn.ssthresh))
+        setattr(conn, name, spy)
+    [arrived] = _send(sim, conn, packets.SLICE_HEADER_BYTES + 59 * MSS)
+    assert counts["recoveries"] == 1 and counts["timeouts"] == 1 and counts["undos"] == 0
+    (_, _, _, recovery_ssthresh), rto = seen
+    assert 40 <= recovery_ssthresh <= 45
+    assert rto == ("_on_rto", "recovery", recovery_ssthresh, recovery_ssthresh)
+    assert arrived < 0.405 + 0.5 + 6 * 2 * OWD  # the RTO, then a few slow-start rounds

@@ -42,7 +42,9 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
   decay of an unused window (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``), both
   with ``parallel.slow_start_after_idle``; CUBIC's epoch moved by the idle (CA_EVENT_TX_START);
 * the round trip (``tcp_rtt_estimator``: srtt, mdev, rttvar at least 200 ms; RTO = srtt +
-  rttvar), queueing included, from the handshake on;
+  rttvar), queueing included, from the handshake on; each ACK's sample as
+  ``tcp_ack_update_rtt`` takes it: the oldest original acknowledged, else the oldest newly
+  SACKed, else (an ACK over retransmitted data only, as in recovery) its timestamp echo;
 * the receiver: an ACK every second segment, at once for data out of order, a delayed ACK
   after 40 ms, and 16 quick ACKs after it has been idle longer than its RTO (1 s: it sends no
   data) (``__tcp_ack_snd_check``, ``tcp_event_data_recv``); ACKs carry SACK;
@@ -294,8 +296,9 @@ class _Connection:
         self._tlp_at = INF
         self._tlp_gen = 0
         self.tlp_high_seq: int | None = None
-        # the RTO's undo (``tcp_try_undo_loss``): the window before it, and when its first
-        # retransmission left; an ACK echoing an earlier timestamp acknowledges an original
+        # the RTO's undo (``tcp_try_undo_loss``): the window and ssthresh before the episode
+        # (the recovery's, where the RTO fired in one), and when its first retransmission left
+        # (``retrans_stamp``); an ACK echoing an earlier timestamp acknowledges an original
         self.undo: tuple[int, float] | None = None
         self.retrans_stamp = INF
         # CUBIC
@@ -391,6 +394,8 @@ class _Connection:
                     self._transmit(seq, retransmit=True)
                     if self.state == "recovery":
                         self.prr_out += 1
+                    if seq == self.una:  # tcp_xmit_retransmit_queue: the head again, the RTO from now
+                        self._arm_rto()
         while not limited and self.nxt < len(self.segs):
             if self.in_flight() >= self.cwnd:
                 limited = True
@@ -418,6 +423,8 @@ class _Connection:
     def _transmit(self, seq: int, retransmit: bool = False) -> None:
         s = self.segs[seq]
         if retransmit:
+            if self.retrans_stamp == INF:
+                self.retrans_stamp = self.sim.now
             s.retrans = True
             s.in_flight_retrans = True
             self.retrans_out += 1
@@ -503,6 +510,8 @@ class _Connection:
         s = self.segs[seq]
         if not s.sacked:
             s.retrans = True
+            if self.retrans_stamp == INF:
+                self.retrans_stamp = self.sim.now
             self.counts["retransmits"] += 1
             self._put_on_wire(seq)
         self.tlp_high_seq = self.nxt
@@ -514,10 +523,13 @@ class _Connection:
             return
         self._rto_at = INF
         self.counts["timeouts"] += 1
-        if self.state != "loss":
-            self.undo = (self.cwnd, self.ssthresh)
-            self.retrans_stamp = self.sim.now
+        # a new episode (``tcp_enter_loss``): not within a recovery or after an earlier timeout
+        # of the same flight, whose ssthresh and undo stand
+        if self.state == "open" or self.una >= self.high_seq:
+            self.undo = (self.cwnd, self._current_ssthresh())
             self.ssthresh = self._cubic_recalc_ssthresh()
+        if self.retrans_stamp == INF:
+            self.retrans_stamp = self.sim.now
         self._cubic_reset()
         self._hystart_reset()
         self.state = "loss"
@@ -538,10 +550,11 @@ class _Connection:
         self._arm_rto()
 
     def _undo_loss(self) -> None:
-        """``tcp_try_undo_loss``: the ACK echoes a timestamp from before the RTO's first
-        retransmission, so an original arrived: the timeout was spurious (its segments had
-        waited in a queue, not been lost).  The window and ssthresh come back, and what was
-        marked lost and not yet sent again is not sent again."""
+        """``tcp_try_undo_loss``: the ACK echoes a timestamp from before the episode's first
+        retransmission (the recovery's, where the RTO fired in one), so an original arrived:
+        the timeout was spurious (its segments had waited in a queue, not been lost).  The
+        window and ssthresh from before the episode come back, and what was marked lost and not
+        yet sent again is not sent again."""
         cwnd, ssthresh = self.undo
         self.cwnd = max(self.cwnd, cwnd)
         self.ssthresh = max(self.ssthresh, ssthresh)
@@ -603,7 +616,7 @@ class _Connection:
             self._undo_loss()
         prior_in_flight = self.in_flight()
         delivered = 0
-        seq_rtt = ca_rtt = -1.0
+        seq_rtt = sack_rtt = ca_rtt = -1.0
         advanced = cum > self.una
         newly_lost = 0
         if advanced:
@@ -648,10 +661,16 @@ class _Connection:
                 s.in_flight_retrans = False
             if not s.retrans:
                 ca_rtt = now - s.sent_at if ca_rtt < 0 else min(ca_rtt, now - s.sent_at)
+                sack_rtt = max(sack_rtt, now - s.sent_at)
             self._rack_update(s, seq, now)
         if self.tlp_high_seq is not None and self.una >= self.tlp_high_seq:
             self.tlp_high_seq = None
-        rtt_sample = seq_rtt if seq_rtt >= 0 else ca_rtt
+        # tcp_ack_update_rtt: the oldest original acknowledged, else the oldest newly SACKed,
+        # else, when the ACK advances over retransmitted data only, its timestamp echo (the
+        # hole's filler's TSval: the retransmission's own round trip, a full queue's included)
+        rtt_sample = seq_rtt if seq_rtt >= 0 else sack_rtt
+        if rtt_sample < 0 and advanced and tsecr is not None:
+            rtt_sample = ca_rtt = max(now - tsecr, 1e-6)
         if rtt_sample >= 0:
             self._rtt_estimator(rtt_sample)
         if ca_rtt >= 0:
@@ -661,12 +680,16 @@ class _Connection:
         # the congestion state (tcp_fastretrans_alert)
         if self.state == "recovery" and self.una >= self.high_seq:
             self.state = "open"
+            self.undo = None
             if self.ssthresh < INF:
                 self.cwnd = max(1, int(self.ssthresh))
             self.cwnd_stamp = now
         elif self.state == "loss" and self.una >= self.high_seq:
             self.state = "open"
-            self.undo, self.retrans_stamp = None, INF
+            self.undo = None
+        if (self.state == "open" and not self.retrans_out
+                and (self.una >= self.nxt or not self.segs[self.una].retrans)):
+            self.retrans_stamp = INF  # tcp_try_to_open: no retransmission outstanding
         if self.state == "open" and self.lost_out:
             self._enter_recovery(prior_in_flight)
         if self.state == "recovery":
@@ -686,7 +709,12 @@ class _Connection:
 
     def _rack_update(self, s: _Seg, seq: int, now: float) -> None:
         """``tcp_rack_advance``: the latest sent of the segments delivered (``tcp_rack_sent_after``:
-        by transmit time, then by sequence)."""
+        by transmit time, then by sequence).  A retransmitted segment delivered sooner than the
+        least round trip seen is its original's delivery, not the retransmission's: it does not
+        advance (else a tail-loss probe's original, delivered from a queue, would mark everything
+        sent before the probe lost)."""
+        if s.retrans and now - s.sent_at < self.min_rtt:
+            return
         if s.sent_at > self.rack_sent or (s.sent_at == self.rack_sent and seq > self.rack_seq):
             self.rack_sent, self.rack_seq = s.sent_at, seq
             self.rack_rtt = now - s.sent_at
@@ -733,6 +761,7 @@ class _Connection:
     def _enter_recovery(self, prior_in_flight: int) -> None:
         """``tcp_enter_recovery`` -> ``tcp_init_cwnd_reduction``."""
         self.counts["recoveries"] += 1
+        self.undo = (self.cwnd, self._current_ssthresh())  # tcp_enter_recovery: tcp_init_undo
         self.state = "recovery"
         self.high_seq = self.nxt
         self.prior_cwnd = self.cwnd
