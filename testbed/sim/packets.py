@@ -643,7 +643,6 @@ class _Connection:
             if oldest_sample is not None:
                 seq_rtt = now - oldest_sample
                 ca_rtt = now - newest_sample
-            self.backoff = 0 if oldest_sample is not None else self.backoff
         for seq in sack:
             if seq < self.una or seq >= self.nxt:
                 continue
@@ -673,6 +672,7 @@ class _Connection:
             rtt_sample = ca_rtt = max(now - tsecr, 1e-6)
         if rtt_sample >= 0:
             self._rtt_estimator(rtt_sample)
+            self.backoff = 0  # (RFC 6298: the backoff ends on a valid sample)
         if ca_rtt >= 0:
             self._cubic_acked(ca_rtt)
         if self.sacked_out or self.state != "open":
