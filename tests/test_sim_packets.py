@@ -454,3 +454,39 @@ def test_a_timeout_within_a_recovery_keeps_the_recoverys_ssthresh():
     assert 40 <= recovery_ssthresh <= 45
     assert rto == ("_on_rto", "recovery", recovery_ssthresh, recovery_ssthresh)
     assert arrived < 0.405 + 0.5 + 6 * 2 * OWD  # the RTO, then a few slow-start rounds
+
+
+def test_the_heads_retransmission_restarts_the_rto():
+    """A flight of 60 segments loses 39; the head's first two retransmissions (the 61st and
+    79th packets) are lost too, and RACK finds each lost a round trip later, once a
+    retransmission sent after it is SACKed.  The third leaves 2 round trips into the recovery
+    and arrives.  As ``tcp_xmit_retransmit_queue`` does, sending the head again restarts the
+    RTO, so no timeout fires; left at the recovery's start, it fired just before the third
+    retransmission's ACK came back: this test failed with a timeout."""
+    sim, net, conn, counts = _path(_Late, drop=set(range(2, 41)) | {61, 79})
+    conn.cwnd = 60
+    _send(sim, conn, packets.SLICE_HEADER_BYTES + 59 * MSS)
+    assert counts["recoveries"] == 1 and counts["timeouts"] == 0
+    assert counts["retransmits"] == 39 + 2
+
+
+def test_an_ack_over_a_retransmission_alone_samples_the_round_trip_from_its_timestamp_echo():
+    """The first data segment of nine is lost, and its retransmission waits 150 ms longer on
+    the way.  The ACK that fills the hole acknowledges only that retransmission (the rest
+    were SACKed): Karn's rule gives no sample from its send time, but, as
+    ``tcp_ack_update_rtt`` does, its timestamp echo (the retransmission's own TSval) does,
+    so the round trip it took, 250 ms, reaches srtt.  Without it, srtt never saw a queue that
+    only retransmissions met (the 250 ms matrix cell's RTOs fired early): this test failed
+    with no ninth sample."""
+    sim, net, conn, counts = _path(_Late, drop={2}, late={10: 0.15})
+    samples = []
+    estimate = conn._rtt_estimator
+
+    def spy(m):
+        samples.append(m)
+        estimate(m)
+
+    conn._rtt_estimator = spy
+    _send(sim, conn, packets.SLICE_HEADER_BYTES + 8 * MSS)
+    assert counts["retransmits"] == 1 and counts["timeouts"] == 0
+    assert len(samples) == 9 and samples[-1] == pytest.approx(2 * OWD + 0.15, abs=0.005)
