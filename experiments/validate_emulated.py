@@ -138,9 +138,9 @@ def _predict(exp, run_dir: Path, iterations: int, profile: bool = False, seeds: 
     a run with Atlas counts from the iteration after its first plan, not from the warm-up's end):
     windows keep growing from one iteration to the next, so a mean over a shorter or longer run,
     or over other iterations of it, is not the same figure.  ``profile``: the devices' times and
-    the per-message latency are the run's own (``build.profiled_stage_times`` of its timeline, as ``testbed sim --profile``
-    reads them), each op a draw from what the run measured, so seeds differ; otherwise the
-    experiment's exact device times."""
+    the per-message latency are the run's own (``build.profiled_stage_times`` of its timeline,
+    as ``testbed sim --profile`` reads them), each op a draw from what the run measured, so
+    seeds differ; otherwise the experiment's exact device times."""
     from testbed.results.metrics import summarise
     from testbed.sim.build import profiled_stage_times, simulate
     from testbed.sim.device import stage_times
