@@ -423,8 +423,7 @@ class _Connection:
     def _transmit(self, seq: int, retransmit: bool = False) -> None:
         s = self.segs[seq]
         if retransmit:
-            if self.retrans_stamp == INF:
-                self.retrans_stamp = self.sim.now
+            self.retrans_stamp = min(self.retrans_stamp, self.sim.now)  # (the episode's first)
             s.retrans = True
             s.in_flight_retrans = True
             self.retrans_out += 1
@@ -510,8 +509,7 @@ class _Connection:
         s = self.segs[seq]
         if not s.sacked:
             s.retrans = True
-            if self.retrans_stamp == INF:
-                self.retrans_stamp = self.sim.now
+            self.retrans_stamp = min(self.retrans_stamp, self.sim.now)  # (the episode's first)
             self.counts["retransmits"] += 1
             self._put_on_wire(seq)
         self.tlp_high_seq = self.nxt
@@ -528,8 +526,7 @@ class _Connection:
         if self.state == "open" or self.una >= self.high_seq:
             self.undo = (self.cwnd, self._current_ssthresh())
             self.ssthresh = self._cubic_recalc_ssthresh()
-        if self.retrans_stamp == INF:
-            self.retrans_stamp = self.sim.now
+        self.retrans_stamp = min(self.retrans_stamp, self.sim.now)  # (the episode's first)
         self._cubic_reset()
         self._hystart_reset()
         self.state = "loss"
