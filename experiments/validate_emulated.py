@@ -46,7 +46,13 @@ hook).
   profile (``testbed sim --profile``: op times drawn from what the run measured, its first
   iterations replayed, its per-message latency); ``--seeds K`` simulates each run K times
   and takes the mean (the seeds differ where ops are drawn or links have loss or jitter).
-  Every run is simulated for as many iterations as it had.
+  Every run is simulated for as many iterations as it had, and averaged over the iterations
+  its own figure counted (``compare.predict``).  With several runs each cell's error comes
+  with an interval, +- 2 standard errors of the two means (``error_se`` in the CSV), and the
+  last line says how many cells lie within the 6% bar all the way, beyond it all the way, and
+  undecided: a cell whose runs differ by several percent (default hosts' restarts after idle
+  near the RTO, pipelines that meet at a gateway in another order) misses or meets the bar
+  on a few runs by chance, and more runs decide it.
 
 The earlier 12-cell matrix (4.2 ms, 100 Mbit/s, fair) is ``--rtt 4.2 --message-bdp 10,100
 --sharing fair``: the same experiments, its old run folders read as those cells'.
@@ -58,8 +64,10 @@ import argparse
 import csv
 import json
 import re
+import math
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -85,17 +93,16 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
-def _extension_options(exp, run_dir: Path | None) -> dict:
-    """What the extensions the experiment uses give the simulator: from the run kept in
-    ``run_dir`` (their ``predict`` hook) where there is one, else from the experiment alone
-    (their ``simulate`` hook)."""
+def _simulate_options(exp) -> dict:
+    """What the extensions the experiment uses give the simulator from the experiment alone
+    (their ``simulate`` hook), for the cells' estimates; a kept run's predictions take theirs
+    from the run (``compare.predict``)."""
     from testbed.extension import in_use
 
     options: dict = {}
     for ext in in_use(exp):
-        hook = ext.predict if run_dir is not None and ext.predict is not None else ext.simulate
-        if hook is not None:
-            options.update(ext.load(hook)(exp, run_dir) if hook is ext.predict else ext.load(hook)(exp))
+        if ext.simulate is not None:
+            options.update(ext.load(ext.simulate)(exp))
     return options
 
 
@@ -132,35 +139,14 @@ def _run_dir(out: Path, cell: vm.Cell, repeat: int = 1) -> Path:
 
 
 def _predict(exp, run_dir: Path, iterations: int, profile: bool = False, seeds: int = 1) -> list[float]:
-    """The simulated mean steady iteration, once per seed (the experiment's own seed first), over
-    as many iterations as the run had (its metrics.json; ``iterations`` where it has none) and
-    averaged over the same iterations the run's figure counted (its ``steady_state_iterations``:
-    a run with Atlas counts from the iteration after its first plan, not from the warm-up's end):
-    windows keep growing from one iteration to the next, so a mean over a shorter or longer run,
-    or over other iterations of it, is not the same figure.  ``profile``: the devices' times and
-    the per-message latency are the run's own (``build.profiled_stage_times`` of its timeline,
-    as ``testbed sim --profile`` reads them), each op a draw from what the run measured, so
-    seeds differ; otherwise the experiment's exact device times."""
-    from testbed.results.metrics import summarise
-    from testbed.sim.build import profiled_stage_times, simulate
-    from testbed.sim.device import stage_times
+    """The simulated mean steady iteration of the run in ``run_dir``, once per seed (the
+    experiment's own seed first), over the iterations the run's figure counted
+    (``compare.predict``; ``iterations`` where the run kept no metrics).  ``profile``: the
+    devices' times and the per-message latency are the run's own, as ``testbed sim --profile``
+    reads them, so seeds differ; otherwise the experiment's exact device times."""
+    from testbed.run.compare import predict
 
-    metrics = run_dir / "metrics.json"
-    steady_from = 0
-    if metrics.exists():
-        summary = json.loads(metrics.read_text())["summary"]
-        iterations = summary.get("iterations", iterations)
-        steady_from = (summary.get("steady_state_iterations") or [0])[0]
-    times, latency = profiled_stage_times(run_dir / "timeline.json", exp) if profile else stage_times(exp)
-    options = _extension_options(exp, run_dir)
-
-    def mean_over_the_runs_steady_state(k: int) -> float:
-        record = simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=latency,
-                          seed=exp.training.seed + k, **options)
-        record.steady_from = steady_from
-        return summarise(record).summary.mean_iteration_time_s
-
-    return [mean_over_the_runs_steady_state(k) for k in range(seeds)]
+    return [predict(exp, run_dir, iterations, seed=exp.training.seed + k, profile=profile) for k in range(seeds)]
 
 
 def _plan(selected: list[vm.Cell], out: Path, iterations: int) -> dict[str, float]:
@@ -171,7 +157,7 @@ def _plan(selected: list[vm.Cell], out: Path, iterations: int) -> dict[str, floa
     estimates = {}
     for cell in selected:
         exp = load_experiment(vm.write_experiment(cell, specs, iterations))
-        estimates[cell.name] = vm.estimate_s(exp, iterations, _extension_options(exp, None))
+        estimates[cell.name] = vm.estimate_s(exp, iterations, _simulate_options(exp))
     return estimates
 
 
@@ -294,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in selected:
         row = c.row() | {"estimated_s": round(estimates[c.name], 1), "status": "", "runs": 0, "measured_s": None,
                          "measured_min_s": None, "measured_max_s": None, "predicted_s": None,
-                         "predicted_min_s": None, "predicted_max_s": None, "error": None}
+                         "predicted_min_s": None, "predicted_max_s": None, "error": None, "error_se": None}
         if c.name in finished:
             exp = _with_model(load_experiment(vm.write_experiment(c, args.out / "specs", args.iterations)), args.model, args.ssthresh,
                              None if args.hystart is None else args.hystart == "on")
@@ -309,10 +295,12 @@ def main(argv: list[str] | None = None) -> int:
             row |= {"status": "finished", "runs": len(measured), "measured_s": round(m, 4),
                     "measured_min_s": round(min(measured), 4), "measured_max_s": round(max(measured), 4),
                     "predicted_s": round(p, 4), "predicted_min_s": round(min(predicted), 4),
-                    "predicted_max_s": round(max(predicted), 4), "error": round(p / m - 1, 4)}
+                    "predicted_max_s": round(max(predicted), 4), "error": round(p / m - 1, 4),
+                    "error_se": _error_se(measured, predicted)}
             spread = (f" [runs {min(measured):.3f}-{max(measured):.3f}]" if len(measured) > 1 else "") + (
                 f" [simulated {min(predicted):.3f}-{max(predicted):.3f}]" if len(predicted) > 1 else "")
-            print(f"  {c.name:<36} measured {m:.3f} s, predicted {p:.3f} s ({row['error']:+.1%}){spread}")
+            noise = f" +- {2 * row['error_se']:.1%}" if row["error_se"] is not None else ""
+            print(f"  {c.name:<36} measured {m:.3f} s, predicted {p:.3f} s ({row['error']:+.1%}{noise}){spread}")
         else:
             row["status"] = (failed.get(c.name) and f"failed: {failed[c.name]}") or (
                 f"skipped: {skipped[c.name]}" if c.name in skipped else "not run")
@@ -325,9 +313,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(errors)} finished cell(s): mean |error| {mean:.1%}, max |error| {worst:.1%} ({verdict} the bar: "
               f"mean <= {BAR_MEAN:.0%}, max <= {BAR_MAX:.0%}); within 5%: {sum(e <= 0.05 for e in errors)}/"
               f"{len(errors)}; {args.out / CSV_NAME}, {args.out / MD_NAME}")
+        noisy = [r for r in rows if r["error_se"] is not None]
+        if noisy:
+            beyond = [r["cell"] for r in noisy if abs(r["error"]) - 2 * r["error_se"] > BAR_MAX]
+            within = [r["cell"] for r in noisy if abs(r["error"]) + 2 * r["error_se"] <= BAR_MAX]
+            print(f"  with the runs' own noise (error +- 2 standard errors, {len(noisy)} cell(s) of several runs): "
+                  f"{len(within)} within {BAR_MAX:.0%} all the way, {len(beyond)} beyond it all the way"
+                  + (f" ({', '.join(beyond)})" if beyond else "") + f", {len(noisy) - len(within) - len(beyond)} "
+                  f"undecided (more runs would tell)")
     else:
         print(f"no finished cell; {args.out / CSV_NAME}, {args.out / MD_NAME}")
     return 1 if failed else 0
+
+
+def _error_se(measured: list[float], predicted: list[float]) -> float | None:
+    """The standard error of ``mean(predicted) / mean(measured) - 1`` from the spread of each
+    side (the runs; the simulations, every seed of every run): sqrt(a^2 + b^2) with a and b each
+    side's standard error over its mean.  None with one run: the emulator's own noise unknown."""
+    if len(measured) < 2:
+        return None
+    a = statistics.stdev(measured) / math.sqrt(len(measured)) / statistics.fmean(measured)
+    b = (statistics.stdev(predicted) / math.sqrt(len(predicted)) / statistics.fmean(predicted)
+         if len(predicted) > 1 else 0.0)
+    return round(math.hypot(a, b), 4)
 
 
 def _write(rows: list[dict], out: Path, model: str, seeds: int = 1) -> None:
@@ -338,13 +346,14 @@ def _write(rows: list[dict], out: Path, model: str, seeds: int = 1) -> None:
     lines = [f"Simulator ({model} model) against emulated-device runs, {time.strftime('%Y-%m-%d')}; "
              f"`experiments/validate_emulated.py`.", "",
              "| RTT ms | pipelines | x BDP | hosts | sharing | rate Mbit/s | message B | estimated | measured s "
-             "| predicted s | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| predicted s | error (+- 2 standard errors) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     def spread(low, high, n, what):
         return f" ({low:.3f}-{high:.3f}, {n} {what})" if n > 1 else ""
     for r in rows:
         figures = (f"{r['measured_s']:.3f}{spread(r['measured_min_s'], r['measured_max_s'], r['runs'], 'runs')} | "
                    f"{r['predicted_s']:.3f}{spread(r['predicted_min_s'], r['predicted_max_s'], seeds * r['runs'], 'simulations')} | "
-                   f"{r['error']:+.1%}" if r["error"] is not None else f"| | {r['status']}")
+                   f"{r['error']:+.1%}" + (f" +- {2 * r['error_se']:.1%}" if r["error_se"] is not None else "")
+                   if r["error"] is not None else f"| | {r['status']}")
         lines.append(f"| {r['rtt_ms']:g} | {r['pipelines']} | {r['message_bdp']:g} | {r['hosts']} | {r['sharing']} | "
                      f"{r['rate_mbps']:g} | {r['message_bytes']} | {_fmt_s(r['estimated_s'])} | {figures} |")
     (out / MD_NAME).write_text("\n".join(lines) + "\n")

@@ -140,8 +140,11 @@ def test_fair_window_keeps_the_experiments_sharing_and_turns_the_window_model_on
 def test_the_prediction_counts_the_iterations_the_run_counted(tmp_path):
     """A run whose figure counts from iteration 4 (Atlas's: the iteration after its last plan)
     is predicted over iterations 4-5 of the simulation, not over 2-5 (the warm-up's end): the
-    windows still grow from one iteration to the next, so those are other figures."""
+    windows still grow from one iteration to the next, so those are other figures.  ``testbed
+    compare`` predicts its variants the same way (it simulated 24 iterations and counted from
+    the warm-up's end)."""
     from testbed.results.metrics import summarise
+    from testbed.run.compare import predict
     from testbed.sim.build import simulate
     from testbed.spec.experiment import load_experiment
 
@@ -156,3 +159,16 @@ def test_the_prediction_counts_the_iterations_the_run_counted(tmp_path):
     assert abs(times[2] - times[5]) / times[5] > 0.01  # (else this test could not tell them apart)
     [predicted] = validate_emulated._predict(exp, run, 6)
     assert predicted == pytest.approx((times[4] + times[5]) / 2, rel=1e-6)
+    assert predict(exp, run, profile=False) == predicted
+
+
+def test_a_cells_error_comes_with_the_standard_error_of_its_two_means():
+    """Runs 1.0 and 1.2 s (mean 1.1, standard error 0.1) and four simulations of 1.1 s: the
+    error's standard error is the runs' alone, 0.1 / 1.1; the simulations' own spread adds in
+    quadrature; one run gives no interval (the emulator's noise unknown)."""
+    import math
+
+    assert validate_emulated._error_se([1.0, 1.2], [1.1] * 4) == pytest.approx(0.1 / 1.1, abs=1e-4)
+    both = validate_emulated._error_se([1.0, 1.2], [1.0, 1.2, 1.0, 1.2])
+    assert both == pytest.approx(math.hypot(0.1 / 1.1, (0.2 / math.sqrt(3)) / 2 / 1.1), abs=1e-4)
+    assert validate_emulated._error_se([1.0], [1.1, 1.2]) is None

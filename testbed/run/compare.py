@@ -26,17 +26,39 @@ from testbed.messages import UNSET
 from testbed.spec.experiment import Experiment
 
 
-def predict(exp: Experiment, run_dir: Path, iterations: int = 24) -> float:
-    """The simulator's mean steady-state iteration time for ``exp``, profiled from ``run_dir``."""
+def predict(exp: Experiment, run_dir: Path, iterations: int | None = None, seed: int | None = None,
+            profile: bool = True) -> float:
+    """The simulator's mean steady-state iteration time for the run of ``exp`` kept in
+    ``run_dir``, over the same iterations the run's own figure counted: as many as it ran (its
+    metrics.json; else ``iterations``, else the experiment's) and from the first it counted (its
+    ``steady_state_iterations``: a run whose extension planned after the warm-up counts from the
+    iteration after the plan came into force, not from the warm-up's end).  Windows keep growing
+    from one iteration to the next, so a mean over a longer run, or over other iterations of
+    it, is not the same figure (the validation matrix's Atlas runs read -0.8% apart on average,
+    -4.8% to +3.5%).  ``profile``: the devices' times and the per-message latency are the run's
+    own (``build.profiled_stage_times`` of its timeline, each op a draw from what the run
+    measured, so seeds differ); else the experiment's exact device times.  The extensions
+    the experiment uses pass what the run recorded (their ``predict`` hook; their ``simulate``
+    hook where they have none).  ``seed``: the draws' (default: the experiment's)."""
     from testbed.results import metrics
     from testbed.sim.build import profiled_stage_times, simulate
+    from testbed.sim.device import stage_times
 
-    times, overhead = profiled_stage_times(run_dir / "timeline.json", exp)
+    steady_from = 0
+    kept = run_dir / "metrics.json"
+    if kept.exists():
+        summary = json.loads(kept.read_text())["summary"]
+        iterations = summary.get("iterations", iterations)
+        steady_from = (summary.get("steady_state_iterations") or [0])[0]
+    times, overhead = profiled_stage_times(run_dir / "timeline.json", exp) if profile else stage_times(exp)
     options: dict = {}
     for ext in in_use(exp):
-        if ext.predict is not None:
-            options.update(ext.load(ext.predict)(exp, run_dir))
-    result = simulate(exp, iterations=iterations, stage_times=times, message_overhead_s=overhead, **options)
+        hook = ext.predict if ext.predict is not None else ext.simulate
+        if hook is not None:
+            options.update(ext.load(hook)(exp, run_dir) if hook is ext.predict else ext.load(hook)(exp))
+    result = simulate(exp, iterations=iterations or exp.training.iterations, stage_times=times,
+                      message_overhead_s=overhead, seed=seed, **options)
+    result.steady_from = steady_from
     return metrics.summarise(result).summary.mean_iteration_time_s
 
 
