@@ -34,7 +34,7 @@ _SCRIPT = textwrap.dedent("""
     ss = subprocess.run(["ss", "-tinH", "src", "127.0.0.1:%d" % c.getsockname()[1]],
                         capture_output=True, text=True).stdout
     time.sleep(0.05)
-    ss_fields = {k: v for k, v in re.findall(r"\\b(cwnd|rto|bytes_sent|bytes_acked|lastsnd):([0-9.]+)", ss)}
+    ss_fields = {k: v for k, v in re.findall(r"\\b(cwnd|rto|bytes_sent|bytes_acked|lastsnd|snd_wnd):([0-9.]+)", ss)}
 
     # a traced channel of 2 connections: 3 messages, the last after an idle gap past the RTO
     a, b = Endpoint("a", "127.0.0.1", 47001), Endpoint("b", "127.0.0.1", 47002)
@@ -81,6 +81,8 @@ def test_trace_on_real_sockets_in_a_private_netns(tmp_path):
     assert info["state"] == 1 and info["cwnd"] == int(ss["cwnd"]) and info["rto_ms"] == float(ss["rto"])
     assert info["bytes_sent"] == int(ss["bytes_sent"]) and info["bytes_acked"] == int(ss["bytes_acked"])
     assert abs(info["idle_ms"] - float(ss["lastsnd"])) < 50
+    assert info["snd_wnd"] == int(ss["snd_wnd"]) and info["busy_ms"] > 0
+    assert 0 <= info["rwnd_limited_ms"] <= info["busy_ms"] and 0 <= info["sndbuf_limited_ms"] <= info["busy_ms"]
     rows = out["trace"]
     assert len(rows) == 3 * 2 * 3  # messages x connections x phases
     assert {(r["seq"], r["conn"], r["phase"]) for r in rows} == {

@@ -26,7 +26,11 @@ offset field                   type       key (unit)
 120    tcpi_bytes_acked        u64        ``bytes_acked``
 144    tcpi_notsent_bytes      u32        ``notsent`` (queued, not yet sent)
 148    tcpi_min_rtt            u32 (us)   ``min_rtt_ms``
+168    tcpi_busy_time          u64 (us)   ``busy_ms`` (time with data in flight, ever)
+176    tcpi_rwnd_limited       u64 (us)   ``rwnd_limited_ms`` (of it, held by the peer's window)
+184    tcpi_sndbuf_limited     u64 (us)   ``sndbuf_limited_ms`` (of it, held by the send buffer)
 200    tcpi_bytes_sent         u64        ``bytes_sent`` (retransmissions included)
+228    tcpi_snd_wnd            u32        ``snd_wnd`` (bytes: the window the peer advertised)
 ====== ======================= ========== ==============================================
 
 A kernel whose struct is shorter than an offset gives None for that field.
@@ -47,7 +51,8 @@ _FIELDS = (
     ("retrans", 36, "I", None), ("idle_ms", 44, "I", None), ("rtt_ms", 68, "I", 1e-3),
     ("rttvar_ms", 72, "I", 1e-3), ("ssthresh", 76, "I", None), ("cwnd", 80, "I", None),
     ("total_retrans", 100, "I", None), ("bytes_acked", 120, "Q", None), ("notsent", 144, "I", None),
-    ("min_rtt_ms", 148, "I", 1e-3), ("bytes_sent", 200, "Q", None),
+    ("min_rtt_ms", 148, "I", 1e-3), ("busy_ms", 168, "Q", 1e-3), ("rwnd_limited_ms", 176, "Q", 1e-3),
+    ("sndbuf_limited_ms", 184, "Q", 1e-3), ("bytes_sent", 200, "Q", None), ("snd_wnd", 228, "I", None),
 )
 FIELDS = tuple(f[0] for f in _FIELDS)
 
