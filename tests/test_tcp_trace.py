@@ -81,7 +81,7 @@ def test_trace_on_real_sockets_in_a_private_netns(tmp_path):
     assert info["state"] == 1 and info["cwnd"] == int(ss["cwnd"]) and info["rto_ms"] == float(ss["rto"])
     assert info["bytes_sent"] == int(ss["bytes_sent"]) and info["bytes_acked"] == int(ss["bytes_acked"])
     assert abs(info["idle_ms"] - float(ss["lastsnd"])) < 50
-    assert info["snd_wnd"] == int(ss["snd_wnd"]) and info["busy_ms"] > 0
+    assert info["snd_wnd"] == int(ss["snd_wnd"]) and info["busy_ms"] >= 0  # (in jiffies: 0 for a fast loopback)
     assert 0 <= info["rwnd_limited_ms"] <= info["busy_ms"] and 0 <= info["sndbuf_limited_ms"] <= info["busy_ms"]
     rows = out["trace"]
     assert len(rows) == 3 * 2 * 3  # messages x connections x phases
