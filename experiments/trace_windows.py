@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testbed.net.tcpmodel import MSS, PAYLOAD_FRACTION  # noqa: E402
 from testbed.sim.build import profiled_stage_times, simulate  # noqa: E402
-from testbed.sim.cli import _extension_options  # noqa: E402
+from testbed.extension import simulator_options  # noqa: E402
 from testbed.spec.experiment import load_experiment  # noqa: E402
 
 STEADY_FROM = 2
@@ -73,7 +73,7 @@ def measured(exp, run: Path) -> dict:
 def simulated(exp, run: Path, iterations: int) -> dict:
     stage_times, overhead = profiled_stage_times(run / "timeline.json", exp)
     result = simulate(exp, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead,
-                      **_extension_options(exp))
+                      **simulator_options(exp))
     dc = {s.name: s.dc for s in exp.workers()}
     out: dict = {}
     for w in result.windows:

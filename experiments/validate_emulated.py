@@ -47,7 +47,7 @@ hook).
   iterations replayed, its per-message latency); ``--seeds K`` simulates each run K times
   and takes the mean (the seeds differ where ops are drawn or links have loss or jitter).
   Every run is simulated for as many iterations as it had, and averaged over the iterations
-  its own figure counted (``compare.predict``).  With several runs each cell's error comes
+  its own figure counted (``compare.predict_seeds``).  With several runs each cell's error comes
   with an interval, +- 2 standard errors of the two means (``error_se`` in the CSV), and the
   last line says how many cells lie within the 6% bar all the way, beyond it all the way, and
   undecided: a cell whose runs differ by several percent (default hosts' restarts after idle
@@ -93,19 +93,6 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
-def _simulate_options(exp) -> dict:
-    """What the extensions the experiment uses give the simulator from the experiment alone
-    (their ``simulate`` hook), for the cells' estimates; a kept run's predictions take theirs
-    from the run (``compare.predict``)."""
-    from testbed.extension import in_use
-
-    options: dict = {}
-    for ext in in_use(exp):
-        if ext.simulate is not None:
-            options.update(ext.load(ext.simulate)(exp))
-    return options
-
-
 def _with_model(exp, model: str, ssthresh: int | None = None, hystart: bool | None = None):
     if hystart is not None:  # --hystart: CUBIC's HyStart in the window model (sim.tcp_hystart)
         exp = exp.model_copy(update={"sim": exp.sim.model_copy(update={"tcp_hystart": hystart})})
@@ -141,23 +128,24 @@ def _run_dir(out: Path, cell: vm.Cell, repeat: int = 1) -> Path:
 def _predict(exp, run_dir: Path, iterations: int, profile: bool = False, seeds: int = 1) -> list[float]:
     """The simulated mean steady iteration of the run in ``run_dir``, once per seed (the
     experiment's own seed first), over the iterations the run's figure counted
-    (``compare.predict``; ``iterations`` where the run kept no metrics).  ``profile``: the
+    (``compare.predict_seeds``; ``iterations`` where the run kept no metrics).  ``profile``: the
     devices' times and the per-message latency are the run's own, as ``testbed sim --profile``
     reads them, so seeds differ; otherwise the experiment's exact device times."""
-    from testbed.run.compare import predict
+    from testbed.run.compare import predict_seeds
 
-    return [predict(exp, run_dir, iterations, seed=exp.training.seed + k, profile=profile) for k in range(seeds)]
+    return predict_seeds(exp, run_dir, iterations, seeds, profile)
 
 
 def _plan(selected: list[vm.Cell], out: Path, iterations: int) -> dict[str, float]:
     """Each cell's estimated emulated duration (s), by name."""
+    from testbed.extension import simulator_options
     from testbed.spec.experiment import load_experiment
 
     specs = out / "specs"
     estimates = {}
     for cell in selected:
         exp = load_experiment(vm.write_experiment(cell, specs, iterations))
-        estimates[cell.name] = vm.estimate_s(exp, iterations, _simulate_options(exp))
+        estimates[cell.name] = vm.estimate_s(exp, iterations, simulator_options(exp))
     return estimates
 
 

@@ -53,6 +53,7 @@ import importlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -227,3 +228,16 @@ def in_use(exp: "Experiment") -> list[Extension]:
         if isinstance(section, Section) and section.in_use():
             out.append(ext)
     return out
+
+
+def simulator_options(exp: "Experiment", run_dir: Path | None = None) -> dict:
+    """The simulator's keyword arguments from the extensions ``exp`` uses: with a kept run
+    (``run_dir``), each one's ``predict`` hook reads what the run recorded; without one, or for
+    an extension that has no ``predict``, its ``simulate`` hook reads the experiment alone."""
+    options: dict = {}
+    for ext in in_use(exp):
+        if run_dir is not None and ext.predict is not None:
+            options.update(ext.load(ext.predict)(exp, run_dir))
+        elif ext.simulate is not None:
+            options.update(ext.load(ext.simulate)(exp))
+    return options

@@ -144,7 +144,7 @@ def test_the_prediction_counts_the_iterations_the_run_counted(tmp_path):
     compare`` predicts its variants the same way (it simulated 24 iterations and counted from
     the warm-up's end)."""
     from testbed.results.metrics import summarise
-    from testbed.run.compare import predict
+    from testbed.run.compare import predict_seeds
     from testbed.sim.build import simulate
     from testbed.spec.experiment import load_experiment
 
@@ -159,7 +159,7 @@ def test_the_prediction_counts_the_iterations_the_run_counted(tmp_path):
     assert abs(times[2] - times[5]) / times[5] > 0.01  # (else this test could not tell them apart)
     [predicted] = validate_emulated._predict(exp, run, 6)
     assert predicted == pytest.approx((times[4] + times[5]) / 2, rel=1e-6)
-    assert predict(exp, run, profile=False) == predicted
+    assert predict_seeds(exp, run, profile=False) == [predicted]
 
 
 def test_a_cells_error_comes_with_the_standard_error_of_its_two_means():

@@ -21,25 +21,32 @@ import json
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
-from testbed.extension import in_use
+from testbed.extension import simulator_options
 from testbed.messages import UNSET
 from testbed.spec.experiment import Experiment
 
 
-def predict(exp: Experiment, run_dir: Path, iterations: int | None = None, seed: int | None = None,
-            profile: bool = True) -> float:
+def predict(exp: Experiment, run_dir: Path) -> float:
     """The simulator's mean steady-state iteration time for the run of ``exp`` kept in
-    ``run_dir``, over the same iterations the run's own figure counted: as many as it ran (its
-    metrics.json; else ``iterations``, else the experiment's) and from the first it counted (its
-    ``steady_state_iterations``: a run whose extension planned after the warm-up counts from the
-    iteration after the plan came into force, not from the warm-up's end).  Windows keep growing
-    from one iteration to the next, so a mean over a longer run, or over other iterations of
-    it, is not the same figure (the validation matrix's Atlas runs read -0.8% apart on average,
-    -4.8% to +3.5%).  ``profile``: the devices' times and the per-message latency are the run's
-    own (``build.profiled_stage_times`` of its timeline, each op a draw from what the run
-    measured, so seeds differ); else the experiment's exact device times.  The extensions
-    the experiment uses pass what the run recorded (their ``predict`` hook; their ``simulate``
-    hook where they have none).  ``seed``: the draws' (default: the experiment's)."""
+    ``run_dir``, profiled from it, at the experiment's seed (``predict_seeds``)."""
+    return predict_seeds(exp, run_dir)[0]
+
+
+def predict_seeds(exp: Experiment, run_dir: Path, iterations: int | None = None, seeds: int = 1,
+                  profile: bool = True) -> list[float]:
+    """The simulator's mean steady-state iteration time for the run of ``exp`` kept in
+    ``run_dir``, once per seed (the experiment's own first), over the same iterations the run's
+    own figure counted: as many as it ran (its metrics.json; else ``iterations``, else the
+    experiment's) and from the first it counted (its ``steady_state_iterations``: a run whose
+    extension planned after the warm-up counts from the iteration after the plan came into
+    force, not from the warm-up's end).  Windows keep growing from one iteration to the next,
+    so a mean over a longer run, or over other iterations of it, is not the same figure (the
+    validation matrix's Atlas runs read -0.8% apart on average, -4.8% to +3.5%).  ``profile``:
+    the devices' times and the per-message latency are the run's own
+    (``build.profiled_stage_times`` of its timeline, each op a draw from what the run measured,
+    so seeds differ); else the experiment's exact device times.  The extensions the experiment
+    uses pass what the run recorded (``extension.simulator_options``).  The run is read once
+    for all the seeds."""
     from testbed.results import metrics
     from testbed.sim.build import profiled_stage_times, simulate
     from testbed.sim.device import stage_times
@@ -51,15 +58,15 @@ def predict(exp: Experiment, run_dir: Path, iterations: int | None = None, seed:
         iterations = summary.get("iterations", iterations)
         steady_from = (summary.get("steady_state_iterations") or [0])[0]
     times, overhead = profiled_stage_times(run_dir / "timeline.json", exp) if profile else stage_times(exp)
-    options: dict = {}
-    for ext in in_use(exp):
-        hook = ext.predict if ext.predict is not None else ext.simulate
-        if hook is not None:
-            options.update(ext.load(hook)(exp, run_dir) if hook is ext.predict else ext.load(hook)(exp))
-    result = simulate(exp, iterations=iterations or exp.training.iterations, stage_times=times,
-                      message_overhead_s=overhead, seed=seed, **options)
-    result.steady_from = steady_from
-    return metrics.summarise(result).summary.mean_iteration_time_s
+    options = simulator_options(exp, run_dir)
+
+    def mean_over_the_runs_steady_state(seed: int) -> float:
+        result = simulate(exp, iterations=iterations or exp.training.iterations, stage_times=times,
+                          message_overhead_s=overhead, seed=seed, **options)
+        result.steady_from = steady_from
+        return metrics.summarise(result).summary.mean_iteration_time_s
+
+    return [mean_over_the_runs_steady_state(exp.training.seed + k) for k in range(seeds)]
 
 
 def _network_counters(s, run_dir: Path) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from testbed.extension import device_kind, in_use
+from testbed.extension import device_kind, simulator_options
 from testbed.results.provenance import provenance
 from testbed.spec.experiment import load_experiment, parse_experiment
 from testbed.spec.topology import SpecError
@@ -66,16 +66,6 @@ def _parse_sweep(items: list[str]) -> list[dict]:
     return [dict(point) for point in itertools.product(*axes)] if axes else [{}]
 
 
-def _extension_options(exp) -> dict:
-    """What the extensions the experiment uses give the simulator (their ``simulate`` hook:
-    Atlas's temporal sharing, say)."""
-    options: dict = {}
-    for ext in in_use(exp):
-        if ext.simulate is not None:
-            options.update(ext.load(ext.simulate)(exp))
-    return options
-
-
 def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep: list[str] | None = None,
             out_dir: Path | None = None, overrides: list[str] | tuple = (),
             write_latency: Path | None = None, seeds: int = 1) -> list[dict]:
@@ -111,7 +101,7 @@ def run_sim(path: Path, profile: Path | None = None, iterations: int = 3, sweep:
                 from testbed.sim.device import stage_times as emulated_stage_times
 
                 stage_times, overhead = emulated_stage_times(e)
-            options = _extension_options(e)
+            options = simulator_options(e)  # (their simulate hook: Atlas's temporal sharing, say)
             t0 = time.perf_counter()
             runs = [simulate(e, iterations=iterations, stage_times=stage_times, message_overhead_s=overhead,
                              write_latency=writes, seed=e.training.seed + k, **options)
