@@ -10,8 +10,9 @@ the delay line (one-way delay, jitter that keeps order, random loss: ``delayline
 the link's rate and its byte-limited drop-tail queue (``shaping.py``); a path is its links in
 turn; with an extension's strict priority (Atlas's temporal sharing enforced at the gateway,
 ``engine.PriorityPolicy``), ``PacketNet.prioritise`` puts the delay line's scheduler in front of
-each link (each pipeline's drop-tail queue, served by rank through the line's token bucket,
-ACKs past it: ``delayline._Scheduler``).
+each link (each pipeline's drop-tail queue, served by rank through the line's token bucket;
+ACKs go past the queues but pay the bucket, as the line's ``other`` packets do, so the reverse
+direction's ACKs take their 1.5-2% of a busy link's turns: ``delayline._Scheduler``).
 Each connection is a sender and a receiver (``_Connection``); a message is split into
 one slice a connection (``testbed/train/transport.py``: a 36-byte header, then the slice), and
 arrives when every slice has arrived in order.
@@ -127,7 +128,7 @@ class PacketNet:
         """Atlas's temporal sharing at the gateway (``delayline._Scheduler``), in front of
         ``link``'s delay line: each pipeline's data (``owner``) in a drop-tail queue of
         ``queue_bytes``, served strictly by ``rank`` (unknown owners last) at ``rate_factor`` of
-        the link's wire rate; pure ACKs pass it.  ``rank`` None: not yet in force (packets go
+        the link's wire rate; pure ACKs pass its queues but pay its bucket.  ``rank`` None: not yet in force (packets go
         straight to the delay line, first in first out) until ``reorder`` gives one.
         ``burst_bytes``: the scheduler's token bucket (``delayline.bucket_bytes``): after a
         pause it lets that much through at once, by rank as it stands then, into the FIFO
@@ -158,7 +159,11 @@ class PacketNet:
         """The packet reaches hop ``hop`` now: a scheduler first where there is one (data only),
         then the delay line (its release, in order), then its place in the link's queue behind
         it, or a drop."""
-        sched = self._schedulers.get(id(path[hop])) if not scheduled and payload else None
+        sched = self._schedulers.get(id(path[hop])) if not scheduled else None
+        if sched is not None and not payload:  # a pure ACK: past the queues, but it pays the bucket
+            if sched["rank"] is not None and sched["depth"] > 0:
+                self._charge(sched, wire_bytes)
+            sched = None
         if sched is not None and sched["rank"] is not None:
             backlog = sched["backlog"].get(owner, 0.0)
             if backlog + wire_bytes > sched["limit"]:
@@ -205,6 +210,14 @@ class PacketNet:
         packet = sched["queues"][owner].popleft()
         sched["backlog"][owner] -= packet[1]
         return packet
+
+    def _charge(self, sched: dict, wire_bytes: int) -> None:
+        """A packet that passes the scheduler's queues (a pure ACK) still takes its bytes from the
+        token bucket (``delayline._Scheduler.dequeue`` serves ``other`` first and counts it):
+        the data waiting behind it leaves that much later."""
+        now = self._sim.now
+        sched["tokens"] = min(sched["depth"], sched["tokens"] + (now - sched["last"]) * sched["rate"]) - wire_bytes
+        sched["last"] = now
 
     def _serve(self, sched: dict) -> None:
         """The scheduler sends its highest-ranked pipeline's next packet (work-conserving).
