@@ -114,6 +114,21 @@ def test_the_restart_halves_per_rto_of_idle_down_to_the_initial_window():
     assert counts["restarts"] == 2
 
 
+def test_an_unused_window_decays_only_after_an_rto_without_an_ack_of_data():
+    """``tcp_cwnd_application_limited`` halves the unused part of a window once an RTO has passed
+    since ``snd_cwnd_stamp``, and every ACK of data sets that stamp (``tcp_cong_avoid``, even
+    when CUBIC does not grow the window): a sender writing a little every 50 ms, its ACKs
+    coming back all the while, keeps its window of 100 for 2 s.  (On the emulator, 2026-12-07,
+    250 ms, 8 pipelines, default hosts: no such decay at any of 640 writes of 16 connections;
+    the model without the stamp on ACKs made 28 in a simulation of that run.)"""
+    sim, _net, conn, _ = _path()
+    conn.cwnd, conn.ssthresh = 100, 50
+    for i in range(40):
+        sim.at(0.05 * i, lambda: conn.write(packets.SLICE_HEADER_BYTES + 4 * MSS, lambda t: None))
+    sim.run()
+    assert conn.cwnd == 100
+
+
 def test_a_burst_that_loses_its_first_segment_recovers_by_rack_not_by_a_timeout():
     """The first data segment of a 9-segment message (the window holds it: one flight) is
     dropped; the rest, sent at the same instant, are SACKed: RACK (sent before the latest

@@ -40,7 +40,8 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
   samples for a second after an epoch starts;
 * restart after idle as the application writes (``tcp_slow_start_after_idle_check`` ->
   ``tcp_cwnd_restart``: halve per RTO idle since the last data sent, down to 10) and the
-  decay of an unused window (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``), both
+  decay of an unused window (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``, an RTO
+  after the window's stamp, which every ACK of data sets: ``tcp_cong_avoid``), both
   with ``parallel.slow_start_after_idle``; CUBIC's epoch moved by the idle (CA_EVENT_TX_START);
 * the round trip (``tcp_rtt_estimator``: srtt, mdev, rttvar at least 200 ms; RTO = srtt +
   rttvar), queueing included, from the handshake on; each ACK's sample as
@@ -704,8 +705,10 @@ class _Connection:
             self._enter_recovery(prior_in_flight)
         if self.state == "recovery":
             self._prr(delivered, newly_lost, advanced)
-        elif delivered and self._is_cwnd_limited():
-            self._cong_avoid(delivered, now)
+        elif delivered:  # tcp_cong_control -> tcp_cong_avoid: CUBIC grows a window in use, and the
+            if self._is_cwnd_limited():  # stamp is now either way (an unused window decays only
+                self._cong_avoid(delivered, now)  # after an RTO without an ACK of data)
+            self.cwnd_stamp = now
         if advanced:  # tcp_set_xmit_timer: the probe (or the RTO) again from now
             if self.packets_out:
                 self._arm_rto()
