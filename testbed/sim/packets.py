@@ -163,9 +163,9 @@ class PacketNet:
         sched = self._schedulers.get(id(path[hop])) if not scheduled else None
         if sched is not None and not payload:  # a pure ACK: past the queues, but it pays the bucket
             if sched["rank"] is not None and sched["depth"] > 0:
-                self._charge(sched, wire_bytes)
-            sched = None
-        if sched is not None and sched["rank"] is not None:
+                self._refill(sched)
+                sched["tokens"] -= wire_bytes
+        elif sched is not None and sched["rank"] is not None:
             backlog = sched["backlog"].get(owner, 0.0)
             if backlog + wire_bytes > sched["limit"]:
                 self.scheduler_drops += 1
@@ -212,12 +212,11 @@ class PacketNet:
         sched["backlog"][owner] -= packet[1]
         return packet
 
-    def _charge(self, sched: dict, wire_bytes: int) -> None:
-        """A packet that passes the scheduler's queues (a pure ACK) still takes its bytes from the
-        token bucket (``delayline._Scheduler.dequeue`` serves ``other`` first and counts it):
-        the data waiting behind it leaves that much later."""
+    def _refill(self, sched: dict) -> None:
+        """The scheduler's token bucket, refilled at its rate up to its depth since it was last
+        touched (``delayline._Scheduler.dequeue``; a pure ACK takes its bytes from it too)."""
         now = self._sim.now
-        sched["tokens"] = min(sched["depth"], sched["tokens"] + (now - sched["last"]) * sched["rate"]) - wire_bytes
+        sched["tokens"] = min(sched["depth"], sched["tokens"] + (now - sched["last"]) * sched["rate"])
         sched["last"] = now
 
     def _serve(self, sched: dict) -> None:
@@ -238,8 +237,7 @@ class PacketNet:
             self._sim.at(self._sim.now + packet[1] / sched["rate"], sent)
             return
         now, rate = self._sim.now, sched["rate"]
-        sched["tokens"] = min(sched["depth"], sched["tokens"] + (now - sched["last"]) * rate)
-        sched["last"] = now
+        self._refill(sched)
         while sched["tokens"] > 0:
             packet = self._next_packet(sched)
             if packet is None:
@@ -705,9 +703,11 @@ class _Connection:
             self._enter_recovery(prior_in_flight)
         if self.state == "recovery":
             self._prr(delivered, newly_lost, advanced)
-        elif delivered:  # tcp_cong_control -> tcp_cong_avoid: CUBIC grows a window in use, and the
-            if self._is_cwnd_limited():  # stamp is now either way (an unused window decays only
-                self._cong_avoid(delivered, now)  # after an RTO without an ACK of data)
+        elif delivered:
+            # tcp_cong_control -> tcp_cong_avoid: CUBIC grows a window in use, and the window's stamp
+            # is now either way (an unused window decays only after an RTO without an ACK of data)
+            if self._is_cwnd_limited():
+                self._cong_avoid(delivered, now)
             self.cwnd_stamp = now
         if advanced:  # tcp_set_xmit_timer: the probe (or the RTO) again from now
             if self.packets_out:
