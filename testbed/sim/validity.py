@@ -63,7 +63,7 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
               "emulator's own runs of a cell of several pipelines spread by up to 10.5%, of one pipeline from 50 ms "
               "up by at most 3.2%; aws-longhaul3's default job, 3 traced runs each predicted from its own profile "
               "and writer latency over 3 seeds: +1.3% on their mean (fluid -10.9%); with 0.05% loss and jitter: "
-              "-4.2% (fluid -14.3%)",
+              "-3.5% (fluid -14.3%; -4.2% before 2026-12-07 evening's window stamp)",
         where=_PACKETS + "; HyStart's rounds traced in the kernel; Noise on both sides; The gateway's token bucket; "
                          "The same iterations on both sides; Six runs where three could not decide; The other "
                          "direction's ACKs at the gateway's bucket",
