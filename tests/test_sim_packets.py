@@ -399,6 +399,29 @@ def test_a_timeout_while_the_segments_wait_at_a_scheduler_is_found_spurious_and_
     assert conns["r0"].cwnd >= 40 and set(got) == {"r0", "r1"}
 
 
+def test_a_timeout_makes_cubic_forget_its_least_delay_and_take_the_next_sample():
+    """CUBIC entering Loss (``bictcp_reset``) zeroes its least delay with the rest of its state,
+    so the next ACK's sample sets it: after r0's timeout at the gateway, the wait behind r1's
+    400 segments (0.48 s at 10 Mbit/s) is in it, and HyStart's delay test and the cubic's clock
+    read from there.  Keeping the bare path's 0.1 s instead, this test failed with 0.1."""
+    sim = Simulator()
+    net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
+    there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
+    net.add(there, 1 << 30)
+    net.add(back, 1 << 30)
+    net.prioritise(there, {"r1": 0, "r0": 1}, 1.0, 1 << 30)
+    counts = {o: packets.new_counts() for o in ("r0", "r1")}
+    conns = {o: packets._Connection(sim, net, f"h{o}", [there], [back], 2 * OWD, True, False, counts[o], o)
+             for o in ("r0", "r1")}
+    conns["r1"].cwnd, conns["r0"].cwnd = 400, 40
+    conns["r1"].write(packets.SLICE_HEADER_BYTES + 399 * MSS, lambda t: None)
+    conns["r0"].write(packets.SLICE_HEADER_BYTES + 39 * MSS, lambda t: None)
+    sim.run()
+    assert counts["r0"]["timeouts"] >= 1 and counts["r1"]["timeouts"] == 0
+    assert conns["r1"].delay_min == pytest.approx(2 * OWD)  # no timeout: the bare path's, from the start
+    assert 2 * OWD + 0.4 < conns["r0"].delay_min < 2 * OWD + 0.6
+
+
 def test_a_slice_waits_for_its_writer_thread_and_a_traced_runs_latency_is_read(tmp_path):
     """Each slice starts a draw of the writer threads' latency after the message is handed over
     (here a fixed 10 ms: the arrival moves by exactly that); ``profiled_write_latency`` reads a

@@ -53,7 +53,8 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
 * losses: RACK (RFC 8985; no reordering window once 3 segments are SACKed or in recovery),
   the tail-loss probe (2 srtt; +200 ms with one segment out), PRR's reduction to CUBIC's
   ssthresh (beta 717/1024, fast convergence), the RTO (one segment, go-back, doubled while it
-  fires again), and its undo when an ACK echoes the timestamp of an original sent before the
+  fires again; CUBIC forgets its state, its least delay too, so the next sample sets that:
+  ``bictcp_reset``), and its undo when an ACK echoes the timestamp of an original sent before the
   timeout's first retransmission (``tcp_try_undo_loss``: segments that waited at a scheduler
   were not lost).
 
@@ -825,7 +826,10 @@ class _Connection:
 
     # -- CUBIC -----------------------------------------------------------------------------
     def _cubic_reset(self) -> None:
+        """``bictcp_reset`` (CUBIC entering Loss): the epoch, the last maximum and the least
+        delay HyStart and the cubic's clock use are forgotten; the next sample sets the delay."""
         self.epoch = None
+        self.delay_min = 0.0
         self.last_max = 0.0
         self.last_cwnd = 0
         self.last_time = -INF
