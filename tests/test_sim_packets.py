@@ -129,6 +129,29 @@ def test_an_unused_window_decays_only_after_an_rto_without_an_ack_of_data():
     assert conn.cwnd == 100
 
 
+def test_a_retransmission_restarts_the_idle_clock_of_the_restart_after_idle():
+    """Linux stamps ``lsndtime`` for every data segment it sends, a retransmission too
+    (``tcp_event_data_sent``): 20 segments leave at 0, the last is lost and the tail-loss probe
+    sends it again at 0.48 s; a write at 0.7 s has been idle 0.22 s since then, under the RTO
+    (0.32 s), so the window stays.  Counting from the last new data instead (0.68 s, two RTOs),
+    this test failed with the window halved twice, to 10."""
+    sim, net, conn, counts = _path(_DropOnce, nth=20)
+    conn.cwnd = 40
+    conn.write(packets.SLICE_HEADER_BYTES + 19 * MSS, lambda t: None)
+    seen = {}
+
+    def again():
+        seen["idle"], seen["rto"], seen["out"] = sim.now - conn.lsndtime, conn.rto, conn.packets_out
+        conn.write(packets.SLICE_HEADER_BYTES + 19 * MSS, lambda t: None)
+        seen["cwnd"] = conn.cwnd
+
+    sim.at(0.7, again)
+    sim.run()
+    assert seen["cwnd"] == 40 and counts["restarts"] == 0
+    assert counts["probes"] == 1 and counts["timeouts"] == 0
+    assert seen["out"] == 0 and 0.2 < seen["idle"] < seen["rto"] < 0.4
+
+
 def test_a_burst_that_loses_its_first_segment_recovers_by_rack_not_by_a_timeout():
     """The first data segment of a 9-segment message (the window holds it: one flight) is
     dropped; the rest, sent at the same instant, are SACKed: RACK (sent before the latest

@@ -39,8 +39,8 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
   stable 6.1/6.6, so a round is a flight from the first ACK), with CUBIC's rule that drops
   samples for a second after an epoch starts;
 * restart after idle as the application writes (``tcp_slow_start_after_idle_check`` ->
-  ``tcp_cwnd_restart``: halve per RTO idle since the last data sent, down to 10) and the
-  decay of an unused window (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``, an RTO
+  ``tcp_cwnd_restart``: halve per RTO idle since the last data sent, a retransmission too, down
+  to 10) and the decay of an unused window (``tcp_cwnd_validate`` -> ``tcp_cwnd_application_limited``, an RTO
   after the window's stamp, which every ACK of data sets: ``tcp_cong_avoid``), both
   with ``parallel.slow_start_after_idle``; CUBIC's epoch moved by the idle (CA_EVENT_TX_START);
 * the round trip (``tcp_rtt_estimator``: srtt, mdev, rttvar at least 200 ms; RTO = srtt +
@@ -394,7 +394,6 @@ class _Connection:
     # -- sending ---------------------------------------------------------------------------
     def _xmit(self) -> None:
         """``tcp_write_xmit``: lost segments again first, then new data, while the window has room."""
-        now = self.sim.now
         sent_new = False
         limited = False
         if self.lost_out > self.retrans_out:
@@ -413,15 +412,10 @@ class _Connection:
             if self.in_flight() >= self.cwnd:
                 limited = True
                 break
-            if self.in_flight() == 0 and self.epoch is not None:  # CA_EVENT_TX_START
-                idle = now - self.lsndtime
-                if idle > 0:
-                    self.epoch = min(now, self.epoch + idle)
             seq = self.nxt
             self.nxt += 1
-            self.packets_out += 1
-            self.lsndtime = now
             self._transmit(seq)
+            self.packets_out += 1
             sent_new = True
             if self.state == "recovery":
                 self.prr_out += 1
@@ -435,18 +429,25 @@ class _Connection:
 
     def _transmit(self, seq: int, retransmit: bool = False) -> None:
         s = self.segs[seq]
+        self._put_on_wire(seq)
         if retransmit:
             self.retrans_stamp = min(self.retrans_stamp, self.sim.now)  # (the episode's first)
             s.retrans = True
             s.in_flight_retrans = True
             self.retrans_out += 1
             self.counts["retransmits"] += 1
-        self._put_on_wire(seq)
 
     def _put_on_wire(self, seq: int) -> None:
-        """Segment ``seq`` leaves now (its TSval, the receiver's echo, is this instant)."""
+        """Segment ``seq`` leaves now (its TSval, the receiver's echo, is this instant), new or
+        again: ``tcp_event_data_sent`` moves CUBIC's epoch by the idle if nothing was in flight
+        (CA_EVENT_TX_START) and restarts the idle's clock (``lsndtime``), for any data sent."""
         s = self.segs[seq]
         s.sent_at = now = self.sim.now
+        if self.in_flight() == 0 and self.epoch is not None:
+            idle = now - self.lsndtime
+            if idle > 0:
+                self.epoch = min(now, self.epoch + idle)
+        self.lsndtime = now
         self.net.send_from(self.host, self.path, s.size + WIRE_OVERHEAD, s.size,
                            lambda t: self._received(seq, now), self.owner)
 
