@@ -152,6 +152,24 @@ def test_a_retransmission_restarts_the_idle_clock_of_the_restart_after_idle():
     assert seen["out"] == 0 and 0.2 < seen["idle"] < seen["rto"] < 0.4
 
 
+def test_a_window_used_to_the_full_counts_as_limited_until_the_last_limited_send_is_acknowledged():
+    """``tcp_cwnd_validate`` as Linux 6.1 on has it: each send that fills the window moves
+    ``cwnd_usage_seq`` to ``snd_nxt``, so the window counts as limited (and CUBIC grows it) until
+    that last limited send is acknowledged, not the first.  With the older rule (the mark kept
+    from the first limited send), the send at una 12 cleared it and this test failed."""
+    sim, net, conn, counts = _path()
+    conn.nxt, conn.packets_out = 10, 10
+    conn._cwnd_validate(True)  # the window full at snd_nxt 10
+    conn.una, conn.nxt, conn.packets_out = 5, 20, 15
+    conn._cwnd_validate(True)  # full again at snd_nxt 20
+    conn.una, conn.packets_out = 12, 8
+    conn._cwnd_validate(False)  # not full, past 10 but not past 20
+    assert conn.cwnd_limited and conn.cwnd_usage_seq == 20
+    conn.una, conn.packets_out = 20, 0
+    conn._cwnd_validate(False)  # past 20: a new window, not limited
+    assert not conn.cwnd_limited and conn.max_packets_out == 0
+
+
 def test_a_burst_that_loses_its_first_segment_recovers_by_rack_not_by_a_timeout():
     """The first data segment of a 9-segment message (the window holds it: one flight) is
     dropped; the rest, sent at the same instant, are SACKed: RACK (sent before the latest

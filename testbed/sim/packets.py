@@ -282,7 +282,6 @@ class _Connection:
         self.cnt_ai = 0  # snd_cwnd_cnt
         self.packets_out = self.sacked_out = self.lost_out = self.retrans_out = 0
         self.max_packets_out = 0
-        self.max_packets_seq = 0
         self.cwnd_limited = False
         self.cwnd_usage_seq = 0
         self.cwnd_used = 0
@@ -453,11 +452,12 @@ class _Connection:
 
     def _cwnd_validate(self, is_cwnd_limited: bool) -> None:
         """``tcp_cwnd_validate``."""
-        if self.una >= self.max_packets_seq or self.packets_out > self.max_packets_out:
-            self.max_packets_out = self.packets_out
-            self.max_packets_seq = self.nxt
-        if self.una >= self.cwnd_usage_seq or is_cwnd_limited > self.cwnd_limited:
+        # the strongest signal of the window's use in the current window (Linux 6.1 on): limited,
+        # or else the most packets out; a new window from cwnd_usage_seq on
+        if (self.una >= self.cwnd_usage_seq or is_cwnd_limited
+                or (not self.cwnd_limited and self.packets_out > self.max_packets_out)):
             self.cwnd_limited = is_cwnd_limited
+            self.max_packets_out = self.packets_out
             self.cwnd_usage_seq = self.nxt
         if self._is_cwnd_limited():
             self.cwnd_used = 0
