@@ -57,18 +57,18 @@ VALIDATED: dict[str, Validated] = {v.part: v for v in (
         error="issue #30's matrix (runs of 2026-12-07, 3 runs a cell, 6 for the 10 cells whose error +- 2 standard "
               "errors crossed 6% on 3, the 8 temporal cells of 10-100x BDP at 10 iterations; each run simulated for "
               "as many iterations as it had and averaged over the iterations its own figure counted), each run "
-              "predicted from its own profile over 3 seeds: the 40 fair cells mean 1.25%, worst 5.4%; the 40 "
-              "temporal cells 1.30%, 4.3%; all 80: 1.27%, 5.42%, bias +0.7%, 79 within 5% (before CUBIC forgot "
+              "predicted from its own profile over 3 seeds: the 40 fair cells mean 1.22%, worst 5.8%; the 40 "
+              "temporal cells 1.34%, 4.8%; all 80: 1.28%, 5.80%, bias +0.7%, 79 within 5% (before CUBIC forgot "
               "its least delay at a timeout: 1.44%, 6.32%, 77; unprofiled, before 2026-12-07's loss-recovery "
               "rules: 2.6%, 12.9%, 68; the default model 6.1%, 21.9%, 39); the "
               "emulator's own runs of a cell of several pipelines spread by up to 10.5%, of one pipeline from 50 ms "
               "up by at most 3.2%; aws-longhaul3's default job, 3 traced runs each predicted from its own profile "
-              "and writer latency over 20 seeds: +1.2% on their mean (fluid -10.9%); with 0.05% loss and jitter: "
-              "-2.6% (fluid -14.3%; 3 seeds a run spread this by several points: -6.2% on one draw)",
+              "and writer latency over 20 seeds: +0.6% on their mean (fluid -10.9%); with 0.05% loss and jitter: "
+              "-2.5% (fluid -14.3%; 3 seeds a run spread this by several points: -6.2% on one draw)",
         where=_PACKETS + "; HyStart's rounds traced in the kernel; Noise on both sides; The gateway's token bucket; "
                          "The same iterations on both sides; Six runs where three could not decide; The other "
                          "direction's ACKs at the gateway's bucket; CUBIC's least delay after a timeout",
-        misses="150 ms, 4 pipelines, tuned, fair +5.4% +- 2.8% on 6 runs; "
+        misses="150 ms, 4 pipelines, tuned, fair +5.8% +- 2.8% on 6 runs; "
                "a strict-priority race decided by a few ms turns a 1% error in a turn's rate into a 10% one in "
                "the iteration (50 ms, 4 pipelines, 10x BDP, tuned read -8.1% until the other direction's ACKs "
                "paid the gateway's bucket, +1.7% since); one flow at 150-250 ms: HyStart's exit in the first "
