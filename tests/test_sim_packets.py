@@ -440,6 +440,30 @@ def test_a_timeout_while_the_segments_wait_at_a_scheduler_is_found_spurious_and_
     assert conns["r0"].cwnd >= 40 and set(got) == {"r0", "r1"}
 
 
+def test_a_probe_with_data_unsent_sends_one_new_segment_past_a_full_window():
+    """``tcp_send_loss_probe``: with unsent data it calls ``tcp_write_xmit`` with ``push_one`` 2,
+    which sends one new segment even past a full window, and retransmits nothing.  r0's window
+    of 40 is full, 20 more segments wait to be sent, and its segments wait at the gateway behind
+    r1's 400: the probe at 2 srtt + 8 ms (0.21 s) sends segment 40.  With the old rule (the last
+    segment sent again when the window was full) this test failed with 1 retransmission."""
+    sim = Simulator()
+    net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
+    there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
+    net.add(there, 1 << 30)
+    net.add(back, 1 << 30)
+    net.prioritise(there, {"r1": 0, "r0": 1}, 1.0, 1 << 30)
+    counts = {o: packets.new_counts() for o in ("r0", "r1")}
+    conns = {o: packets._Connection(sim, net, f"h{o}", [there], [back], 2 * OWD, True, False, counts[o], o)
+             for o in ("r0", "r1")}
+    conns["r1"].cwnd, conns["r0"].cwnd = 400, 40
+    conns["r1"].write(packets.SLICE_HEADER_BYTES + 399 * MSS, lambda t: None)
+    conns["r0"].write(packets.SLICE_HEADER_BYTES + 59 * MSS, lambda t: None)
+    seen = {}
+    sim.at(0.25, lambda: seen.update(nxt=conns["r0"].nxt, **counts["r0"]))
+    sim.run()
+    assert seen["probes"] == 1 and seen["retransmits"] == 0 and seen["nxt"] == 41
+
+
 def test_a_timeout_makes_cubic_forget_its_least_delay_and_take_the_next_sample():
     """CUBIC entering Loss (``bictcp_reset``) zeroes its least delay with the rest of its state,
     so the next ACK's sample sets it: after r0's timeout at the gateway, the wait behind r1's

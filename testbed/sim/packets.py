@@ -51,7 +51,8 @@ What each connection runs (Linux 6.x, ``net/ipv4/``):
   after 40 ms, and 16 quick ACKs after it has been idle longer than its RTO (1 s: it sends no
   data) (``__tcp_ack_snd_check``, ``tcp_event_data_recv``); ACKs carry SACK;
 * losses: RACK (RFC 8985; no reordering window once 3 segments are SACKed or in recovery),
-  the tail-loss probe (2 srtt; +200 ms with one segment out), PRR's reduction to CUBIC's
+  the tail-loss probe (2 srtt; +200 ms with one segment out; one new segment, past a full window
+  too, where data is unsent, else the last again), PRR's reduction to CUBIC's
   ssthresh (beta 717/1024, fast convergence), the RTO (one segment, go-back, doubled while it
   fires again; CUBIC forgets its state, its least delay too, so the next sample sets that:
   ``bictcp_reset``), and its undo when an ACK echoes the timestamp of an original sent before the
@@ -514,19 +515,26 @@ class _Connection:
             self._arm_rto()
             return
         self.counts["probes"] += 1
-        if self.nxt < len(self.segs) and self.in_flight() < self.cwnd:  # new data if the window allows
-            self._xmit()
-            self.tlp_high_seq = self.nxt
-            self._arm_rto()
-            return
-        seq = self.nxt - 1  # else the highest segment sent, again
-        s = self.segs[seq]
-        if not s.sacked:
-            s.retrans = True
-            self.retrans_stamp = min(self.retrans_stamp, self.sim.now)  # (the episode's first)
-            self.counts["retransmits"] += 1
-            self._put_on_wire(seq)
+        if self.nxt < len(self.segs):  # new data (tcp_write_xmit, push_one 2): one segment past a full window
+            if self.in_flight() < self.cwnd:
+                self._xmit()
+            else:
+                seq = self.nxt
+                self.nxt += 1
+                self._transmit(seq)
+                self.packets_out += 1
+                self._cwnd_validate(True)
+        else:
+            seq = self.nxt - 1  # else the highest segment sent, again
+            s = self.segs[seq]
+            if not s.sacked:
+                s.retrans = True
+                self.retrans_stamp = min(self.retrans_stamp, self.sim.now)  # (the episode's first)
+                self.counts["retransmits"] += 1
+                self._put_on_wire(seq)
         self.tlp_high_seq = self.nxt
+        self._tlp_gen += 1  # one probe an episode: the RTO from now takes the timer
+        self._tlp_at = INF
         self._arm_rto()
 
     def _on_rto(self, gen: int) -> None:
