@@ -414,12 +414,10 @@ def test_a_plan_reaches_the_gateways_after_the_warm_up_iterations_and_until_then
     assert ended == [(0, last_end[2]), (1, last_end[3])]  # each once every worker had ended n
 
 
-def test_a_timeout_while_the_segments_wait_at_a_scheduler_is_found_spurious_and_undone():
-    """r0's 40 segments wait at the gateway behind r1's 400 (r1 ranked first): longer than r0's
-    RTO, which fires.  The first ACK echoes the timestamp of an original sent before the
-    retransmission, so the timeout was spurious: the window comes back and the rest is not
-    sent again (``tcp_try_undo_loss``).  Without the undo, every segment marked lost at the
-    timeout went again: this test failed with 41 retransmissions."""
+def _behind_r1(r0_segments: int, got: dict[str, float] | None = None):
+    """Two pipelines at a gateway that serves r1 first, on the 10 Mbit/s link: r1 (window 400)
+    writes 400 segments and r0 (window 40) ``r0_segments``, both at 0, so r0's wait behind r1
+    (0.48 s) is longer than its timers; each arrival goes into ``got`` by owner."""
     sim = Simulator()
     net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
     there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
@@ -430,9 +428,20 @@ def test_a_timeout_while_the_segments_wait_at_a_scheduler_is_found_spurious_and_
     conns = {o: packets._Connection(sim, net, f"h{o}", [there], [back], 2 * OWD, True, False, counts[o], o)
              for o in ("r0", "r1")}
     conns["r1"].cwnd, conns["r0"].cwnd = 400, 40
+    for owner, segments in (("r1", 400), ("r0", r0_segments)):
+        done = (lambda t, o=owner: got.setdefault(o, t)) if got is not None else (lambda t: None)
+        conns[owner].write(packets.SLICE_HEADER_BYTES + (segments - 1) * MSS, done)
+    return sim, conns, counts
+
+
+def test_a_timeout_while_the_segments_wait_at_a_scheduler_is_found_spurious_and_undone():
+    """r0's 40 segments wait at the gateway behind r1's 400 (r1 ranked first): longer than r0's
+    RTO, which fires.  The first ACK echoes the timestamp of an original sent before the
+    retransmission, so the timeout was spurious: the window comes back and the rest is not
+    sent again (``tcp_try_undo_loss``).  Without the undo, every segment marked lost at the
+    timeout went again: this test failed with 41 retransmissions."""
     got: dict[str, float] = {}
-    conns["r1"].write(packets.SLICE_HEADER_BYTES + 399 * MSS, lambda t: got.setdefault("r1", t))
-    conns["r0"].write(packets.SLICE_HEADER_BYTES + 39 * MSS, lambda t: got.setdefault("r0", t))
+    sim, conns, counts = _behind_r1(40, got)
     sim.run()
     r0 = counts["r0"]
     assert r0["timeouts"] >= 1 and r0["undos"] == r0["timeouts"]
@@ -446,18 +455,7 @@ def test_a_probe_with_data_unsent_sends_one_new_segment_past_a_full_window():
     of 40 is full, 20 more segments wait to be sent, and its segments wait at the gateway behind
     r1's 400: the probe at 2 srtt + 8 ms (0.21 s) sends segment 40.  With the old rule (the last
     segment sent again when the window was full) this test failed with 1 retransmission."""
-    sim = Simulator()
-    net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
-    there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
-    net.add(there, 1 << 30)
-    net.add(back, 1 << 30)
-    net.prioritise(there, {"r1": 0, "r0": 1}, 1.0, 1 << 30)
-    counts = {o: packets.new_counts() for o in ("r0", "r1")}
-    conns = {o: packets._Connection(sim, net, f"h{o}", [there], [back], 2 * OWD, True, False, counts[o], o)
-             for o in ("r0", "r1")}
-    conns["r1"].cwnd, conns["r0"].cwnd = 400, 40
-    conns["r1"].write(packets.SLICE_HEADER_BYTES + 399 * MSS, lambda t: None)
-    conns["r0"].write(packets.SLICE_HEADER_BYTES + 59 * MSS, lambda t: None)
+    sim, conns, counts = _behind_r1(60)
     seen = {}
     sim.at(0.25, lambda: seen.update(nxt=conns["r0"].nxt, **counts["r0"]))
     sim.run()
@@ -469,18 +467,7 @@ def test_a_timeout_makes_cubic_forget_its_least_delay_and_take_the_next_sample()
     so the next ACK's sample sets it: after r0's timeout at the gateway, the wait behind r1's
     400 segments (0.48 s at 10 Mbit/s) is in it, and HyStart's delay test and the cubic's clock
     read from there.  Keeping the bare path's 0.1 s instead, this test failed with 0.1."""
-    sim = Simulator()
-    net = packets.PacketNet(sim, seed=1, host_rate=1e9 / 8)
-    there, back = Link("a->b", RATE, OWD), Link("b->a", RATE, OWD)
-    net.add(there, 1 << 30)
-    net.add(back, 1 << 30)
-    net.prioritise(there, {"r1": 0, "r0": 1}, 1.0, 1 << 30)
-    counts = {o: packets.new_counts() for o in ("r0", "r1")}
-    conns = {o: packets._Connection(sim, net, f"h{o}", [there], [back], 2 * OWD, True, False, counts[o], o)
-             for o in ("r0", "r1")}
-    conns["r1"].cwnd, conns["r0"].cwnd = 400, 40
-    conns["r1"].write(packets.SLICE_HEADER_BYTES + 399 * MSS, lambda t: None)
-    conns["r0"].write(packets.SLICE_HEADER_BYTES + 39 * MSS, lambda t: None)
+    sim, conns, counts = _behind_r1(40)
     sim.run()
     assert counts["r0"]["timeouts"] >= 1 and counts["r1"]["timeouts"] == 0
     assert conns["r1"].delay_min == pytest.approx(2 * OWD)  # no timeout: the bare path's, from the start

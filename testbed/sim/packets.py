@@ -412,10 +412,7 @@ class _Connection:
             if self.in_flight() >= self.cwnd:
                 limited = True
                 break
-            seq = self.nxt
-            self.nxt += 1
-            self._transmit(seq)
-            self.packets_out += 1
+            self._send_new()
             sent_new = True
             if self.state == "recovery":
                 self.prr_out += 1
@@ -426,6 +423,13 @@ class _Connection:
             self._arm_rto()
         if sent_new and self.state == "open":
             self._schedule_tlp()
+
+    def _send_new(self) -> None:
+        """The next unsent segment leaves (``tcp_event_new_data_sent`` counts it out after it is sent)."""
+        seq = self.nxt
+        self.nxt += 1
+        self._transmit(seq)
+        self.packets_out += 1
 
     def _transmit(self, seq: int, retransmit: bool = False) -> None:
         s = self.segs[seq]
@@ -519,10 +523,7 @@ class _Connection:
             if self.in_flight() < self.cwnd:
                 self._xmit()
             else:
-                seq = self.nxt
-                self.nxt += 1
-                self._transmit(seq)
-                self.packets_out += 1
+                self._send_new()
                 self._cwnd_validate(True)
         else:
             seq = self.nxt - 1  # else the highest segment sent, again
